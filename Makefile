@@ -1,0 +1,32 @@
+# layerdiff: `make setup` then `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SHELL := /bin/bash
+
+.PHONY: setup stubs test demo bench clean
+
+setup:
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	# The demo model ships its weights inside this wheel; its runtime
+	# dependencies are not needed because only the .onnx files are read.
+	$(BIN)/pip install -q --no-deps rapidocr-onnxruntime==1.4.4
+	$(MAKE) stubs
+
+stubs:
+	proto/generate.sh $(BIN)/python
+
+test:
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+demo:
+	$(BIN)/python -m layerdiff.client.demo
+
+bench:
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf demo-out bench-out

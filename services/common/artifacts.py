@@ -1,0 +1,101 @@
+"""Chunked artifact upload: how a model or an inputs file crosses a gRPC
+boundary (never by path, so no directory is shared between processes).
+
+The store keeps each artifact under its content address (sha256) in the
+service's own private directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from layerdiff.errors import LayerdiffError, LimitError, NotFoundError
+from layerdiff.net import DEFAULT_CHUNK_BYTES
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+DEFAULT_MAX_ARTIFACT_BYTES = 8 * 1024**3
+
+
+class ArtifactStore:
+    """Content-addressed files in a private directory."""
+
+    def __init__(self, root: Path, max_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._names: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def receive(self, chunks: Iterable[pb.ArtifactChunk]) -> pb.ArtifactRef:
+        h = hashlib.sha256()
+        name, expected, declared_sha = "", -1, ""
+        size = 0
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for i, chunk in enumerate(chunks):
+                    if i == 0:
+                        name = chunk.name or "artifact"
+                        expected = chunk.total_size
+                        declared_sha = chunk.sha256
+                        if expected > self.max_bytes:
+                            raise LimitError(f"declared size {expected} exceeds the limit of {self.max_bytes} bytes",
+                                             file=name, field="total_size")
+                    size += len(chunk.data)
+                    if size > self.max_bytes or (expected >= 0 and size > expected):
+                        raise LimitError(f"upload is larger than declared ({size} > {expected})",
+                                         file=name, field="data")
+                    h.update(chunk.data)
+                    f.write(chunk.data)
+            if expected >= 0 and size != expected:
+                raise LayerdiffError(f"upload truncated: {size} of {expected} bytes arrived",
+                                     file=name, field="total_size")
+            digest = h.hexdigest()
+            if declared_sha and declared_sha != digest:
+                raise LayerdiffError("sha256 of the received bytes does not match", file=name, field="sha256")
+            os.replace(tmp, self.root / digest)
+            tmp = ""
+            with self._lock:
+                self._names[digest] = name
+            return pb.ArtifactRef(id=digest, name=name, size=size)
+        finally:
+            if tmp and os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def path(self, artifact_id: str, field: str = "artifact") -> Path:
+        if not artifact_id or len(artifact_id) != 64 or any(c not in "0123456789abcdef" for c in artifact_id):
+            raise NotFoundError(f"not an artifact id: {artifact_id!r}", field=field)
+        p = self.root / artifact_id
+        if not p.exists():
+            raise NotFoundError(f"artifact {artifact_id} was never uploaded", field=field)
+        return p
+
+    def name(self, artifact_id: str) -> str:
+        return self._names.get(artifact_id, artifact_id[:12])
+
+    def read(self, artifact_id: str, field: str = "artifact") -> bytes:
+        return self.path(artifact_id, field).read_bytes()
+
+
+def chunks_of(data: bytes, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.ArtifactChunk]:
+    digest = hashlib.sha256(data).hexdigest()
+    view = memoryview(data)
+    if not data:
+        yield pb.ArtifactChunk(name=name, total_size=0, sha256=digest, data=b"")
+        return
+    for off in range(0, len(data), chunk_bytes):
+        piece = bytes(view[off:off + chunk_bytes])
+        if off == 0:
+            yield pb.ArtifactChunk(name=name, total_size=len(data), sha256=digest, data=piece)
+        else:
+            yield pb.ArtifactChunk(data=piece)
+
+
+def upload(stub, data: bytes, name: str, timeout: float = 600.0) -> str:
+    """Upload bytes through a stub with a PutArtifact method; returns the id."""
+    ref = stub.PutArtifact(chunks_of(data, name), timeout=timeout)
+    return ref.id

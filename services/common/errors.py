@@ -1,0 +1,49 @@
+"""The one user-facing exception hierarchy.
+
+Every error a user can cause (a bad file, a bad name, a bad option) is a
+LayerdiffError that names what is wrong: the file, the node or the field.
+Anything else reaching a service boundary is a bug and is reported as such.
+"""
+from __future__ import annotations
+
+import grpc
+
+
+class LayerdiffError(Exception):
+    """A problem with the user's input or environment, described for the user."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, *, file: str | None = None, node: str | None = None,
+                 field: str | None = None) -> None:
+        self.file = file
+        self.node = node
+        self.field = field
+        parts = []
+        if file:
+            parts.append(f"file {file!r}")
+        if node:
+            parts.append(f"node {node!r}")
+        if field:
+            parts.append(f"field {field!r}")
+        prefix = ", ".join(parts)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class NotFoundError(LayerdiffError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class LimitError(LayerdiffError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(LayerdiffError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
+    """Translate an exception into a gRPC status (raises)."""
+    if isinstance(exc, LayerdiffError):
+        context.abort(exc.code, str(exc))
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
