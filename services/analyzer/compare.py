@@ -1,0 +1,63 @@
+"""One node's comparison: shape/layout reconciliation, then the metrics and,
+for a failing node, its worst elements. Plain functions, no I/O, so that any
+executor (local pool, remote workers) runs the same code."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from layerdiff.analyzer import metrics as M
+from layerdiff.analyzer.tolerances import Tolerance
+
+
+class SkipNode(Exception):
+    """The node cannot be compared; the message says why (compare_skip.log)."""
+
+
+@dataclass
+class NodeOutcome:
+    metrics: M.NodeMetrics
+    worst: list = field(default_factory=list)   # rows for {op_name}.csv
+    note: str = ""                               # how shapes were reconciled, if they were
+
+
+def _unique_permutation(src: tuple, dst: tuple) -> tuple | None:
+    """The one axis permutation p with src[p] == dst, or None if none or several."""
+    if len(src) != len(dst) or sorted(src) != sorted(dst) or len(src) > 8:
+        return None
+    found = None
+    for p in itertools.permutations(range(len(src))):
+        if tuple(src[i] for i in p) == tuple(dst):
+            if found is not None:
+                return None
+            found = p
+    return found
+
+
+def reconcile(ref: np.ndarray, dev: np.ndarray, force_compare: bool) -> tuple[np.ndarray, str]:
+    """Bring the device tensor to the reference's shape, or raise SkipNode."""
+    if ref.shape == dev.shape:
+        return dev, ""
+    if ref.size != dev.size:
+        raise SkipNode(f"shape {tuple(dev.shape)} ({dev.size} elements) differs from the reference "
+                       f"{tuple(ref.shape)} ({ref.size} elements)")
+    perm = _unique_permutation(tuple(dev.shape), tuple(ref.shape))
+    if perm is not None:
+        return np.ascontiguousarray(dev.transpose(perm)), f"layout: device axes {perm} transposed to the reference"
+    squeezed_equal = tuple(s for s in ref.shape if s != 1) == tuple(s for s in dev.shape if s != 1)
+    if squeezed_equal:
+        return dev.reshape(ref.shape), "shape differs only by axes of size 1"
+    if force_compare:
+        return dev.reshape(ref.shape), f"force_compare: device shape {tuple(dev.shape)} read as {tuple(ref.shape)}"
+    raise SkipNode(f"shape {tuple(dev.shape)} differs from the reference {tuple(ref.shape)} with the same size; "
+                   "use --force-compare to compare element by element")
+
+
+def compare_node(ref: np.ndarray, dev: np.ndarray, tol: Tolerance, diff_cnt: int,
+                 force_compare: bool = False) -> NodeOutcome:
+    dev, note = reconcile(ref, dev, force_compare)
+    m = M.compare(ref, dev, tol.atol, tol.rtol)
+    worst = M.worst_elements(ref, dev, tol.atol, tol.rtol, diff_cnt) if m.errors and diff_cnt > 0 else []
+    return NodeOutcome(m, worst, note)

@@ -1,0 +1,314 @@
+"""A job: reference, device stream, alignment, comparisons, reports.
+
+The reference runs while the collector starts producing; gRPC flow control
+holds the device stream back until the reference is ready, and at most a few
+comparisons per core are in flight, so memory stays bounded by the reference
+plus a handful of device tensors.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from layerdiff.analyzer.align import Aligner
+from layerdiff.analyzer.compare import SkipNode
+from layerdiff.analyzer.pool import LocalPool
+from layerdiff.analyzer.reference import OnnxReference
+from layerdiff.analyzer.report import JobReport, Row, write_report
+from layerdiff.analyzer.tolerances import Tolerances
+from layerdiff.artifacts import ArtifactStore, upload
+from layerdiff.errors import LayerdiffError, UnavailableError
+from layerdiff.net import channel
+from layerdiff.onnxgraph import TensorSite, load_inputs
+from layerdiff.schema import STATUS_OK, NodeRecord, TensorAssembler, unframe
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+log = logging.getLogger(__name__)
+TERMINAL = {pb.DONE, pb.FAILED, pb.CANCELLED}
+DIFF_CNT_DEFAULT = 128
+
+
+@dataclass
+class Job:
+    id: str
+    spec: pb.JobSpec
+    report_dir: Path
+    state: int = pb.QUEUED
+    events: list = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    call: object = None
+    summary: dict | None = None
+    error: str = ""
+
+    def emit(self, state: int | None = None, **kw) -> None:
+        with self.cond:
+            if state is not None:
+                self.state = state
+            self.events.append(pb.JobEvent(job_id=self.id, state=self.state, **kw))
+            self.cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+
+@dataclass
+class Prepared:
+    """Everything checked at submit time, so bad input fails the Submit call."""
+    reference: OnnxReference
+    feeds: dict
+    aligner: Aligner
+    tolerances: Tolerances
+    diff_cnt: int
+    max_cores: int
+    force_compare: bool
+
+
+def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
+    if not spec.collector:
+        raise LayerdiffError("no collector address given", field="collector")
+    model_name = spec.model_name or store.name(spec.model_artifact)
+    reference = OnnxReference(store.read(spec.model_artifact, "model_artifact"), model_name)
+    inputs_name = store.name(spec.inputs_artifact) if spec.inputs_artifact else "inputs"
+    feeds = reference.check_inputs(load_inputs(store.read(spec.inputs_artifact, "inputs_artifact"), inputs_name),
+                                   inputs_name)
+    if spec.device_model_artifact:
+        store.path(spec.device_model_artifact, "device_model_artifact")
+    o = spec.options
+    aligner = Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
+                      exclude_node_list=list(o.exclude_node_list))
+    tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
+                            o.op_config_csv)
+    if o.diff_cnt < 0:
+        raise LayerdiffError("must be >= 0", field="diff_cnt")
+    if o.max_cores < 0:
+        raise LayerdiffError("must be >= 0", field="max_cores")
+    return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
+                    o.force_compare)
+
+
+class JobRunner:
+    def __init__(self, store: ArtifactStore, jobs_dir: Path, executor_factory=LocalPool) -> None:
+        self.store = store
+        self.jobs_dir = Path(jobs_dir)
+        self.jobs: dict[str, Job] = {}
+        self.executor_factory = executor_factory
+        self._lock = threading.Lock()
+
+    def submit(self, spec: pb.JobSpec) -> Job:
+        prepared = prepare(spec, self.store)
+        job = Job(id=uuid.uuid4().hex[:16], spec=spec, report_dir=self.jobs_dir / "pending")
+        job.report_dir = self.jobs_dir / job.id
+        with self._lock:
+            self.jobs[job.id] = job
+        job.emit(pb.QUEUED, nodes_total=len(prepared.reference.sites))
+        threading.Thread(target=self._run, args=(job, prepared), name=f"job-{job.id}", daemon=True).start()
+        return job
+
+    def get(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            from layerdiff.errors import NotFoundError
+            raise NotFoundError(f"no job {job_id!r}", field="job_id")
+        return job
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if not job.done:
+            job.cancelled.set()
+            if job.call is not None:
+                job.call.cancel()
+        return job
+
+    # ------------------------------------------------------------------ run
+
+    def _run(self, job: Job, p: Prepared) -> None:
+        started = time.time()
+        total = len(p.reference.sites)
+        try:
+            summary = self._execute(job, p, started)
+            job.summary = summary
+            first = summary["first_failing_node"]
+            first_name = first["node"] if first else ""
+            job.emit(pb.DONE, nodes_done=total, nodes_total=total, first_failing_node=first_name,
+                     message=f"first failing node: {first_name}" if first else "all compared nodes pass")
+        except _Cancelled:
+            job.emit(pb.CANCELLED, message="cancelled")
+        except LayerdiffError as e:
+            job.error = str(e)
+            job.emit(pb.FAILED, message=str(e))
+        except grpc.RpcError as e:
+            job.error = f"collector {job.spec.collector}: {e.code().name}: {e.details()}"
+            job.emit(pb.FAILED, message=job.error)
+        except Exception as e:  # a bug: say so, keep the service up
+            log.exception("job %s failed", job.id)
+            job.error = f"internal error: {type(e).__name__}: {e}"
+            job.emit(pb.FAILED, message=job.error)
+
+    def _capture_request(self, job: Job, collector) -> pb.CaptureRequest:
+        spec = job.spec
+        if spec.dump_path:
+            return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(path=spec.dump_path))
+        model = upload(collector.stub, self.store.read(spec.model_artifact), self.store.name(spec.model_artifact))
+        inputs = upload(collector.stub, self.store.read(spec.inputs_artifact), self.store.name(spec.inputs_artifact))
+        device_model = upload(collector.stub, self.store.read(spec.device_model_artifact),
+                              self.store.name(spec.device_model_artifact)) if spec.device_model_artifact else ""
+        return pb.CaptureRequest(job_id=job.id, live=pb.LiveSource(
+            model_artifact=model, inputs_artifact=inputs, device_model_artifact=device_model,
+            precision=spec.precision or "fp32", device=spec.device or "cpu"))
+
+    def _execute(self, job: Job, p: Prepared, started: float) -> dict:
+        from layerdiff.collector.service import CollectorClient
+
+        spec = job.spec
+        total = len(p.reference.sites)
+        job.emit(pb.REFERENCE, nodes_total=total)
+        helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
+        ref_future = helper.submit(p.reference.run, p.feeds)
+        helper.shutdown(wait=False)
+
+        ch = channel(spec.collector)
+        try:
+            try:
+                grpc.channel_ready_future(ch).result(timeout=15)
+            except grpc.FutureTimeoutError:
+                raise UnavailableError(f"collector {spec.collector} is not reachable", field="collector") from None
+            collector = CollectorClient(ch)
+            request = self._capture_request(job, collector)
+            job.call = collector.capture(request)
+            if job.cancelled.is_set():
+                job.call.cancel()
+            rep = JobReport()
+            executor = self.executor_factory(p.max_cores or None)
+            try:
+                self._consume(job, p, job.call, ref_future, executor, rep, total)
+            finally:
+                executor.close()
+        finally:
+            ch.close()
+        if job.cancelled.is_set():
+            raise _Cancelled()
+        job.emit(pb.REPORTING, nodes_done=total, nodes_total=total)
+        o = spec.options
+        parameters = {
+            "atol": p.tolerances.default.atol, "rtol": p.tolerances.default.rtol, "diff_cnt": p.diff_cnt,
+            "op_config": bool(o.op_config_csv.strip()), "map_node_dict": dict(o.map_node_dict),
+            "skip_keys": list(o.skip_keys), "exclude_node_list": list(o.exclude_node_list),
+            "force_compare": o.force_compare, "max_cores": p.max_cores or None,
+        }
+        job_info = {
+            "job_id": job.id, "model": p.reference.name, "device": spec.device or "cpu",
+            "precision": spec.precision or "fp32",
+            "source": "dump" if spec.dump_path else ("device_model" if spec.device_model_artifact else "live"),
+            "dump_path": spec.dump_path or None, "collector": spec.collector,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "elapsed_s": round(time.time() - started, 3),
+        }
+        return write_report(job.report_dir, rep, parameters=parameters, job=job_info,
+                            node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
+                            all_sites=p.reference.sites)
+
+    def _consume(self, job: Job, p: Prepared, call, ref_future: Future, executor, rep: JobReport,
+                 total: int) -> None:
+        assembler = TensorAssembler()
+        refs: dict[str, object] | None = None
+        seen: set[str] = set()
+        pending: dict[Future, tuple[TensorSite, str]] = {}
+        done = 0
+        limit = 2 * max(1, getattr(executor, "max_cores", 1))
+
+        def finished(fut: Future) -> None:
+            nonlocal done
+            site, dev_name = pending.pop(fut)
+            try:
+                outcome = fut.result()
+            except SkipNode as e:
+                rep.skipped.append((site.tensor, str(e)))
+                passed = True
+            else:
+                rep.rows.append(Row(site, dev_name, outcome))
+                passed = outcome.metrics.passed
+            done += 1
+            job.emit(nodes_done=done, nodes_total=total, node=site.tensor, node_passed=passed)
+
+        def handle(rec: NodeRecord) -> None:
+            nonlocal refs, done
+            rep.device_names.append(rec.name)
+            decision = p.aligner.match(rec.name)
+            site = decision.site
+            if site is None:
+                rep.invalid_out.append((rec.name, rec.message if rec.status != STATUS_OK
+                                        else "not found in the reference model"))
+                return
+            if site.tensor in seen:
+                rep.skipped.append((rec.name, f"duplicate device tensor for {site.tensor!r}"))
+                return
+            seen.add(site.tensor)
+            if rec.status != STATUS_OK:
+                rep.skipped.append((site.tensor, f"device tensor unusable: {rec.message}"))
+                done += 1
+                return
+            if decision.skip_reason:
+                rep.skipped.append((site.tensor, decision.skip_reason))
+                done += 1
+                return
+            if refs is None:
+                refs = ref_future.result()
+            ref = refs.pop(site.tensor, None)
+            if ref is None:
+                rep.skipped.append((site.tensor, "the reference run produced no value"))
+                done += 1
+                return
+            while len(pending) >= limit:
+                ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for f in ready:
+                    finished(f)
+            tol = p.tolerances.for_node(site.node, site.tensor)
+            fut = executor.submit(ref, rec.array, tol, p.diff_cnt, p.force_compare)
+            pending[fut] = (site, rec.name)
+
+        try:
+            for message in call:
+                if job.state != pb.COMPARING:
+                    job.emit(pb.COMPARING, nodes_done=done, nodes_total=total)
+                if job.cancelled.is_set():
+                    call.cancel()
+                    break
+                batch = unframe(message)
+                for rec in assembler.feed(batch):
+                    handle(rec)
+            for rec in assembler.finish():
+                handle(rec)
+        except grpc.RpcError as e:
+            if job.cancelled.is_set():
+                raise _Cancelled() from None
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION):
+                raise LayerdiffError(f"collector: {e.details()}") from None
+            raise
+        if refs is None:
+            refs = ref_future.result()  # surfaces reference errors even for an empty stream
+        while pending:
+            ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for f in ready:
+                finished(f)
+        for s in p.reference.sites:
+            if s.tensor in seen:
+                continue
+            reason = p.aligner.skip_reason_for(s)
+            if reason:
+                rep.skipped.append((s.tensor, reason))
+            else:
+                rep.not_dumped.append(s)
+
+
+class _Cancelled(Exception):
+    pass

@@ -1,0 +1,190 @@
+"""Report files of a job, written into its private report directory:
+
+- ``cpu_vs_npu.csv``: one row per compared node output in execution order,
+  the seed tool's columns first, then layerdiff's further metrics;
+- ``{op_name}.csv``: for each failing node, its worst elements (at most
+  ``diff_cnt``; index, std_value, npu_value, abs_diff, relative_diff);
+- ``compare_skip.log``, ``invalid_out_nodename.log``,
+  ``dump_memory_nodename.log``: a node and a reason per line;
+- ``op_config.csv``: a template with every node and NA tolerances;
+- ``node_runtime.json``, ``consumer_map.json``: node order and graph edges;
+- ``summary.json``: everything a machine needs (first failing node, counts,
+  the job's parameters, tool version) and per-node metrics.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from layerdiff import __version__
+from layerdiff.analyzer.compare import NodeOutcome
+from layerdiff.onnxgraph import TensorSite
+
+SEED_COLUMNS = ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_dim/data_shape", "ref_value",
+                "npu_value", "max_abs_err", "mean_abs_err", "max_abs_total", "mean_abs_total", "mean", "std", "rms"]
+EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", "atol", "rtol",
+                 "max_abs_diff", "mean_abs_diff", "cosine", "mse", "rmse", "pearson", "sqnr_db", "rel_euclidean",
+                 "kl_div", "rel_err_lt_0.001", "rel_err_lt_0.005", "ref_nan", "ref_inf", "npu_nan", "npu_inf",
+                 "fp16_overflow", "npu_fp16_overflow", "note"]
+DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-+=,@]")
+
+
+def g6(v: float) -> str:
+    if isinstance(v, float) and math.isnan(v):
+        return "nan"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:.6g}"
+
+
+def safe_filename(name: str, taken: set[str]) -> str:
+    """A file name derived from a node name that can never leave the report
+    directory: separators normalized, anything unusual replaced, bounded length,
+    unique within the report."""
+    base = _UNSAFE.sub("_", name).strip("._") or "node"
+    if len(base) > 120 or base != name:
+        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        base = f"{base[:120]}_{digest}" if (len(base) > 120 or base in taken) else base
+    stem, n = base, 1
+    while stem.lower() in taken:
+        n += 1
+        stem = f"{base}_{n}"
+    taken.add(stem.lower())
+    return stem
+
+
+@dataclass
+class Row:
+    site: TensorSite
+    device_name: str
+    outcome: NodeOutcome
+
+    @property
+    def failed(self) -> bool:
+        return not self.outcome.metrics.passed
+
+
+@dataclass
+class JobReport:
+    rows: list[Row] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)        # (node, reason)
+    invalid_out: list[tuple[str, str]] = field(default_factory=list)    # (device name, reason)
+    not_dumped: list[TensorSite] = field(default_factory=list)
+    device_names: list[str] = field(default_factory=list)
+
+    def ordered(self) -> list[Row]:
+        return sorted(self.rows, key=lambda r: (r.site.order, r.site.output_index))
+
+    def first_failing(self) -> Row | None:
+        return next((r for r in self.ordered() if r.failed), None)
+
+
+def _seed_cells(r: Row) -> list[str]:
+    m = r.outcome.metrics
+    idx = "(" + ",".join(str(i) for i in m.first_mismatch_index) + ")"
+    shape = "(" + ",".join(str(i) for i in m.shape) + ")"
+    return [
+        f"{r.site.node}(atol={m.atol:g},rtol={m.rtol:g})",
+        f"{m.dev_nan}/{m.dev_inf}",
+        f"{m.errors}/{m.total}",
+        f"{m.first_mismatch_offset}/{idx}/{shape}",
+        g6(m.ref_value), g6(m.dev_value),
+        g6(m.max_abs_err), g6(m.mean_abs_err), g6(m.max_rel_err), g6(m.mean_rel_err),
+        g6(m.ref_mean), g6(m.ref_std), g6(m.ref_rms),
+    ]
+
+
+def _extra_cells(i: int, r: Row) -> list[str]:
+    m = r.outcome.metrics
+    return [str(i), r.site.node, r.site.tensor, r.site.op_type, r.device_name, "fail" if r.failed else "pass",
+            g6(m.atol), g6(m.rtol), g6(m.max_abs_diff), g6(m.mean_abs_diff), g6(m.cosine), g6(m.mse), g6(m.rmse),
+            g6(m.pearson), g6(m.sqnr_db), g6(m.rel_euclidean), g6(m.kl_div), g6(m.rel_err_lt_0_001),
+            g6(m.rel_err_lt_0_005), str(m.ref_nan), str(m.ref_inf), str(m.dev_nan), str(m.dev_inf),
+            str(m.fp16_overflow), str(m.dev_fp16_overflow), r.outcome.note]
+
+
+def _json_num(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def node_summary(r: Row) -> dict:
+    d = {k: _json_num(v) for k, v in r.outcome.metrics.as_dict().items()}
+    d.update(node=r.site.node, tensor=r.site.tensor, op_type=r.site.op_type, order=r.site.order,
+             device_name=r.device_name, passed=not r.failed, note=r.outcome.note)
+    return d
+
+
+def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node_runtime: list[dict],
+                 consumers: dict[str, list[str]], all_sites: list[TensorSite]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = rep.ordered()
+    taken: set[str] = set()
+    detail_files: dict[str, str] = {}
+    with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(SEED_COLUMNS + EXTRA_COLUMNS)
+        for i, r in enumerate(rows):
+            w.writerow(_seed_cells(r) + _extra_cells(i, r))
+    for r in rows:
+        if not r.failed:
+            continue
+        fname = safe_filename(r.site.tensor if r.site.output_index else r.site.node, taken) + ".csv"
+        detail_files[r.site.tensor] = fname
+        with open(out / fname, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(DETAIL_COLUMNS)
+            for idx, rv, dv, ad, rd in r.outcome.worst:
+                w.writerow([idx, g6(rv), g6(dv), g6(ad), g6(rd)])
+    _write_log(out / "compare_skip.log", rep.skipped +
+               [(s.tensor, "not dumped by the device (fused away or not produced)") for s in rep.not_dumped])
+    _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
+    (out / "dump_memory_nodename.log").write_text("".join(n + "\n" for n in rep.device_names), encoding="utf-8")
+    with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["op_name", "atol", "rtol"])
+        seen = set()
+        for s in all_sites:
+            if s.node not in seen:
+                seen.add(s.node)
+                w.writerow([s.node, "NA", "NA"])
+    (out / "node_runtime.json").write_text(json.dumps(node_runtime, indent=1), encoding="utf-8")
+    (out / "consumer_map.json").write_text(json.dumps(consumers, indent=1), encoding="utf-8")
+
+    first = rep.first_failing()
+    failed = [r for r in rows if r.failed]
+    summary = {
+        "tool": "layerdiff",
+        "version": __version__,
+        **job,
+        "parameters": parameters,
+        "first_failing_node": node_summary(first) if first else None,
+        "counts": {
+            "reference_tensors": len(all_sites),
+            "compared": len(rows),
+            "failed": len(failed),
+            "passed": len(rows) - len(failed),
+            "skipped": len(rep.skipped),
+            "not_dumped": len(rep.not_dumped),
+            "invalid_out": len(rep.invalid_out),
+            "device_tensors": len(rep.device_names),
+        },
+        "failing_nodes": [r.site.tensor for r in failed],
+        "detail_files": detail_files,
+        "nodes": [node_summary(r) for r in rows],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")
+    return summary
+
+
+def _write_log(path: Path, items: list[tuple[str, str]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for name, reason in items:
+            f.write(f"{name}: {reason}\n")

@@ -1,0 +1,120 @@
+"""The analyzer's gRPC service: upload artifacts, submit jobs, watch their
+progress as a stream, fetch reports, cancel."""
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from layerdiff import __version__
+from layerdiff.analyzer.jobs import JobRunner
+from layerdiff.artifacts import ArtifactStore
+from layerdiff.errors import LayerdiffError, abort_with
+from layerdiff.net import DEFAULT_CHUNK_BYTES, bind, make_server
+from layerdiff.v1 import layerdiff_pb2 as pb
+from layerdiff.v1 import layerdiff_pb2_grpc as pbg
+
+log = logging.getLogger(__name__)
+
+
+class AnalyzerService(pbg.AnalyzerServicer):
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = Path(workdir)
+        self.store = ArtifactStore(self.workdir / "artifacts")
+        self.runner = JobRunner(self.store, self.workdir / "jobs")
+
+    def Health(self, request, context):
+        return pb.HealthReply(service="analyzer", version=__version__, status="SERVING")
+
+    def PutArtifact(self, request_iterator, context):
+        try:
+            return self.store.receive(request_iterator)
+        except Exception as e:
+            abort_with(context, e)
+
+    def Submit(self, request, context):
+        try:
+            job = self.runner.submit(request)
+        except Exception as e:
+            if not isinstance(e, LayerdiffError):
+                log.exception("submit failed")
+            abort_with(context, e)
+        return pb.JobRef(job_id=job.id)
+
+    def Watch(self, request, context):
+        try:
+            job = self.runner.get(request.job_id)
+        except Exception as e:
+            abort_with(context, e)
+        sent = 0
+        while context.is_active():
+            with job.cond:
+                while sent >= len(job.events) and not job.done:
+                    job.cond.wait(timeout=1.0)
+                    if not context.is_active():
+                        return
+                batch = job.events[sent:]
+                finished = job.done
+            for ev in batch:
+                yield ev
+            sent += len(batch)
+            if finished and sent >= len(job.events):
+                return
+
+    def FetchReport(self, request, context):
+        try:
+            job = self.runner.get(request.job_id)
+            if job.state != pb.DONE:
+                raise LayerdiffError(f"job is {pb.JobState.Name(job.state)}, reports exist once it is DONE"
+                                     + (f" ({job.error})" if job.error else ""), field="job_id")
+        except Exception as e:
+            abort_with(context, e)
+        root = job.report_dir
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = path.relative_to(root).as_posix()
+            with open(path, "rb") as f:
+                offset = 0
+                while True:
+                    data = f.read(DEFAULT_CHUNK_BYTES)
+                    last = len(data) < DEFAULT_CHUNK_BYTES
+                    yield pb.ReportChunk(path=rel, offset=offset, data=data, last=last)
+                    offset += len(data)
+                    if last:
+                        break
+
+    def Cancel(self, request, context):
+        try:
+            job = self.runner.cancel(request.job_id)
+        except Exception as e:
+            abort_with(context, e)
+        return pb.JobEvent(job_id=job.id, state=job.state)
+
+
+class AnalyzerServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None) -> None:
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-analyzer-")
+            workdir = self._tmp.name
+        self.service = AnalyzerService(Path(workdir))
+        self.server = make_server()
+        pbg.add_AnalyzerServicer_to_server(self.service, self.server)
+        self.port = bind(self.server, host, port)
+        self.address = f"{host}:{self.port}"
+        self.server.start()
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,264 @@
+"""Python API: the same job as ``layerdiff run``, for scripts and notebooks.
+
+    import layerdiff
+    result = layerdiff.run("model.onnx", "inputs.npz", precision="fp16", out="out")
+    print(result.first_failing_node)
+
+Without ``analyzer=``/``collector=`` addresses both services start in this
+process on free loopback ports (the embedded default) and stop afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from layerdiff.artifacts import upload
+from layerdiff.errors import LayerdiffError
+from layerdiff.net import channel, wait_ready
+from layerdiff.v1 import layerdiff_pb2 as pb
+from layerdiff.v1 import layerdiff_pb2_grpc as pbg
+
+CALL_TIMEOUT = 600.0
+
+
+@dataclass
+class RunResult:
+    job_id: str
+    out: Path
+    summary: dict
+
+    @property
+    def first_failing_node(self) -> str | None:
+        f = self.summary.get("first_failing_node")
+        return f["node"] if f else None
+
+
+def _read(path_or_bytes, field: str) -> tuple[bytes, str]:
+    if isinstance(path_or_bytes, (bytes, bytearray)):
+        return bytes(path_or_bytes), field
+    p = Path(path_or_bytes)
+    try:
+        return p.read_bytes(), p.name
+    except OSError as e:
+        raise LayerdiffError(f"cannot be read: {e.strerror}", file=str(p), field=field) from e
+
+
+def _inputs_bytes(inputs) -> tuple[bytes, str]:
+    if isinstance(inputs, dict):
+        import io
+
+        buf = io.BytesIO()
+        np.savez(buf, **{k: np.asarray(v) for k, v in inputs.items()})
+        return buf.getvalue(), "inputs.npz"
+    return _read(inputs, "inputs")
+
+
+def _text_arg(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (str, os.PathLike)) and Path(value).is_file():
+        return Path(value).read_text(encoding="utf-8")
+    return str(value)
+
+
+def parse_map_node_dict(value) -> dict[str, str]:
+    if not value:
+        return {}
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    text = _text_arg(value)
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise LayerdiffError(f"is not a JSON object {{\"cpu_name\": \"npu_name\"}}: {e}", field="map_node_dict") from e
+    if not isinstance(d, dict):
+        raise LayerdiffError("must be a JSON object {\"cpu_name\": \"npu_name\"}", field="map_node_dict")
+    return {str(k): str(v) for k, v in d.items()}
+
+
+def parse_name_list(value) -> list[str]:
+    if not value:
+        return []
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(parse_name_list(v))
+        return out
+    if isinstance(value, (str, os.PathLike)) and Path(value).is_file():
+        return [ln.strip() for ln in Path(value).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return [v.strip() for v in str(value).split(",") if v.strip()]
+
+
+class AnalyzerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = channel(address)
+        try:
+            wait_ready(self.channel, timeout=15)
+        except grpc.FutureTimeoutError:
+            raise LayerdiffError(f"analyzer {address} is not reachable", field="analyzer") from None
+        self.stub = pbg.AnalyzerStub(self.channel)
+
+    def upload(self, data: bytes, name: str) -> str:
+        return upload(self.stub, data, name, timeout=CALL_TIMEOUT)
+
+    def submit(self, spec: pb.JobSpec) -> str:
+        return self.stub.Submit(spec, timeout=CALL_TIMEOUT).job_id
+
+    def watch(self, job_id: str, timeout: float | None = None):
+        return self.stub.Watch(pb.JobRef(job_id=job_id), timeout=timeout)
+
+    def fetch(self, job_id: str, out: Path) -> list[Path]:
+        out.mkdir(parents=True, exist_ok=True)
+        root = out.resolve()
+        written: list[Path] = []
+        handle = None
+        for chunk in self.stub.FetchReport(pb.ReportRequest(job_id=job_id), timeout=CALL_TIMEOUT):
+            target = (out / chunk.path).resolve()
+            if root not in target.parents:
+                raise LayerdiffError(f"report file {chunk.path!r} would land outside {out}", field="path")
+            if chunk.offset == 0:
+                if handle:
+                    handle.close()
+                target.parent.mkdir(parents=True, exist_ok=True)
+                handle = open(target, "wb")
+                written.append(target)
+            handle.write(chunk.data)
+            if chunk.last:
+                handle.close()
+                handle = None
+        if handle:
+            handle.close()
+        return written
+
+    def cancel(self, job_id: str) -> None:
+        self.stub.Cancel(pb.JobRef(job_id=job_id), timeout=30)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _progress_bar(enabled):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=0, unit="node", desc="comparing", file=sys.stderr, disable=None, dynamic_ncols=True)
+
+
+def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: str = "fp32",
+        device_model=None, dump: str | None = None, analyzer: str | None = None, collector: str | None = None,
+        atol: float | None = None, rtol: float | None = None, diff_cnt: int | None = None, op_config=None,
+        map_node_dict=None, skip_keys=None, exclude_node_list=None, force_compare: bool = False,
+        max_cores: int | None = None, progress: bool | Callable[[pb.JobEvent], None] = True,
+        timeout: float | None = None) -> RunResult:
+    """Compare every node of ``model`` on the device against its FP32 CPU
+    reference and fetch the reports into ``out``.
+
+    ``inputs``: an .npz path or a dict of arrays. ``device_model``: a second
+    ONNX file run as the device. ``dump``: a dump directory on the collector's
+    host, read instead of a live run. Defaults: atol 0.005, rtol 0.2,
+    diff_cnt 128, max_cores = CPU count. Raises LayerdiffError on bad input
+    and when the job fails.
+    """
+    from layerdiff.analyzer.service import AnalyzerServer
+    from layerdiff.collector.service import CollectorServer
+
+    model_bytes, model_name = _read(model, "model")
+    inputs_data, inputs_name = _inputs_bytes(inputs)
+    device_model_bytes, device_model_name = _read(device_model, "device_model") if device_model else (None, "")
+    out = Path(out)
+    with ExitStack() as stack:
+        if collector is None:
+            collector = stack.enter_context(CollectorServer()).address
+        if analyzer is None:
+            analyzer = stack.enter_context(AnalyzerServer()).address
+        client = AnalyzerClient(analyzer)
+        stack.callback(client.close)
+        options = pb.CompareOptions(
+            atol=atol or 0.0, has_atol=atol is not None, rtol=rtol or 0.0, has_rtol=rtol is not None,
+            diff_cnt=diff_cnt or 0, op_config_csv=_text_arg(op_config), map_node_dict=parse_map_node_dict(map_node_dict),
+            skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
+            force_compare=force_compare, max_cores=max_cores or 0)
+        spec = pb.JobSpec(
+            model_artifact=client.upload(model_bytes, model_name),
+            inputs_artifact=client.upload(inputs_data, inputs_name),
+            device_model_artifact=client.upload(device_model_bytes, device_model_name) if device_model_bytes else "",
+            collector=collector, device=device, precision=precision, dump_path=dump or "", options=options,
+            model_name=model_name)
+        try:
+            job_id = client.submit(spec)
+        except grpc.RpcError as e:
+            raise LayerdiffError(e.details() or str(e.code())) from None
+        bar = _progress_bar(progress is True)
+        last = None
+        try:
+            for ev in client.watch(job_id, timeout=timeout):
+                last = ev
+                if callable(progress):
+                    progress(ev)
+                if bar is not None:
+                    if ev.nodes_total and bar.total != ev.nodes_total:
+                        bar.total = ev.nodes_total
+                    bar.set_description(pb.JobState.Name(ev.state).lower())
+                    bar.n = ev.nodes_done
+                    bar.refresh()
+        except KeyboardInterrupt:
+            client.cancel(job_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        if last is None or last.state != pb.DONE:
+            reason = last.message if last is not None else "no progress received"
+            raise LayerdiffError(f"job {job_id} {pb.JobState.Name(last.state) if last else 'lost'}: {reason}")
+        client.fetch(job_id, out)
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    return RunResult(job_id, out, summary)
+
+
+def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
+    """Human summary; the first failing node comes first."""
+    c = summary["counts"]
+    lines = []
+    first = summary.get("first_failing_node")
+    if first:
+        lines.append(f"FIRST FAILING NODE: {first['node']} ({first['op_type']}, execution #{first['order']}, "
+                     f"tensor {first['tensor']})")
+        lines.append(f"  errors/total {first['errors']}/{first['total']} outside atol={first['atol']:g} "
+                     f"rtol={first['rtol']:g}; max_abs_err {_f(first['max_abs_err'])}, "
+                     f"mean_rel_err {_f(first['mean_rel_err'])}, cosine {_f(first['cosine'])}, "
+                     f"first mismatch at {tuple(first['first_mismatch_index'])}: "
+                     f"ref {_f(first['ref_value'])} vs device {_f(first['dev_value'])}")
+    else:
+        lines.append("NO FAILING NODE: every compared node is within atol/rtol")
+    lines.append(f"{summary.get('model')} on {summary.get('device')} ({summary.get('precision')}, "
+                 f"{summary.get('source')}): {c['compared']} compared, {c['failed']} failed, {c['passed']} passed, "
+                 f"{c['skipped']} skipped, {c['not_dumped']} not dumped, {c['invalid_out']} unknown device names")
+    failing = [n for n in summary.get("nodes", []) if not n["passed"]]
+    if failing:
+        lines.append(f"first {min(top, len(failing))} failing nodes in execution order:")
+        lines.append(f"  {'#':>5}  {'node':40.40}  {'op':14.14}  {'errors/total':>16}  {'max_abs_err':>11}  "
+                     f"{'cosine':>9}")
+        for n in failing[:top]:
+            lines.append(f"  {n['order']:>5}  {n['node']:40.40}  {n['op_type']:14.14}  "
+                         f"{str(n['errors']) + '/' + str(n['total']):>16}  {_f(n['max_abs_err']):>11}  "
+                         f"{_f(n['cosine']):>9}")
+    lines.append(f"reports: {out}")
+    return "\n".join(lines)
+
+
+def _f(v) -> str:
+    if v is None:
+        return "nan"
+    if isinstance(v, str):
+        return v
+    return f"{v:.6g}"

@@ -1,0 +1,117 @@
+"""The ``layerdiff`` command."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "y", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {v!r}")
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="compare every node of a model on a device against its FP32 CPU reference",
+                       description="Compare every node of MODEL on the device against its FP32 CPU reference, "
+                                   "name the first node that departs, and write the reports into --out.")
+    p.add_argument("model", help="reference ONNX model (FP32)")
+    p.add_argument("--inputs", required=True, help=".npz of named model inputs")
+    p.add_argument("--device", default="cpu", help="execution provider on the collector (cpu, cuda, tensorrt, ...)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"],
+                   help="device precision for a live run (default fp32)")
+    p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
+    p.add_argument("--device-model", help="a second ONNX file (optimized/quantized/converted export) run as device")
+    p.add_argument("--dump", help="read this dump directory on the collector host instead of a live run")
+    p.add_argument("--analyzer", help="HOST:PORT of a running analyzer (default: start one in-process)")
+    p.add_argument("--collector", help="HOST:PORT of a running collector (default: start one in-process)")
+    p.add_argument("--atol", type=float, help="absolute tolerance (default 0.005)")
+    p.add_argument("--rtol", type=float, help="relative tolerance (default 0.2)")
+    p.add_argument("--diff-cnt", "--diff_cnt", type=int, help="rows per failing-node CSV (default 128)")
+    p.add_argument("--op-config", "--op_config_name", help="op_config.csv with per-op op_name,atol,rtol")
+    p.add_argument("--map-node-dict", "--map_node_dict",
+                   help='JSON {"cpu_name": "npu_name"} or a file holding it')
+    p.add_argument("--skip-keys", "--skip_keys", action="append",
+                   help="skip nodes whose name contains any of these keys (comma-separated, repeatable)")
+    p.add_argument("--exclude-node-list", "--exclude_node_list", action="append",
+                   help="node names to ignore (comma-separated, repeatable, or a file with one per line)")
+    p.add_argument("--force-compare", "--force_compare", nargs="?", const=True, default=False, type=_bool,
+                   help="compare nodes whose shape differs but size matches")
+    p.add_argument("--max-cores", "--max_cores", type=int, help="comparison workers (default: CPU count)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(a) -> int:
+    from layerdiff.client.api import format_summary, run
+
+    result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,
+                 dump=a.dump, analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
+                 diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict, skip_keys=a.skip_keys,
+                 exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
+                 progress=not a.no_progress)
+    print(format_summary(result.summary, result.out))
+    return 0
+
+
+def _serve(server_cls, a) -> int:
+    server = server_cls(host=a.host, port=a.port, workdir=a.workdir)
+    print(f"{a.service} listening on {server.address}", flush=True)
+    stop = lambda *_: server.stop(grace=2.0)  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.wait()
+    return 0
+
+
+def _add_service(sub, name: str) -> None:
+    p = sub.add_parser(name, help=f"the {name} service")
+    s = p.add_subparsers(dest="action", required=True)
+    serve = s.add_parser("serve", help=f"run the {name} gRPC service")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    serve.add_argument("--workdir", help="private working directory (default: a temporary one)")
+    serve.set_defaults(func=_cmd_serve, service=name)
+
+
+def _cmd_serve(a) -> int:
+    if a.service == "collector":
+        from layerdiff.collector.service import CollectorServer as cls
+    else:
+        from layerdiff.analyzer.service import AnalyzerServer as cls
+    return _serve(cls, a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from layerdiff import __version__
+
+    parser = argparse.ArgumentParser(prog="layerdiff", description="Layer-wise accuracy debugger for models on "
+                                     "accelerators: finds the first node that departs from the FP32 reference.")
+    parser.add_argument("--version", action="version", version=f"layerdiff {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_service(sub, "collector")
+    _add_service(sub, "analyzer")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from layerdiff.errors import LayerdiffError
+
+    try:
+        return args.func(args)
+    except LayerdiffError as e:
+        print(f"layerdiff: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

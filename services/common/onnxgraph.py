@@ -1,0 +1,157 @@
+"""ONNX model handling shared by the collector (device runs) and the analyzer
+(reference runs): safe loading, exposing every node output, node order."""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from layerdiff.errors import LayerdiffError
+
+# onnx TensorProto element type -> numpy dtype name
+ONNX_TO_NUMPY = {
+    onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT16: "int16",
+    onnx.TensorProto.UINT16: "uint16", onnx.TensorProto.INT32: "int32", onnx.TensorProto.UINT32: "uint32",
+    onnx.TensorProto.INT64: "int64", onnx.TensorProto.UINT64: "uint64", onnx.TensorProto.BOOL: "bool",
+}
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    name: str
+    dtype: str            # numpy dtype name, "" if unknown
+    shape: tuple          # ints for fixed dims, None for symbolic ones; () for scalars
+
+
+@dataclass(frozen=True)
+class TensorSite:
+    """Where a tensor comes from: the node that produces it and its position."""
+    tensor: str
+    node: str
+    op_type: str
+    order: int            # index of the producing node in execution order
+    output_index: int
+
+
+def load_model(data: bytes, name: str) -> onnx.ModelProto:
+    """Parse ONNX bytes; a clear error naming the file when it is not ONNX or
+    refers to external data (which would be a path outside the upload)."""
+    if not data:
+        raise LayerdiffError("is empty, not an ONNX model", file=name)
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception as e:  # protobuf raises DecodeError and friends
+        raise LayerdiffError(f"is not an ONNX model ({type(e).__name__}: {e})", file=name) from e
+    if not model.graph.node and not model.graph.output:
+        raise LayerdiffError("is not an ONNX model (no graph nodes)", file=name)
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            raise LayerdiffError(f"initializer {init.name!r} refers to external data; upload a model with the "
+                                 "weights embedded", file=name, field="external_data")
+    return model
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:
+    inits = {i.name for i in model.graph.initializer}
+    out = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dtype = ONNX_TO_NUMPY.get(tt.elem_type, "")
+        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim) \
+            if tt.HasField("shape") else None
+        out.append(GraphInput(vi.name, dtype, shape))
+    return out
+
+
+def node_name(node: onnx.NodeProto, index: int) -> str:
+    return node.name or f"{node.op_type}_{index}"
+
+
+def tensor_sites(model: onnx.ModelProto) -> list[TensorSite]:
+    """Every node output in execution order (ONNX graphs are stored
+    topologically sorted)."""
+    sites = []
+    for i, node in enumerate(model.graph.node):
+        for k, t in enumerate(node.output):
+            if t:
+                sites.append(TensorSite(t, node_name(node, i), node.op_type, i, k))
+    return sites
+
+
+def expose_all_outputs(model: onnx.ModelProto, only: set[str] | None = None) -> onnx.ModelProto:
+    """Make every node output (or those in ``only``) a graph output, in place.
+    Outputs are added without type information; onnxruntime infers it."""
+    present = {o.name for o in model.graph.output}
+    for site in tensor_sites(model):
+        if site.tensor in present or (only is not None and site.tensor not in only):
+            continue
+        model.graph.output.append(onnx.ValueInfoProto(name=site.tensor))
+        present.add(site.tensor)
+    return model
+
+
+def consumer_map(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """Node name -> names of the nodes that consume its outputs."""
+    producer = {}
+    for i, node in enumerate(model.graph.node):
+        for t in node.output:
+            producer[t] = node_name(node, i)
+    cmap: dict[str, list[str]] = {node_name(n, i): [] for i, n in enumerate(model.graph.node)}
+    for i, node in enumerate(model.graph.node):
+        for t in node.input:
+            p = producer.get(t)
+            if p is not None and node_name(node, i) not in cmap[p]:
+                cmap[p].append(node_name(node, i))
+    return cmap
+
+
+def load_inputs(data: bytes, name: str) -> dict[str, np.ndarray]:
+    """Read an .npz (or a single .npy) of named inputs without pickles."""
+    try:
+        if data[:6] == b"\x93NUMPY":
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+            return {"": arr}
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except ValueError as e:
+        raise LayerdiffError(f"cannot be read without unpickling objects: {e}", file=name) from e
+    except Exception as e:
+        raise LayerdiffError(f"is not a readable .npz of inputs ({type(e).__name__}: {e})", file=name) from e
+
+
+def check_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+    """Validate names, dtypes and shapes of the feeds against the graph inputs.
+    A single unnamed array is accepted for a single-input model."""
+    declared = graph_inputs(model)
+    if "" in feeds and len(feeds) == 1 and len(declared) == 1:
+        feeds = {declared[0].name: feeds[""]}
+    by_name = {d.name: d for d in declared}
+    for k in feeds:
+        if k not in by_name:
+            raise LayerdiffError(f"input {k!r} is not an input of the model (inputs: {sorted(by_name)})",
+                                 file=name, field=k)
+    for d in declared:
+        if d.name not in feeds:
+            raise LayerdiffError(f"model input {d.name!r} is missing from the inputs file", file=name, field=d.name)
+        a = feeds[d.name]
+        if d.dtype and a.dtype.name != d.dtype:
+            raise LayerdiffError(f"input {d.name!r} has dtype {a.dtype.name}, the model expects {d.dtype}",
+                                 file=name, field=d.name)
+        if d.shape is not None:
+            if len(d.shape) != a.ndim:
+                raise LayerdiffError(f"input {d.name!r} has shape {a.shape}, the model expects rank {len(d.shape)} "
+                                     f"{_fmt_shape(d.shape)}", file=name, field=d.name)
+            for want, got in zip(d.shape, a.shape):
+                if want not in (None, 0) and want != got:
+                    raise LayerdiffError(f"input {d.name!r} has shape {a.shape}, the model expects "
+                                         f"{_fmt_shape(d.shape)}", file=name, field=d.name)
+    return feeds
+
+
+def _fmt_shape(shape: tuple) -> str:
+    return "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"

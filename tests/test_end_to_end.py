@@ -1,0 +1,158 @@
+"""The whole path over real gRPC: collector and analyzer as separate
+processes in separate directories, jobs submitted from this process."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from layerdiff.client.api import AnalyzerClient, run
+from layerdiff.collector.dumpdir import write_dump
+from layerdiff.collector.live import LiveRunner
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+
+def _csv(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_planted_bug_is_the_first_failing_node(services, cnn_files, tmp_path):
+    collector, analyzer = services
+    model, inputs, device = cnn_files
+    out = tmp_path / "out"
+    res = run(model, inputs, device_model=device, out=out, analyzer=analyzer.address,
+              collector=collector.address, progress=False)
+    assert res.first_failing_node == "conv2"
+    rows = _csv(out / "cpu_vs_npu.csv")
+    # every node of the model in execution order, the seed's columns first
+    assert [r["node"] for r in rows] == ["conv1", "relu1", "conv2", "relu2", "residual/add", "conv3", "pool",
+                                         "flatten", "fc"]
+    assert list(rows[0])[:4] == ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_dim/data_shape"]
+    by = {r["node"]: r for r in rows}
+    assert by["conv1"]["result"] == "pass" and by["relu1"]["result"] == "pass"
+    assert by["conv2"]["result"] == "fail"
+    errors, total = map(int, by["conv2"]["errors/total"].split("/"))
+    assert total == 8 * 16 * 16 and errors > 0
+    assert by["conv2"]["op_name"].startswith("conv2(atol=0.005,rtol=0.2)")
+    # the failing node's detail file: worst first, at most diff_cnt rows
+    detail = _csv(out / "conv2.csv")
+    assert 0 < len(detail) <= 128
+    diffs = [float(r["abs_diff"]) for r in detail]
+    assert diffs == sorted(diffs, reverse=True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["first_failing_node"]["node"] == "conv2"
+    assert summary["counts"]["compared"] == 9 and summary["counts"]["failed"] >= 1
+    assert summary["parameters"]["atol"] == 0.005 and summary["parameters"]["rtol"] == 0.2
+    assert summary["version"]
+    for name in ("compare_skip.log", "invalid_out_nodename.log", "op_config.csv", "node_runtime.json",
+                 "consumer_map.json", "dump_memory_nodename.log"):
+        assert (out / name).exists(), name
+    assert json.loads((out / "consumer_map.json").read_text())["relu1"] == ["conv2", "residual/add"]
+
+
+def test_dump_on_the_collector_host_with_bad_entries(services, cnn_files, tmp_path):
+    """A dump directory read where it lies; corrupt, truncated, missing and
+    hostile entries are skipped with a reason, every other node is compared."""
+    collector, analyzer = services
+    model, inputs, device = cnn_files
+    feeds = dict(np.load(inputs))
+    records = list(LiveRunner(model.read_bytes(), feeds, device_model_bytes=device.read_bytes()).records())
+    dump = write_dump(tmp_path / "dump", records)
+    manifest = json.loads((dump / "manifest.json").read_text())
+    by_name = {n["name"]: n for n in manifest["nodes"]}
+    # relu2: truncated file; pool: corrupt header; a missing file; a hostile name; an unknown node
+    f = dump / by_name["relu2_out"]["file"]
+    f.write_bytes(f.read_bytes()[:-40])
+    (dump / by_name["pool_out"]["file"]).write_bytes(b"\x93NUMPY\x01\x00garbage")
+    manifest["nodes"].append({"name": "ghost", "op_type": "Conv", "file": "nope.npy"})
+    manifest["nodes"].append({"name": "../../etc/passwd", "op_type": "Relu", "file": by_name["conv1_out"]["file"]})
+    manifest["nodes"].append({"name": "conv_unknown", "op_type": "Conv", "file": by_name["conv1_out"]["file"]})
+    (dump / "manifest.json").write_text(json.dumps(manifest))
+
+    out = tmp_path / "out"
+    res = run(model, inputs, dump=str(dump), out=out, analyzer=analyzer.address, collector=collector.address,
+              progress=False)
+    assert res.first_failing_node == "conv2"
+    skip = (out / "compare_skip.log").read_text()
+    assert "relu2_out" in skip and "truncated" in skip
+    assert "pool_out" in skip and "corrupt" in skip
+    invalid = (out / "invalid_out_nodename.log").read_text()
+    assert "ghost" in invalid and "missing file" in invalid
+    assert "../../etc/passwd" in invalid and "'..' path segment" in invalid
+    assert "conv_unknown: not found in the reference model" in invalid
+    compared = [r["tensor"] for r in _csv(out / "cpu_vs_npu.csv")]
+    assert compared == ["conv1_out", "relu1_out", "conv2_out", "add_out", "conv3_out", "flat_out", "logits"]
+    assert collector.alive() and analyzer.alive()
+
+
+def test_options_map_skip_exclude_and_op_config(services, cnn_files, tmp_path):
+    collector, analyzer = services
+    model, inputs, device = cnn_files
+    op_config = tmp_path / "op_config.csv"
+    op_config.write_text("op_name,atol,rtol\nconv2,100,NA\n")
+    out = tmp_path / "out"
+    res = run(model, inputs, device_model=device, out=out, analyzer=analyzer.address, collector=collector.address,
+              op_config=op_config, skip_keys=["pool"], exclude_node_list="flatten", diff_cnt=5, progress=False)
+    rows = {r["node"]: r for r in _csv(out / "cpu_vs_npu.csv")}
+    assert rows["conv2"]["result"] == "pass" and rows["conv2"]["atol"] == "100"
+    assert res.first_failing_node == "relu2"   # the next node carrying the error
+    assert "pool" not in rows and "flatten" not in rows
+    skip = (out / "compare_skip.log").read_text()
+    assert "skip key 'pool'" in skip and "exclude_node_list" in skip
+    assert len(_csv(out / "relu2.csv")) == 5
+
+
+def test_live_fp16_and_int8_of_the_small_model(services, cnn_files, tmp_path):
+    collector, analyzer = services
+    model, inputs, _ = cnn_files
+    r16 = run(model, inputs, precision="fp16", out=tmp_path / "fp16", analyzer=analyzer.address,
+              collector=collector.address, progress=False)
+    assert r16.summary["counts"]["compared"] == 9
+    assert r16.summary["precision"] == "fp16"
+    nodes = {n["node"]: n for n in r16.summary["nodes"]}
+    assert 0 < nodes["conv1"]["max_abs_diff"] < 0.01      # fp16 rounding, not a bug
+    r8 = run(model, inputs, precision="int8", out=tmp_path / "int8", analyzer=analyzer.address,
+             collector=collector.address, progress=False)
+    n8 = {n["node"]: n for n in r8.summary["nodes"]}
+    assert r8.summary["counts"]["compared"] == 9
+    assert n8["conv1"]["max_abs_diff"] > nodes["conv1"]["max_abs_diff"]   # int8 is coarser than fp16
+    assert n8["logits"]["cosine"] > 0.9
+
+
+def test_fused_nodes_are_not_dumped_not_failures(services, cnn_files, tmp_path):
+    """A device export where onnxruntime fused Conv+Relu: the fused-away tensors
+    are reported as not dumped."""
+    import onnxruntime as ort
+
+    collector, analyzer = services
+    model, inputs, _ = cnn_files
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    optimized = tmp_path / "optimized.onnx"
+    so.optimized_model_filepath = str(optimized)
+    ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+    produced = {o for n in onnx.load(str(optimized)).graph.node for o in n.output}
+    assert "conv1_out" not in produced   # fused into conv1+relu1
+    res = run(model, inputs, device_model=optimized, out=tmp_path / "out", analyzer=analyzer.address,
+              collector=collector.address, progress=False)
+    assert res.first_failing_node is None
+    assert res.summary["counts"]["not_dumped"] >= 1
+    skip = (tmp_path / "out" / "compare_skip.log").read_text()
+    assert "conv1_out: not dumped by the device" in skip
+
+
+def test_progress_streams_while_the_job_runs(services, cnn_files, tmp_path):
+    collector, analyzer = services
+    model, inputs, device = cnn_files
+    events = []
+    run(model, inputs, device_model=device, out=tmp_path / "out", analyzer=analyzer.address,
+        collector=collector.address, progress=events.append)
+    states = [e.state for e in events]
+    assert states[0] == pb.QUEUED and states[-1] == pb.DONE
+    done = [e.nodes_done for e in events if e.state == pb.COMPARING]
+    assert done == sorted(done) and max(done) == 9
+    assert events[-1].first_failing_node == "conv2"
