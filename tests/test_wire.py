@@ -8,21 +8,21 @@ import pytest
 from layerdiff.collector.dumpdir import write_dump
 from layerdiff.collector.service import CollectorClient, CollectorServer
 from layerdiff.errors import LayerdiffError
-from layerdiff.net import channel
-from layerdiff.schema import (TENSOR_SCHEMA, NodeRecord, TensorAssembler, encode_records, frame, unframe)
+from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, TensorAssembler, encode_records
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 
 def _capture(address, path, chunk=0):
-    client = CollectorClient(channel(address))
+    client = CollectorClient(address)
     asm = TensorAssembler()
     out, messages = [], 0
     for msg in client.capture(pb.CaptureRequest(job_id="t", dump=pb.DumpSource(path=str(path)),
                                                 max_chunk_bytes=chunk), timeout=120):
         messages += 1
-        assert len(msg) <= 8 * 1024 * 1024 + 4096
-        out.extend(asm.feed(unframe(msg)))
+        assert msg.data.nbytes <= 2 * 1024 * 1024 + 64 * 1024   # bounded messages
+        out.extend(asm.feed(msg.data))
     out.extend(asm.finish())
+    client.close()
     return out, messages
 
 
@@ -48,10 +48,22 @@ def test_tensor_over_64_mib_crosses_bit_exact(tmp_path):
     assert messages < 68 // 2 + 5     # small tensors share a batch
 
 
-def test_generated_stubs_read_the_hand_framed_messages():
-    msg = next(encode_records([NodeRecord("a", array=np.arange(6, dtype=np.int32).reshape(2, 3))]))
-    batch = pa.ipc.read_record_batch(pa.py_buffer(pb.TensorBatch.FromString(msg).arrow_ipc), TENSOR_SCHEMA)
-    assert batch.column("name").to_pylist() == ["a"] and batch.column("shape").to_pylist() == [[2, 3]]
+def test_upload_health_and_refusals_over_flight(tmp_path):
+    with CollectorServer() as server:
+        client = CollectorClient(server.address)
+        assert client.health().status == "SERVING"
+        data = np.random.default_rng(0).bytes(5 * 1024 * 1024 + 7)
+        art = client.upload(data, "model.onnx")
+        assert (server.flight.store.path(art)).read_bytes() == data
+        with pytest.raises(Exception) as ei:
+            list(client.capture(pb.CaptureRequest(job_id="t", dump=pb.DumpSource(path=str(tmp_path / "nope")))))
+        assert "does not exist on the collector host" in str(ei.value) and "dump_path" in str(ei.value)
+        with pytest.raises(Exception) as ei:
+            list(client.capture(pb.CaptureRequest(job_id="t", live=pb.LiveSource(model_artifact=art,
+                                                                                 inputs_artifact=art))))
+        assert "'model.onnx'" in str(ei.value) and "not an .npz or .npy file" in str(ei.value)
+        assert client.health().status == "SERVING"
+        client.close()
 
 
 def _batch(**over):
@@ -71,22 +83,16 @@ def _batch(**over):
 ])
 def test_lying_rows_become_node_errors(over, needle):
     asm = TensorAssembler()
-    out = asm.feed(unframe(frame(_batch(**over).serialize())))
+    out = asm.feed(_batch(**over))
     assert len(out) == 1 and out[0].status == "error" and needle in out[0].message
     assert "'n'" in out[0].message
     # the next node still arrives
-    good = asm.feed(unframe(frame(_batch(name="m").serialize())))
+    good = asm.feed(_batch(name="m"))
     assert good[0].status == "ok" and good[0].array.shape == (2, 2)
 
 
 def test_cut_stream_reports_the_incomplete_tensor():
     asm = TensorAssembler()
-    asm.feed(unframe(frame(_batch(data=b"\0" * 8).serialize())))
+    asm.feed(_batch(data=b"\0" * 8))
     out = asm.finish()
     assert out[0].status == "error" and "8 of 16 bytes" in out[0].message
-
-
-@pytest.mark.parametrize("msg", [b"", b"\x12\x00", b"\x0a\x05abc", b"\x0a\x03abc"])
-def test_malformed_frames_are_refused(msg):
-    with pytest.raises(LayerdiffError):
-        unframe(msg)

@@ -15,7 +15,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
+import pyarrow as pa
+import pyarrow.flight as flight
 
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.compare import SkipNode
@@ -23,11 +24,11 @@ from layerdiff.analyzer.pool import LocalPool
 from layerdiff.analyzer.reference import OnnxReference
 from layerdiff.analyzer.report import JobReport, Row, write_report
 from layerdiff.analyzer.tolerances import Tolerances
-from layerdiff.artifacts import ArtifactStore, upload
-from layerdiff.errors import LayerdiffError, UnavailableError
-from layerdiff.net import channel
+from layerdiff.artifacts import ArtifactStore
+from layerdiff.errors import LayerdiffError, NotFoundError
 from layerdiff.onnxgraph import TensorSite, load_inputs
-from layerdiff.schema import STATUS_OK, NodeRecord, TensorAssembler, unframe
+from layerdiff.collector.service import CollectorClient, flight_message
+from layerdiff.schema import STATUS_OK, NodeRecord, TensorAssembler
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,6 @@ class JobRunner:
     def get(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)
         if job is None:
-            from layerdiff.errors import NotFoundError
             raise NotFoundError(f"no job {job_id!r}", field="job_id")
         return job
 
@@ -145,9 +145,6 @@ class JobRunner:
         except LayerdiffError as e:
             job.error = str(e)
             job.emit(pb.FAILED, message=str(e))
-        except grpc.RpcError as e:
-            job.error = f"collector {job.spec.collector}: {e.code().name}: {e.details()}"
-            job.emit(pb.FAILED, message=job.error)
         except Exception as e:  # a bug: say so, keep the service up
             log.exception("job %s failed", job.id)
             job.error = f"internal error: {type(e).__name__}: {e}"
@@ -157,17 +154,16 @@ class JobRunner:
         spec = job.spec
         if spec.dump_path:
             return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(path=spec.dump_path))
-        model = upload(collector.stub, self.store.read(spec.model_artifact), self.store.name(spec.model_artifact))
-        inputs = upload(collector.stub, self.store.read(spec.inputs_artifact), self.store.name(spec.inputs_artifact))
-        device_model = upload(collector.stub, self.store.read(spec.device_model_artifact),
-                              self.store.name(spec.device_model_artifact)) if spec.device_model_artifact else ""
+        model = collector.upload(self.store.read(spec.model_artifact), self.store.name(spec.model_artifact))
+        inputs = collector.upload(self.store.read(spec.inputs_artifact), self.store.name(spec.inputs_artifact))
+        device_model = collector.upload(self.store.read(spec.device_model_artifact),
+                                        self.store.name(spec.device_model_artifact)) \
+            if spec.device_model_artifact else ""
         return pb.CaptureRequest(job_id=job.id, live=pb.LiveSource(
             model_artifact=model, inputs_artifact=inputs, device_model_artifact=device_model,
             precision=spec.precision or "fp32", device=spec.device or "cpu"))
 
     def _execute(self, job: Job, p: Prepared, started: float) -> dict:
-        from layerdiff.collector.service import CollectorClient
-
         spec = job.spec
         total = len(p.reference.sites)
         job.emit(pb.REFERENCE, nodes_total=total)
@@ -175,13 +171,9 @@ class JobRunner:
         ref_future = helper.submit(p.reference.run, p.feeds)
         helper.shutdown(wait=False)
 
-        ch = channel(spec.collector)
+        collector = CollectorClient(spec.collector)
         try:
-            try:
-                grpc.channel_ready_future(ch).result(timeout=15)
-            except grpc.FutureTimeoutError:
-                raise UnavailableError(f"collector {spec.collector} is not reachable", field="collector") from None
-            collector = CollectorClient(ch)
+            collector.wait_ready()
             request = self._capture_request(job, collector)
             job.call = collector.capture(request)
             if job.cancelled.is_set():
@@ -193,7 +185,7 @@ class JobRunner:
             finally:
                 executor.close()
         finally:
-            ch.close()
+            collector.close()
         if job.cancelled.is_set():
             raise _Cancelled()
         job.emit(pb.REPORTING, nodes_done=total, nodes_total=total)
@@ -276,24 +268,23 @@ class JobRunner:
             pending[fut] = (site, rec.name)
 
         try:
-            for message in call:
+            for chunk in call:
                 if job.state != pb.COMPARING:
                     job.emit(pb.COMPARING, nodes_done=done, nodes_total=total)
                 if job.cancelled.is_set():
                     call.cancel()
                     break
-                batch = unframe(message)
-                for rec in assembler.feed(batch):
+                for rec in assembler.feed(chunk.data):
                     handle(rec)
             for rec in assembler.finish():
                 handle(rec)
-        except grpc.RpcError as e:
+        except (pa.ArrowException, KeyError) as e:
             if job.cancelled.is_set():
                 raise _Cancelled() from None
-            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION):
-                raise LayerdiffError(f"collector: {e.details()}") from None
-            raise
+            if isinstance(e, (pa.ArrowInvalid, KeyError, flight.FlightError)) and \
+                    not isinstance(e, (flight.FlightServerError, flight.FlightInternalError)):
+                raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
+            raise LayerdiffError(f"collector {job.spec.collector} failed: {flight_message(e)}") from None
         if refs is None:
             refs = ref_future.result()  # surfaces reference errors even for an empty stream
         while pending:

@@ -1,46 +1,58 @@
-"""The collector's gRPC service: health, artifact upload, and Capture, which
-streams every node tensor of a live run or of a dump on this host."""
+"""The collector service, spoken as Arrow Flight (gRPC) so that tensor bytes
+move from the mapped dump file or the runtime's buffer onto the wire without
+a Python-side copy.
+
+- ``DoGet(Ticket = layerdiff.v1.CaptureRequest bytes)``: the tensor stream,
+  record batches of ``layerdiff.schema.TENSOR_SCHEMA``.
+- ``DoPut(descriptor path ["artifact", NAME])``: upload one file as batches of
+  one binary column; the reply's metadata is a ``layerdiff.v1.ArtifactRef``.
+- ``DoAction("health")``: a ``layerdiff.v1.HealthReply``.
+
+User errors travel as INVALID_ARGUMENT (or NOT_FOUND) with the message of the
+LayerdiffError, which names the file, node or field.
+"""
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
-import grpc
+import pyarrow as pa
+import pyarrow.flight as flight
 
 from layerdiff import __version__
 from layerdiff.artifacts import ArtifactStore
 from layerdiff.collector.dumpdir import DumpDirectory
 from layerdiff.collector.live import LiveRunner
-from layerdiff.errors import LayerdiffError, abort_with
-from layerdiff.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES, bind, make_server
+from layerdiff.errors import LayerdiffError, NotFoundError, UnavailableError
+from layerdiff.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from layerdiff.onnxgraph import load_inputs
-from layerdiff.schema import NodeRecord, encode_records
+from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, encode_records
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
-SERVICE = "layerdiff.v1.Collector"
+
+ARTIFACT_SCHEMA = pa.schema([("data", pa.binary())])
+HEALTH = "health"
 
 
-def _identity(b: bytes) -> bytes:
-    return b
+def _to_flight_error(e: BaseException) -> Exception:
+    if isinstance(e, NotFoundError):
+        return KeyError(str(e))   # Flight maps KeyError to NOT_FOUND
+    if isinstance(e, LayerdiffError):
+        return pa.ArrowInvalid(str(e))
+    return flight.FlightServerError(f"internal error: {type(e).__name__}: {e}")
 
 
-class CollectorService:
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = Path(workdir)
-        self.store = ArtifactStore(self.workdir / "artifacts")
+class CollectorFlight(flight.FlightServerBase):
+    def __init__(self, location: str, workdir: Path) -> None:
+        super().__init__(location)
+        self.store = ArtifactStore(Path(workdir) / "artifacts")
 
-    def Health(self, request, context):
-        return pb.HealthReply(service="collector", version=__version__, status="SERVING")
-
-    def PutArtifact(self, request_iterator, context):
-        try:
-            return self.store.receive(request_iterator)
-        except Exception as e:
-            abort_with(context, e)
-
+    # -------------------------------------------------------------- capture
     def source(self, request: pb.CaptureRequest) -> Iterator[NodeRecord]:
         kind = request.WhichOneof("source")
         if kind == "dump":
@@ -60,45 +72,75 @@ class CollectorService:
             return runner.records()
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
 
-    def Capture(self, request, context):
-        chunk = request.max_chunk_bytes or DEFAULT_CHUNK_BYTES
-        if chunk > MAX_MESSAGE_BYTES // 2:
-            chunk = MAX_MESSAGE_BYTES // 2
+    def do_get(self, context, ticket):
+        try:
+            request = pb.CaptureRequest.FromString(ticket.ticket)
+        except Exception as e:
+            raise pa.ArrowInvalid(f"ticket is not a layerdiff.v1.CaptureRequest: {e}") from None
+        chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES // 2)
         try:
             records = self.source(request)
-            # Pull the first record eagerly so that set-up errors (bad model,
-            # bad inputs) become the RPC's status, not a half-open stream.
+            # Pull the first record now so that set-up errors (bad model, bad
+            # inputs, missing dump) become the call's status.
             first = next(records, None)
         except Exception as e:
             log.warning("capture %s refused: %s", request.job_id, e)
-            abort_with(context, e)
-            return
+            raise _to_flight_error(e) from None
 
-        def chained():
-            if first is not None:
-                yield first
-            yield from records
+        def stream():
+            try:
+                if first is not None:
+                    yield from encode_records(_chain(first, records), chunk)
+            except Exception as e:
+                log.exception("capture %s failed", request.job_id)
+                raise _to_flight_error(e) from None
+
+        return flight.GeneratorStream(TENSOR_SCHEMA, stream())
+
+    # ------------------------------------------------------------ artifacts
+    def do_put(self, context, descriptor, reader, writer):
+        path = [p.decode("utf-8", "replace") if isinstance(p, bytes) else p for p in (descriptor.path or [])]
+        if len(path) != 2 or path[0] != "artifact":
+            raise pa.ArrowInvalid("DoPut descriptor must be the path ['artifact', NAME]")
+        name = path[1]
+
+        def chunks():
+            first = True
+            for chunk in reader:
+                col = chunk.data.column(0)
+                for i in range(len(col)):
+                    data = col[i].as_buffer()
+                    piece = data.to_pybytes() if data is not None else b""
+                    if first:
+                        meta = chunk.app_metadata
+                        total = int(meta.to_pybytes()) if meta is not None and meta.size else -1
+                        yield pb.ArtifactChunk(name=name, total_size=total, data=piece)
+                        first = False
+                    else:
+                        yield pb.ArtifactChunk(data=piece)
+            if first:
+                yield pb.ArtifactChunk(name=name, total_size=0, data=b"")
 
         try:
-            yield from encode_records(chained(), chunk)
+            ref = self.store.receive(chunks())
         except Exception as e:
-            log.exception("capture %s failed", request.job_id)
-            abort_with(context, e)
+            raise _to_flight_error(e) from None
+        writer.write(pa.py_buffer(ref.SerializeToString()))
+
+    # -------------------------------------------------------------- actions
+    def list_actions(self, context):
+        return [(HEALTH, "layerdiff.v1.HealthReply of this collector")]
+
+    def do_action(self, context, action):
+        if action.type != HEALTH:
+            raise KeyError(f"unknown action {action.type!r}")
+        yield flight.Result(pb.HealthReply(service="collector", version=__version__,
+                                           status="SERVING").SerializeToString())
 
 
-def add_to_server(server: grpc.Server, svc: CollectorService) -> None:
-    handlers = {
-        "Health": grpc.unary_unary_rpc_method_handler(
-            svc.Health, request_deserializer=pb.HealthRequest.FromString,
-            response_serializer=pb.HealthReply.SerializeToString),
-        "PutArtifact": grpc.stream_unary_rpc_method_handler(
-            svc.PutArtifact, request_deserializer=pb.ArtifactChunk.FromString,
-            response_serializer=pb.ArtifactRef.SerializeToString),
-        # TensorBatch messages are framed by layerdiff.schema, already in wire format.
-        "Capture": grpc.unary_stream_rpc_method_handler(
-            svc.Capture, request_deserializer=pb.CaptureRequest.FromString, response_serializer=_identity),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+def _chain(first, rest):
+    yield first
+    yield from rest
 
 
 class CollectorServer:
@@ -109,20 +151,20 @@ class CollectorServer:
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-collector-")
             workdir = self._tmp.name
-        self.service = CollectorService(Path(workdir))
-        self.server = make_server()
-        add_to_server(self.server, self.service)
-        self.port = bind(self.server, host, port)
+        self.flight = CollectorFlight(f"grpc+tcp://{host}:{port}", Path(workdir))
+        self.port = self.flight.port
         self.address = f"{host}:{self.port}"
-        self.server.start()
+        self._thread = threading.Thread(target=self.flight.serve, name="collector", daemon=True)
+        self._thread.start()
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        self.server.stop(grace).wait()
+    def stop(self, grace: float | None = None) -> None:
+        self.flight.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
 
     def wait(self) -> None:
-        self.server.wait_for_termination()
+        while self._thread.is_alive():
+            self._thread.join(timeout=1.0)
 
     def __enter__(self):
         return self
@@ -131,20 +173,71 @@ class CollectorServer:
         self.stop()
 
 
+_DETAIL = re.compile(r"\.? ?(\n\. )?(Detail|gRPC client debug context|Client context):", re.S)
+
+
+def flight_message(e: BaseException) -> str:
+    """The server's own message, without the transport's debug trailer."""
+    text = str(e)
+    m = _DETAIL.search(text)
+    return text[:m.start()] if m else text
+
+
 class CollectorClient:
-    """Client side of the collector API."""
+    """Client side of the collector; every call carries a deadline."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
-        from layerdiff.v1 import layerdiff_pb2_grpc as pbg
+    def __init__(self, address: str, timeout: float = 600.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.client = flight.connect(f"grpc+tcp://{address}")
 
-        self.channel = channel
-        self.stub = pbg.CollectorStub(channel)
-        self._capture = channel.unary_stream(f"/{SERVICE}/Capture",
-                                             request_serializer=pb.CaptureRequest.SerializeToString,
-                                             response_deserializer=_identity)
+    def _options(self, timeout: float | None = None) -> flight.FlightCallOptions:
+        return flight.FlightCallOptions(timeout=timeout or self.timeout)
 
-    def capture(self, request: pb.CaptureRequest, timeout: float | None = None):
-        """Returns the call: iterate it for raw TensorBatch messages; cancel() stops it."""
-        return self._capture(request, timeout=timeout)
+    def health(self, timeout: float = 10.0) -> pb.HealthReply:
+        try:
+            results = list(self.client.do_action(flight.Action(HEALTH, b""), self._options(timeout)))
+        except flight.FlightUnavailableError as e:
+            raise UnavailableError(f"collector {self.address} is not reachable", field="collector") from e
+        return pb.HealthReply.FromString(results[0].body.to_pybytes())
 
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        import time
 
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                self.health(timeout=2.0)
+                return
+            except (UnavailableError, flight.FlightError):
+                if time.monotonic() > end:
+                    raise UnavailableError(f"collector {self.address} is not reachable", field="collector") from None
+                time.sleep(0.1)
+
+    def upload(self, data: bytes, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+        writer, reader = self.client.do_put(flight.FlightDescriptor.for_path("artifact", name), ARTIFACT_SCHEMA,
+                                            self._options())
+        view = memoryview(data)
+        try:
+            for off in range(0, max(len(data), 1), chunk_bytes):
+                piece = pa.py_buffer(view[off:off + chunk_bytes])
+                batch = pa.RecordBatch.from_arrays(
+                    [pa.Array.from_buffers(pa.binary(), 1, [None, pa.py_buffer(
+                        pa.array([0, piece.size], pa.int32()).buffers()[1]), piece])], schema=ARTIFACT_SCHEMA)
+                if off == 0:
+                    writer.write_with_metadata(batch, pa.py_buffer(str(len(data)).encode()))
+                else:
+                    writer.write_batch(batch)
+            writer.done_writing()
+            meta = reader.read()
+            writer.close()
+        except pa.ArrowException as e:
+            raise LayerdiffError(f"collector refused the upload: {flight_message(e)}", file=name) from None
+        return pb.ArtifactRef.FromString(meta.to_pybytes()).id
+
+    def capture(self, request: pb.CaptureRequest, timeout: float | None = None) -> flight.FlightStreamReader:
+        """The tensor stream; iterate ``read_chunk()`` / the reader, ``cancel()`` stops it."""
+        return self.client.do_get(flight.Ticket(request.SerializeToString()), self._options(timeout))
+
+    def close(self) -> None:
+        self.client.close()

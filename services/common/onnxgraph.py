@@ -112,6 +112,8 @@ def consumer_map(model: onnx.ModelProto) -> dict[str, list[str]]:
 
 def load_inputs(data: bytes, name: str) -> dict[str, np.ndarray]:
     """Read an .npz (or a single .npy) of named inputs without pickles."""
+    if data[:6] != b"\x93NUMPY" and data[:2] != b"PK":
+        raise LayerdiffError("is not an .npz or .npy file of inputs", file=name)
     try:
         if data[:6] == b"\x93NUMPY":
             arr = np.load(io.BytesIO(data), allow_pickle=False)
