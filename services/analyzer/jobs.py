@@ -28,7 +28,7 @@ from layerdiff.artifacts import ArtifactStore
 from layerdiff.errors import LayerdiffError, NotFoundError
 from layerdiff.onnxgraph import TensorSite, load_inputs
 from layerdiff.collector.service import CollectorClient, flight_message
-from layerdiff.schema import STATUS_OK, NodeRecord, TensorAssembler
+from layerdiff.schema import STATUS_OK, BufferPool, NodeRecord, TensorAssembler
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -210,16 +210,18 @@ class JobRunner:
 
     def _consume(self, job: Job, p: Prepared, call, ref_future: Future, executor, rep: JobReport,
                  total: int) -> None:
-        assembler = TensorAssembler()
+        buffers = BufferPool()
+        assembler = TensorAssembler(pool=buffers)
         refs: dict[str, object] | None = None
         seen: set[str] = set()
-        pending: dict[Future, tuple[TensorSite, str]] = {}
+        pending: dict[Future, tuple[TensorSite, str, object]] = {}
         done = 0
         limit = 2 * max(1, getattr(executor, "max_cores", 1))
 
         def finished(fut: Future) -> None:
             nonlocal done
-            site, dev_name = pending.pop(fut)
+            site, dev_name, buffer = pending.pop(fut)
+            buffers.give(buffer)
             try:
                 outcome = fut.result()
             except SkipNode as e:
@@ -232,6 +234,10 @@ class JobRunner:
             job.emit(nodes_done=done, nodes_total=total, node=site.tensor, node_passed=passed)
 
         def handle(rec: NodeRecord) -> None:
+            if not compare_later(rec):
+                buffers.give(rec.extra.get("buffer"))
+
+        def compare_later(rec: NodeRecord) -> bool:
             nonlocal refs, done
             rep.device_names.append(rec.name)
             decision = p.aligner.match(rec.name)
@@ -239,33 +245,34 @@ class JobRunner:
             if site is None:
                 rep.invalid_out.append((rec.name, rec.message if rec.status != STATUS_OK
                                         else "not found in the reference model"))
-                return
+                return False
             if site.tensor in seen:
                 rep.skipped.append((rec.name, f"duplicate device tensor for {site.tensor!r}"))
-                return
+                return False
             seen.add(site.tensor)
             if rec.status != STATUS_OK:
                 rep.skipped.append((site.tensor, f"device tensor unusable: {rec.message}"))
                 done += 1
-                return
+                return False
             if decision.skip_reason:
                 rep.skipped.append((site.tensor, decision.skip_reason))
                 done += 1
-                return
+                return False
             if refs is None:
                 refs = ref_future.result()
             ref = refs.pop(site.tensor, None)
             if ref is None:
                 rep.skipped.append((site.tensor, "the reference run produced no value"))
                 done += 1
-                return
+                return False
             while len(pending) >= limit:
                 ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                 for f in ready:
                     finished(f)
             tol = p.tolerances.for_node(site.node, site.tensor)
             fut = executor.submit(ref, rec.array, tol, p.diff_cnt, p.force_compare)
-            pending[fut] = (site, rec.name)
+            pending[fut] = (site, rec.name, rec.extra.get("buffer"))
+            return True
 
         try:
             for chunk in call:
