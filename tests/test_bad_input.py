@@ -8,9 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from layerdiff.artifacts import upload
+from layerdiff.collector.service import CollectorClient
 from layerdiff.client.api import AnalyzerClient
-from layerdiff.errors import LayerdiffError
 from layerdiff.net import channel
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
@@ -95,17 +94,15 @@ def test_missing_dump_directory_fails_the_job_clearly(client, services, cnn_file
 
 
 def test_truncated_upload_is_refused_and_servers_stay_up(services):
-    stub = pbg.CollectorStub(channel(services[0].address))
+    stub = pbg.AnalyzerStub(channel(services[1].address))
 
     def chunks():
         yield pb.ArtifactChunk(name="model.onnx", total_size=1000, data=b"x" * 10)
 
     code, msg = _status(lambda: stub.PutArtifact(chunks(), timeout=10))
     assert "model.onnx" in msg and "truncated" in msg
-    for svc in services:
-        ch = channel(svc.address)
-        stubs = pbg.CollectorStub(ch) if svc is services[0] else pbg.AnalyzerStub(ch)
-        assert stubs.Health(pb.HealthRequest(), timeout=10).status == "SERVING"
+    assert stub.Health(pb.HealthRequest(), timeout=10).status == "SERVING"
+    assert CollectorClient(services[0].address).health().status == "SERVING"
 
 
 def test_unknown_precision_and_device(client, services, cnn_files):

@@ -1,0 +1,149 @@
+"""(c) the analyzer's peak RSS for a job whose dump is ~2 GB, against the dump
+size; (d) the whole job on a real CNN detector (PP-OCRv4 det) compared with
+its FP16 build, against Polygraphy doing the same comparison in the same run.
+
+Every measured program is its own process; peak RSS is the kernel's
+high-water mark for that process (VmHWM, or wait4's ru_maxrss).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from layerdiff.client.demo import det_input, packaged_model
+
+
+def _timed(cmd: list[str], **kw) -> tuple[float, int, int]:
+    """(wall seconds, peak RSS bytes, exit code) of one command."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode(errors="replace")
+    if proc.returncode not in (0, 1):
+        print(err[-2000:], file=sys.stderr)
+    return wall, usage.ru_maxrss * 1024, proc.returncode
+
+
+def bench_vs_polygraphy(work: Path, height: int, width: int) -> dict:
+    from polygraphy.json import save_json
+
+    from layerdiff.collector.live import to_fp16
+
+    ref = packaged_model()
+    device = work / "det_fp16.onnx"
+    onnx.save_model(to_fp16(onnx.load(str(ref))), str(device))
+    x = det_input(height, width)
+    np.savez(work / "page.npz", x=x)
+    save_json([{"x": x}], str(work / "page.json"))
+    bin_dir = Path(sys.executable).parent
+    ours = _timed([str(bin_dir / "layerdiff"), "run", str(ref), "--inputs", str(work / "page.npz"),
+                   "--device-model", str(device), "--out", str(work / "ours"), "--no-progress"])
+    summary = json.loads((work / "ours" / "summary.json").read_text())
+    poly = bin_dir / "polygraphy"
+    p1 = _timed([str(poly), "run", str(ref), "--onnxrt", "--onnx-outputs", "mark", "all",
+                 "--load-inputs", str(work / "page.json"), "--save-outputs", str(work / "ref_outputs.json")])
+    p2 = _timed([str(poly), "run", str(device), "--onnxrt", "--onnx-outputs", "mark", "all",
+                 "--load-inputs", str(work / "page.json"), "--load-outputs", str(work / "ref_outputs.json")])
+    poly_wall, poly_rss = p1[0] + p2[0], max(p1[1], p2[1])
+    return {
+        "model": ref.name, "input": [1, 3, height, width], "nodes_compared": summary["counts"]["compared"],
+        "first_failing_node": (summary["first_failing_node"] or {}).get("node"),
+        "layerdiff_wall_s": ours[0], "layerdiff_peak_rss_MiB": ours[1] / 2**20,
+        "polygraphy_wall_s": poly_wall, "polygraphy_peak_rss_MiB": poly_rss / 2**20,
+        "wall_ratio": ours[0] / poly_wall, "rss_ratio": ours[1] / poly_rss,
+        "goal": "wall_ratio <= 0.33, rss_ratio <= 0.5",
+    }
+
+
+def _serve(service: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "layerdiff.client.cli", service, "serve", "--port", "0",
+                             "--workdir", str(workdir)], stdout=subprocess.PIPE, text=True)
+    return proc, re.search(r"listening on (\S+)", proc.stdout.readline()).group(1)
+
+
+def _hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def bench_analyzer_rss(work: Path, side: int) -> dict:
+    """A dump of the detector at side x side in float32 (~2 GB at 1088)."""
+    from layerdiff.client.api import run
+    from layerdiff.collector.dumpdir import write_dump
+    from layerdiff.collector.live import LiveRunner
+
+    ref = packaged_model()
+    feeds = {"x": det_input(side, side)}
+    dump = work / "dump"
+    records = []
+    for rec in LiveRunner(ref.read_bytes(), feeds, precision="fp16").records():
+        if rec.array is not None:
+            rec.array = rec.array.astype(np.float32)   # a runtime that dumps its FP16 results as float32
+        records.append(rec)
+    write_dump(dump, records)
+    del records
+    dump_bytes = sum(p.stat().st_size for p in dump.glob("*.npy"))
+    np.savez(work / "in.npz", **feeds)
+    collector, caddr = _serve("collector", work / "collector")
+    analyzer, aaddr = _serve("analyzer", work / "analyzer")
+    try:
+        base = _hwm(analyzer.pid)
+        t = time.perf_counter()
+        res = run(ref, work / "in.npz", dump=str(dump), analyzer=aaddr, collector=caddr, out=work / "rss-out",
+                  progress=False)
+        wall = time.perf_counter() - t
+        peak = _hwm(analyzer.pid)
+    finally:
+        analyzer.terminate()
+        collector.terminate()
+        analyzer.wait()
+        collector.wait()
+    return {"dump_MiB": dump_bytes / 2**20, "nodes": res.summary["counts"]["compared"],
+            "analyzer_idle_rss_MiB": base / 2**20, "analyzer_peak_rss_MiB": peak / 2**20,
+            "peak_rss_over_dump": peak / dump_bytes, "job_wall_s": wall,
+            "dump_GBps": dump_bytes / wall / 1e9}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--height", type=int, default=640)
+    ap.add_argument("--width", type=int, default=640)
+    ap.add_argument("--rss-side", type=int, default=1088, help="input side for the ~2 GB dump")
+    ap.add_argument("--skip-rss", action="store_true")
+    a = ap.parse_args(argv)
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="layerdiff-bench-job-") as tmp:
+        d = bench_vs_polygraphy(Path(tmp), a.height, a.width)
+        out["vs_polygraphy"] = d
+        print(f"(d) {d['model']} {d['input']} FP32 vs FP16 build, {d['nodes_compared']} nodes "
+              f"(first failing: {d['first_failing_node']})")
+        print(f"    layerdiff  {d['layerdiff_wall_s']:7.2f} s  {d['layerdiff_peak_rss_MiB']:8.0f} MiB")
+        print(f"    polygraphy {d['polygraphy_wall_s']:7.2f} s  {d['polygraphy_peak_rss_MiB']:8.0f} MiB")
+        print(f"    ratio wall {d['wall_ratio']:.2f} (goal <= 0.33), peak RSS {d['rss_ratio']:.2f} (goal <= 0.5)")
+    if not a.skip_rss:
+        with tempfile.TemporaryDirectory(prefix="layerdiff-bench-rss-") as tmp:
+            c = bench_analyzer_rss(Path(tmp), a.rss_side)
+            out["analyzer_rss"] = c
+            print(f"(c) dump {c['dump_MiB']:.0f} MiB, {c['nodes']} nodes: analyzer peak RSS "
+                  f"{c['analyzer_peak_rss_MiB']:.0f} MiB (idle {c['analyzer_idle_rss_MiB']:.0f} MiB), "
+                  f"{c['peak_rss_over_dump']:.2f}x the dump; job {c['job_wall_s']:.1f} s")
+    print(json.dumps({"job": out}))
+    return out
+
+
+if __name__ == "__main__":
+    main()

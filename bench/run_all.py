@@ -1,0 +1,24 @@
+"""`make bench`: every figure beside its baseline, from one run."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_job  # noqa: E402
+import bench_metrics  # noqa: E402
+import bench_stream  # noqa: E402
+
+
+def main() -> None:
+    results = {"stream": bench_stream.main([]), "metrics": bench_metrics.main([]), "job": bench_job.main([])}
+    out = Path("bench-out")
+    out.mkdir(exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nall figures: {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

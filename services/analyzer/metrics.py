@@ -1,0 +1,1321 @@
+"""Per-node accuracy metrics: device output vs. FP32 CPU reference.
+
+Everything a node report needs is computed in one fused pass over the two
+tensors (``compare``).  The pass is also available in chunked form
+(``accumulate`` / ``merge`` / ``finalize``) so that a node too large for one
+machine, or one message, can be split anywhere and recombined to the same
+result: counts, offsets and maxima exactly, sums up to float64 summation
+order (relative 1e-9 is far more than enough).
+
+Definitions (``reference_metrics`` is the executable form of this list):
+
+* Before comparing, NaN -> 0 and +-Inf -> +-float32 max on both sides (what
+  the seed comparison tool does); the NaN/Inf/overflow counters are taken on
+  the raw values.
+* e_i = d_i - r_i, a_i = |e_i|; element i mismatches when
+  ``a_i > atol + rtol * |r_i|``.
+* rel_i = a_i / |r_i|, with |r_i| replaced by REL_EPS where r_i == 0.
+* KL(P||Q) with P = |r| / sum|r|, Q = |d| / sum|d|, computed as
+  ``(1/Sr) * sum |r_i| (ln max(|r_i|, REL_EPS) - ln max(|d_i|, REL_EPS))
+  + ln(Sd/Sr)``: the floor is applied to the magnitudes, not to the
+  normalised p_i/q_i, because a floor on p_i depends on the global sum and
+  would need a second pass (and could not be merged across chunks).  Exactly
+  KL whenever no non-zero magnitude lies below 1e-10.  Clamped at 0 (it can
+  only come out negative through rounding).
+
+Accuracy of the fast kernel: every count, offset, maximum and comparison is
+bit-exact float64 arithmetic (identical to ``reference_metrics``).  For
+float32/float16 inputs the per-element KL log term of elements with both
+magnitudes <= 65504 is ``log(max(|r|,eps)/max(|d|,eps))`` evaluated in float32
+(one IEEE division, then a Cephes-style polynomial, max error ~1.2e-7 absolute
+on the log), so KL differs from the float64 definition by at most ~2e-7
+absolute; all other elements and all other input dtypes use float64 ``log``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Iterable
+
+import numpy as np
+from llvmlite import binding as _llvm
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core import config as _nb_config
+from numba.extending import intrinsic, overload
+
+__all__ = [
+    "ATOL_DEFAULT",
+    "RTOL_DEFAULT",
+    "FP16_MAX",
+    "REL_EPS",
+    "NodeMetrics",
+    "Accumulator",
+    "compare",
+    "accumulate",
+    "merge",
+    "finalize",
+    "worst_elements",
+    "reference_metrics",
+    "warmup",
+]
+
+ATOL_DEFAULT = 0.005
+RTOL_DEFAULT = 0.2
+FP16_MAX = 65504.0
+REL_EPS = 1e-10
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_MAX_32 = np.float32(_F32_MAX)
+_FP16_MAX_32 = np.float32(FP16_MAX)
+_EPS_32 = np.float32(REL_EPS)
+# Bit pattern of float32(65504): every |x| whose bits compare above it (as an
+# unsigned integer) is > 65504, Inf or NaN, i.e. needs the careful path.
+_FP16_MAX_BITS = 0x477FE000
+# Elements per block.  Two float32 blocks (16 KiB) stay in L1 while the
+# kernel makes its two sweeps over them.
+_BLOCK = 2048
+
+
+# ---------------------------------------------------------------------------
+# Result types
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeMetrics:
+    total: int
+    errors: int
+    first_mismatch_offset: int
+    first_mismatch_index: tuple
+    shape: tuple
+    ref_value: float
+    dev_value: float
+    max_abs_err: float
+    mean_abs_err: float
+    max_abs_diff: float
+    mean_abs_diff: float
+    max_rel_err: float
+    mean_rel_err: float
+    ref_mean: float
+    ref_std: float
+    ref_rms: float
+    cosine: float
+    mse: float
+    rmse: float
+    pearson: float
+    sqnr_db: float
+    rel_euclidean: float
+    kl_div: float
+    rel_err_lt_0_001: float
+    rel_err_lt_0_005: float
+    ref_nan: int
+    ref_inf: int
+    dev_nan: int
+    dev_inf: int
+    fp16_overflow: int
+    dev_fp16_overflow: int
+    atol: float
+    rtol: float
+
+    @property
+    def passed(self) -> bool:
+        return self.errors == 0
+
+    def as_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodeMetrics":
+        kw = {f.name: d[f.name] for f in fields(cls)}
+        kw["first_mismatch_index"] = tuple(kw["first_mismatch_index"])
+        kw["shape"] = tuple(kw["shape"])
+        return cls(**kw)
+
+
+# Layout of the state arrays shared by the compiled code and Accumulator.
+# Integer part.
+_I_N, _I_NERR, _I_FIRST, _I_V0 = 0, 1, 2, 3
+_I_REF_NAN, _I_REF_INF, _I_DEV_NAN, _I_DEV_INF, _I_REF_OVF, _I_DEV_OVF = 4, 5, 6, 7, 8, 9
+_I_REL1, _I_REL5 = 10, 11
+_NI = 12
+_INT_FIELDS = (
+    "n", "errors", "first_offset", "v0_offset", "ref_nan", "ref_inf", "dev_nan",
+    "dev_inf", "ref_overflow", "dev_overflow", "n_rel_lt_0_001", "n_rel_lt_0_005",
+)
+# Float part.  Moments are kept centred (Chan et al. parallel form): a
+# reference with a large mean and a small spread keeps its std, and a
+# constant tensor has exactly zero variance.
+_F_FIRST_REF, _F_FIRST_DEV, _F_V0_REF, _F_V0_DEV = 0, 1, 2, 3
+_F_SUM_ERR, _F_MAX_ERR, _F_SUM_AE, _F_MAX_AE, _F_SUM_REL, _F_MAX_REL = 4, 5, 6, 7, 8, 9
+_F_MEAN_R, _F_M2_R, _F_MEAN_E, _F_M2_E, _F_C_RE = 10, 11, 12, 13, 14
+_F_SUM_AR, _F_SUM_AD, _F_SUM_KL, _F_DMIN, _F_DMAX = 15, 16, 17, 18, 19
+_NF = 20
+_FLOAT_FIELDS = (
+    "first_ref", "first_dev", "v0_ref", "v0_dev", "sum_err", "max_err", "sum_abs_diff",
+    "max_abs_diff", "sum_rel", "max_rel", "mean_ref", "m2_ref", "mean_diff", "m2_diff",
+    "c_ref_diff", "sum_abs_ref", "sum_abs_dev", "sum_kl", "dev_min", "dev_max",
+)
+
+
+@dataclass
+class Accumulator:
+    """Mergeable partial result of the metric pass (numbers only).
+
+    ``e = d - r``; ``mean_ref/m2_ref``, ``mean_diff/m2_diff`` and
+    ``c_ref_diff`` are the centred first and second moments of r and e and
+    their co-moment.  ``v0_*`` hold the values at the smallest offset seen
+    (offset 0 once all chunks are merged), ``first_*`` those at the first
+    mismatch; offsets are -1 when absent.  Values are after NaN/Inf
+    replacement.
+    """
+
+    atol: float = ATOL_DEFAULT
+    rtol: float = RTOL_DEFAULT
+    n: int = 0
+    errors: int = 0
+    first_offset: int = -1
+    v0_offset: int = -1
+    ref_nan: int = 0
+    ref_inf: int = 0
+    dev_nan: int = 0
+    dev_inf: int = 0
+    ref_overflow: int = 0
+    dev_overflow: int = 0
+    n_rel_lt_0_001: int = 0
+    n_rel_lt_0_005: int = 0
+    first_ref: float = math.nan
+    first_dev: float = math.nan
+    v0_ref: float = math.nan
+    v0_dev: float = math.nan
+    sum_err: float = 0.0
+    max_err: float = 0.0
+    sum_abs_diff: float = 0.0
+    max_abs_diff: float = 0.0
+    sum_rel: float = 0.0
+    max_rel: float = 0.0
+    mean_ref: float = 0.0
+    m2_ref: float = 0.0
+    mean_diff: float = 0.0
+    m2_diff: float = 0.0
+    c_ref_diff: float = 0.0
+    sum_abs_ref: float = 0.0
+    sum_abs_dev: float = 0.0
+    sum_kl: float = 0.0
+    dev_min: float = math.inf
+    dev_max: float = -math.inf
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Accumulator":
+        kw = {}
+        for f in fields(cls):
+            if f.name in d:
+                kw[f.name] = int(d[f.name]) if f.name in _INT_FIELDS else float(d[f.name])
+        return cls(**kw)
+
+    def _arrays(self):
+        iv = np.array([getattr(self, k) for k in _INT_FIELDS], dtype=np.int64)
+        fv = np.array([getattr(self, k) for k in _FLOAT_FIELDS], dtype=np.float64)
+        return iv, fv
+
+    @classmethod
+    def _from_arrays(cls, iv, fv, atol, rtol) -> "Accumulator":
+        kw = {k: int(v) for k, v in zip(_INT_FIELDS, iv.tolist())}
+        kw.update({k: float(v) for k, v in zip(_FLOAT_FIELDS, fv.tolist())})
+        return cls(atol=float(atol), rtol=float(rtol), **kw)
+
+
+def _new_state():
+    iv = np.zeros(_NI, np.int64)
+    iv[_I_FIRST] = -1
+    iv[_I_V0] = -1
+    fv = np.zeros(_NF, np.float64)
+    fv[_F_FIRST_REF] = fv[_F_FIRST_DEV] = fv[_F_V0_REF] = fv[_F_V0_DEV] = np.nan
+    fv[_F_DMIN] = np.inf
+    fv[_F_DMAX] = -np.inf
+    return iv, fv
+
+
+# ---------------------------------------------------------------------------
+# LLVM IR building blocks
+# ---------------------------------------------------------------------------
+
+_I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F16, _F32, _F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+_PTR = ir.PointerType()
+_V8F = ir.VectorType(_F32, 8)
+_V8I = ir.VectorType(_I32, 8)
+_V8H = ir.VectorType(_I16, 8)
+_V4D = ir.VectorType(_F64, 4)
+_V4L = ir.VectorType(_I64, 4)
+
+
+def _target_has_f16c() -> bool:
+    # Mirrors numba's choice of target features for the JIT.
+    feats = _nb_config.CPU_FEATURES
+    if feats is None:
+        feats = _llvm.get_host_cpu_features().flatten()
+    return "+f16c" in feats.split(",")
+
+
+_HAS_F16C = _target_has_f16c()
+
+
+def _c(ty, v):
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [ir.Constant(ty.element, v)] * ty.count)
+    return ir.Constant(ty, v)
+
+
+def _like(ty, elem):
+    """Type with the shape of ``ty`` and element type ``elem``."""
+    return ir.VectorType(elem, ty.count) if isinstance(ty, ir.VectorType) else elem
+
+
+def _type_suffix(ty):
+    el = ty.element if isinstance(ty, ir.VectorType) else ty
+    s = {_F32: "f32", _F64: "f64", _I32: "i32", _I64: "i64"}[el]
+    return f"v{ty.count}{s}" if isinstance(ty, ir.VectorType) else s
+
+
+def _call_intr(b, base, *args):
+    ty = args[0].type
+    fnty = ir.FunctionType(ty, [a.type for a in args])
+    fn = cgutils.get_or_insert_function(b.module, fnty, f"llvm.{base}.{_type_suffix(ty)}")
+    return b.call(fn, list(args))
+
+
+def _fma(b, x, y, z):
+    # Explicit fused multiply-add: exactly rounded, so the vector kernel and
+    # the scalar fallback produce identical results where it is used.
+    return _call_intr(b, "fma", x, y, z)
+
+
+def _fabs(b, x):
+    return _call_intr(b, "fabs", x)
+
+
+def _fmax(b, x, y):
+    # select(x > y, x, y): maps to (v)maxps/pd; inputs are never NaN here.
+    return b.select(b.fcmp_ordered(">", x, y), x, y)
+
+
+def _fmin(b, x, y):
+    return b.select(b.fcmp_ordered("<", x, y), x, y)
+
+
+# Cephes logf: log(m) for m in [sqrt(.5), sqrt(2)) as x - x^2/2 + x^3 P(x),
+# x = m - 1, with ln2 split in two so that e*ln2 stays exact.  Max error over
+# the float32 normals is ~1 ulp of the result (checked in the tests).
+_LOG_P = (
+    7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1,
+    1.4249322787e-1, -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1,
+    3.3333331174e-1,
+)
+
+
+def _emit_log32(b, q):
+    """Natural log of positive normal float32 ``q`` (scalar or vector)."""
+    fty = q.type
+    ity = _like(fty, _I32)
+    t = b.sub(b.bitcast(q, ity), _c(ity, 0x3F3504F3))
+    e = b.sitofp(b.ashr(t, _c(ity, 23)), fty)
+    m = b.bitcast(b.add(b.and_(t, _c(ity, 0x7FFFFF)), _c(ity, 0x3F3504F3)), fty)
+    x = b.fsub(m, _c(fty, 1.0))
+    z = b.fmul(x, x)
+    p = _c(fty, _LOG_P[0])
+    for coef in _LOG_P[1:]:
+        p = _fma(b, p, x, _c(fty, coef))
+    y = b.fmul(b.fmul(x, z), p)
+    y = _fma(b, e, _c(fty, -2.12194440e-4), y)
+    y = _fma(b, z, _c(fty, -0.5), y)
+    r = b.fadd(x, y)
+    return _fma(b, e, _c(fty, 0.693359375), r)
+
+
+def _emit_h2f(b, h):
+    """Exact IEEE half (given as i16 bits) -> float32, scalar or vector."""
+    fty = _like(h.type, _F32)
+    if _HAS_F16C:
+        return b.fpext(b.bitcast(h, _like(h.type, _F16)), fty)
+    # Portable path: shift exponent+mantissa into float32 position and rebias
+    # with a multiply by 2**112 (also right for subnormal halves); Inf/NaN get
+    # the all-ones exponent.
+    ity = _like(h.type, _I32)
+    hi = b.zext(h, ity)
+    sign = b.shl(b.and_(hi, _c(ity, 0x8000)), _c(ity, 16))
+    em = b.shl(b.and_(hi, _c(ity, 0x7FFF)), _c(ity, 13))
+    scaled = b.bitcast(b.fmul(b.bitcast(em, fty), _c(fty, 2.0 ** 112)), ity)
+    infnan = b.icmp_unsigned(">=", b.and_(hi, _c(ity, 0x7C00)), _c(ity, 0x7C00))
+    bits = b.select(infnan, b.or_(em, _c(ity, 0x7F800000)), scaled)
+    return b.bitcast(b.or_(bits, sign), fty)
+
+
+# Order of the per-block sums written by the kernel (and by the scalar path).
+(_B_SU, _B_SU2, _B_SE, _B_SUE, _B_SE2, _B_SAE, _B_MAE, _B_SAR, _B_SAD, _B_DMIN, _B_DMAX,
+ _B_NERR, _B_SERR, _B_MERR, _B_SREL, _B_MREL, _B_C1, _B_C5, _B_SKL) = range(19)
+_NB = 19
+
+
+def _build_block_fn(module, name, ref_half, dev_half):
+    """Vector kernel over ``ng`` groups of 8 elements.
+
+    Sweep 1 (moments, |.| sums, max |e|, device min/max and the max of the
+    raw |r|,|d| bit patterns) and, only if that max shows every element is
+    finite with magnitude <= 65504, sweep 2 (tolerance test, relative error,
+    KL term).  Each sweep keeps few enough accumulators to live in the 16
+    AVX registers; the block is still in L1 for the second one.  Returns the
+    max magnitude bit pattern; the caller redoes the block on the scalar path
+    when it is above _FP16_MAX_BITS.
+    """
+    fnty = ir.FunctionType(_I64, [_PTR, _PTR, _I64, _F64, _F64, _F64, _PTR])
+    fn = ir.Function(module, fnty, name=name)
+    fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    rp, dp, ng, atol, rtol, shift, outp = fn.args
+    entry = fn.append_basic_block("entry")
+    loop1 = fn.append_basic_block("sweep1")
+    mid = fn.append_basic_block("mid")
+    loop2 = fn.append_basic_block("sweep2")
+    done2 = fn.append_basic_block("done2")
+    bail = fn.append_basic_block("bail")
+    b = ir.IRBuilder(entry)
+
+    def splat(v, ty):
+        vec = b.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(_I32, 0))
+        return b.shuffle_vector(vec, ir.Constant(ty, ir.Undefined),
+                                ir.Constant(ir.VectorType(_I32, ty.count), [0] * ty.count))
+
+    lo_mask = ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])
+    hi_mask = ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7])
+
+    def load8(ptr, half, i):
+        off = b.mul(i, ir.Constant(_I64, 8))
+        if half:
+            p = b.gep(ptr, [off], source_etype=_I16)
+            v = b.load(p, typ=_V8H)
+            v.align = 2
+            return _emit_h2f(b, v)
+        p = b.gep(ptr, [off], source_etype=_F32)
+        v = b.load(p, typ=_V8F)
+        v.align = 4
+        return v
+
+    def halves(v):
+        return (b.fpext(b.shuffle_vector(v, v, lo_mask), _V4D),
+                b.fpext(b.shuffle_vector(v, v, hi_mask), _V4D))
+
+    def store(idx, val):
+        p = b.gep(outp, [ir.Constant(_I64, idx)], source_etype=_F64)
+        b.store(val, p)
+
+    def hsum(v):
+        s = b.extract_element(v, ir.Constant(_I32, 0))
+        for k in range(1, v.type.count):
+            x = b.extract_element(v, ir.Constant(_I32, k))
+            s = b.fadd(s, x) if isinstance(v.type.element, ir.DoubleType) else b.add(s, x)
+        return s
+
+    def hred(v, pick):
+        s = b.extract_element(v, ir.Constant(_I32, 0))
+        for k in range(1, v.type.count):
+            s = pick(b, s, b.extract_element(v, ir.Constant(_I32, k)))
+        return s
+
+    zero_d = _c(_V4D, 0.0)
+    kv = splat(shift, _V4D)
+    atolv = splat(atol, _V4D)
+    rtolv = splat(rtol, _V4D)
+    b.branch(loop1)
+
+    # ---- sweep 1 ---------------------------------------------------------
+    b.position_at_end(loop1)
+    i = b.phi(_I64)
+    i.add_incoming(ir.Constant(_I64, 0), entry)
+    names1 = ("su", "su2", "se", "sue", "se2", "sae", "mae", "sar", "sad")
+    acc = {k: b.phi(_V4D) for k in names1}
+    for k in names1:
+        acc[k].add_incoming(zero_d, entry)
+    dmin = b.phi(_V8F)
+    dmin.add_incoming(_c(_V8F, math.inf), entry)
+    dmax = b.phi(_V8F)
+    dmax.add_incoming(_c(_V8F, -math.inf), entry)
+    mxb = b.phi(_V8I)
+    mxb.add_incoming(_c(_V8I, 0), entry)
+
+    rv = load8(rp, ref_half, i)
+    dv = load8(dp, dev_half, i)
+    rbits = b.and_(b.bitcast(rv, _V8I), _c(_V8I, 0x7FFFFFFF))
+    dbits = b.and_(b.bitcast(dv, _V8I), _c(_V8I, 0x7FFFFFFF))
+    umax = lambda bb, x, y: bb.select(bb.icmp_unsigned(">", x, y), x, y)
+    new_mxb = umax(b, mxb, umax(b, rbits, dbits))
+    new_dmin = _fmin(b, dv, dmin)
+    new_dmax = _fmax(b, dv, dmax)
+    nxt = dict(acc)
+    for x, y in zip(halves(rv), halves(dv)):
+        u = b.fsub(x, kv)
+        e = b.fsub(y, x)
+        ae = _fabs(b, e)
+        nxt["su"] = b.fadd(nxt["su"], u)
+        nxt["su2"] = _fma(b, u, u, nxt["su2"])
+        nxt["se"] = b.fadd(nxt["se"], e)
+        nxt["sue"] = _fma(b, u, e, nxt["sue"])
+        nxt["se2"] = _fma(b, e, e, nxt["se2"])
+        nxt["sae"] = b.fadd(nxt["sae"], ae)
+        nxt["mae"] = _fmax(b, ae, nxt["mae"])
+        nxt["sar"] = b.fadd(nxt["sar"], _fabs(b, x))
+        nxt["sad"] = b.fadd(nxt["sad"], _fabs(b, y))
+    i_next = b.add(i, ir.Constant(_I64, 1))
+    end1 = b.block
+    i.add_incoming(i_next, end1)
+    for k in names1:
+        acc[k].add_incoming(nxt[k], end1)
+    dmin.add_incoming(new_dmin, end1)
+    dmax.add_incoming(new_dmax, end1)
+    mxb.add_incoming(new_mxb, end1)
+    b.cbranch(b.icmp_signed("<", i_next, ng), loop1, mid)
+
+    b.position_at_end(mid)
+    for idx, k in ((_B_SU, "su"), (_B_SU2, "su2"), (_B_SE, "se"), (_B_SUE, "sue"),
+                   (_B_SE2, "se2"), (_B_SAE, "sae"), (_B_SAR, "sar"), (_B_SAD, "sad")):
+        store(idx, hsum(nxt[k]))
+    store(_B_MAE, hred(nxt["mae"], _fmax))
+    store(_B_DMIN, b.fpext(hred(new_dmin, _fmin), _F64))
+    store(_B_DMAX, b.fpext(hred(new_dmax, _fmax), _F64))
+    maxbits = b.zext(hred(new_mxb, umax), _I64)
+    b.cbranch(b.icmp_unsigned(">", maxbits, ir.Constant(_I64, _FP16_MAX_BITS)), bail, loop2)
+
+    b.position_at_end(bail)
+    b.ret(maxbits)
+
+    # ---- sweep 2 ---------------------------------------------------------
+    b.position_at_end(loop2)
+    zero_l = _c(_V4L, 0)
+    j = b.phi(_I64)
+    j.add_incoming(ir.Constant(_I64, 0), mid)
+    names2 = ("serr", "merr", "srel", "mrel", "skl")
+    acc2 = {k: b.phi(_V4D) for k in names2}
+    for k in names2:
+        acc2[k].add_incoming(zero_d, mid)
+    cnames = ("nerr", "c1", "c5")
+    cnt = {k: b.phi(_V4L) for k in cnames}
+    for k in cnames:
+        cnt[k].add_incoming(zero_l, mid)
+
+    rv = load8(rp, ref_half, j)
+    dv = load8(dp, dev_half, j)
+    # KL log term, 8 lanes in float32.
+    arf = _fabs(b, rv)
+    adf = _fabs(b, dv)
+    eps32 = _c(_V8F, float(_EPS_32))
+    qa = b.select(b.fcmp_ordered("<", arf, eps32), eps32, arf)
+    qb = b.select(b.fcmp_ordered("<", adf, eps32), eps32, adf)
+    lg = _emit_log32(b, b.fdiv(qa, qb))
+    nxt2 = dict(acc2)
+    nc = dict(cnt)
+    for x, y, l in zip(halves(rv), halves(dv), halves(lg)):
+        ax = _fabs(b, x)
+        ae = _fabs(b, b.fsub(y, x))
+        # No fast-math flags: must round exactly like the scalar path and
+        # like numpy's ``atol + rtol * |r|``.
+        tol = b.fadd(b.fmul(ax, rtolv), atolv)
+        mis = b.fcmp_ordered(">", ae, tol)
+        nc["nerr"] = b.add(nc["nerr"], b.zext(mis, _V4L))
+        em = b.select(mis, ae, zero_d)
+        nxt2["serr"] = b.fadd(nxt2["serr"], em)
+        nxt2["merr"] = _fmax(b, em, nxt2["merr"])
+        den = b.select(b.fcmp_ordered("==", x, zero_d), _c(_V4D, REL_EPS), ax)
+        rel = b.fdiv(ae, den)
+        nxt2["srel"] = b.fadd(nxt2["srel"], rel)
+        nxt2["mrel"] = _fmax(b, rel, nxt2["mrel"])
+        nc["c1"] = b.add(nc["c1"], b.zext(b.fcmp_ordered("<", rel, _c(_V4D, 0.001)), _V4L))
+        nc["c5"] = b.add(nc["c5"], b.zext(b.fcmp_ordered("<", rel, _c(_V4D, 0.005)), _V4L))
+        nxt2["skl"] = _fma(b, ax, l, nxt2["skl"])
+    j_next = b.add(j, ir.Constant(_I64, 1))
+    end2 = b.block
+    j.add_incoming(j_next, end2)
+    for k in names2:
+        acc2[k].add_incoming(nxt2[k], end2)
+    for k in cnames:
+        cnt[k].add_incoming(nc[k], end2)
+    b.cbranch(b.icmp_signed("<", j_next, ng), loop2, done2)
+
+    b.position_at_end(done2)
+    for idx, k in ((_B_SERR, "serr"), (_B_SREL, "srel"), (_B_SKL, "skl")):
+        store(idx, hsum(nxt2[k]))
+    store(_B_MERR, hred(nxt2["merr"], _fmax))
+    store(_B_MREL, hred(nxt2["mrel"], _fmax))
+    for idx, k in ((_B_NERR, "nerr"), (_B_C1, "c1"), (_B_C5, "c5")):
+        store(idx, b.sitofp(hsum(nc[k]), _F64))
+    b.ret(maxbits)
+    return fn
+
+
+def _block_fn(module, ref_half, dev_half):
+    name = "layerdiff_metrics_block_%s%s" % ("h" if ref_half else "f", "h" if dev_half else "f")
+    try:
+        return module.get_global(name)
+    except KeyError:
+        return _build_block_fn(module, name, ref_half, dev_half)
+
+
+def _is_f32_or_half_array(t):
+    return (isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C"
+            and t.dtype in (types.float32, types.uint16))
+
+
+@intrinsic
+def _block_kernel(typingctx, r, d, start, ng, atol, rtol, shift, out):
+    if not (_is_f32_or_half_array(r) and _is_f32_or_half_array(d)):
+        return None
+    sig = types.int64(r, d, types.int64, types.int64, types.float64, types.float64,
+                      types.float64, out)
+
+    def codegen(context, builder, sig, args):
+        ra = context.make_array(sig.args[0])(context, builder, args[0])
+        da = context.make_array(sig.args[1])(context, builder, args[1])
+        oa = context.make_array(sig.args[7])(context, builder, args[7])
+        rptr = builder.gep(ra.data, [args[2]], inbounds=True)
+        dptr = builder.gep(da.data, [args[2]], inbounds=True)
+        fn = _block_fn(builder.module, sig.args[0].dtype == types.uint16,
+                       sig.args[1].dtype == types.uint16)
+        return builder.call(fn, [rptr, dptr, args[3], args[4], args[5], args[6], oa.data])
+
+    return sig, codegen
+
+
+@intrinsic
+def _log32(typingctx, q):
+    if q != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _emit_log32(builder, args[0])
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _h2f(typingctx, h):
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _emit_h2f(builder, args[0])
+
+    return types.float32(types.uint16), codegen
+
+
+def _ld32(a, i):
+    raise NotImplementedError
+
+
+@overload(_ld32, inline="always")
+def _ov_ld32(a, i):
+    if a.dtype == types.uint16:
+        return lambda a, i: _h2f(a[i])
+    if a.dtype == types.float32:
+        return lambda a, i: a[i]
+
+
+def _ld64(a, i):
+    raise NotImplementedError
+
+
+@overload(_ld64, inline="always")
+def _ov_ld64(a, i):
+    # uint16 arrays reaching the compiled code are always float16 bit views
+    # (genuine uint16 data is widened before dispatch).
+    if a.dtype == types.uint16:
+        return lambda a, i: np.float64(_h2f(a[i]))
+    if a.dtype == types.boolean:
+        return lambda a, i: 1.0 if a[i] else 0.0
+    return lambda a, i: np.float64(a[i])
+
+
+# ---------------------------------------------------------------------------
+# Scalar element path (tails, blocks with NaN/Inf/|x|>65504, other dtypes)
+# ---------------------------------------------------------------------------
+
+
+@njit(inline="always", error_model="numpy")
+def _replace64(v):
+    if v != v:
+        return 0.0
+    if v == np.inf:
+        return _F32_MAX
+    if v == -np.inf:
+        return -_F32_MAX
+    return v
+
+
+@njit(inline="always", error_model="numpy")
+def _count_special(x, y, spc):
+    if x != x:
+        spc[0] += 1
+    elif abs(x) == np.inf:
+        spc[1] += 1
+    elif abs(x) > FP16_MAX:
+        spc[4] += 1
+    if y != y:
+        spc[2] += 1
+    elif abs(y) == np.inf:
+        spc[3] += 1
+        spc[5] += 1
+    elif abs(y) > FP16_MAX:
+        spc[5] += 1
+
+
+@njit(inline="always", error_model="numpy")
+def _elem_common(x, y, shift, atol, rtol, blk):
+    # x, y: replaced values as float64.  Same operations, in the same
+    # rounding, as the vector kernel.
+    u = x - shift
+    e = y - x
+    ae = abs(e)
+    ax = abs(x)
+    blk[_B_SU] += u
+    blk[_B_SU2] += u * u
+    blk[_B_SE] += e
+    blk[_B_SUE] += u * e
+    blk[_B_SE2] += e * e
+    blk[_B_SAE] += ae
+    if ae > blk[_B_MAE]:
+        blk[_B_MAE] = ae
+    blk[_B_SAR] += ax
+    blk[_B_SAD] += abs(y)
+    if y < blk[_B_DMIN]:
+        blk[_B_DMIN] = y
+    if y > blk[_B_DMAX]:
+        blk[_B_DMAX] = y
+    if ae > ax * rtol + atol:
+        blk[_B_NERR] += 1.0
+        blk[_B_SERR] += ae
+        if ae > blk[_B_MERR]:
+            blk[_B_MERR] = ae
+    den = ax if x != 0.0 else REL_EPS
+    rel = ae / den
+    blk[_B_SREL] += rel
+    if rel > blk[_B_MREL]:
+        blk[_B_MREL] = rel
+    if rel < 0.001:
+        blk[_B_C1] += 1.0
+    if rel < 0.005:
+        blk[_B_C5] += 1.0
+
+
+@njit(inline="always", error_model="numpy")
+def _log_term64(x, y):
+    return math.log(max(abs(x), REL_EPS)) - math.log(max(abs(y), REL_EPS))
+
+
+@njit(inline="always", error_model="numpy")
+def _elem32(rr, dd, shift, atol, rtol, blk, spc):
+    # rr, dd: raw float32 values.
+    if abs(rr) <= _FP16_MAX_32 and abs(dd) <= _FP16_MAX_32:
+        x = np.float64(rr)
+        y = np.float64(dd)
+        _elem_common(x, y, shift, atol, rtol, blk)
+        qa = max(abs(rr), _EPS_32)
+        qb = max(abs(dd), _EPS_32)
+        blk[_B_SKL] += abs(x) * np.float64(_log32(qa / qb))
+    else:
+        x = np.float64(rr)
+        y = np.float64(dd)
+        _count_special(x, y, spc)
+        x = _replace64(x)
+        y = _replace64(y)
+        _elem_common(x, y, shift, atol, rtol, blk)
+        blk[_B_SKL] += abs(x) * _log_term64(x, y)
+
+
+@njit(inline="always", error_model="numpy")
+def _elem64(x, y, shift, atol, rtol, blk, spc):
+    if not (abs(x) <= FP16_MAX and abs(y) <= FP16_MAX):
+        _count_special(x, y, spc)
+        x = _replace64(x)
+        y = _replace64(y)
+    _elem_common(x, y, shift, atol, rtol, blk)
+    blk[_B_SKL] += abs(x) * _log_term64(x, y)
+
+
+@njit(inline="always", error_model="numpy")
+def _reset_block(blk):
+    blk[:] = 0.0
+    blk[_B_DMIN] = np.inf
+    blk[_B_DMAX] = -np.inf
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _merge_moments(iv, fv, n_b, mean_r, m2_r, mean_e, m2_e, c_re):
+    """Chan et al. pairwise update of the centred moments in (iv, fv)."""
+    n_a = iv[_I_N]
+    if n_b == 0:
+        return
+    if n_a == 0:
+        fv[_F_MEAN_R] = mean_r
+        fv[_F_M2_R] = m2_r
+        fv[_F_MEAN_E] = mean_e
+        fv[_F_M2_E] = m2_e
+        fv[_F_C_RE] = c_re
+        return
+    n = n_a + n_b
+    dr = mean_r - fv[_F_MEAN_R]
+    de = mean_e - fv[_F_MEAN_E]
+    w = n_b / n
+    f = n_a * w
+    fv[_F_MEAN_R] += dr * w
+    fv[_F_MEAN_E] += de * w
+    fv[_F_M2_R] += m2_r + dr * dr * f
+    fv[_F_M2_E] += m2_e + de * de * f
+    fv[_F_C_RE] += c_re + dr * de * f
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _merge_block(iv, fv, blk, m, shift):
+    mu = blk[_B_SU] / m
+    me = blk[_B_SE] / m
+    # The shift is an element of the block, so these differences lose at most
+    # ~m ulps even when the shift is an outlier.
+    m2_r = max(blk[_B_SU2] - blk[_B_SU] * mu, 0.0)
+    m2_e = max(blk[_B_SE2] - blk[_B_SE] * me, 0.0)
+    if blk[_B_SU2] == 0.0:
+        m2_r = 0.0
+    c_re = blk[_B_SUE] - blk[_B_SU] * me
+    _merge_moments(iv, fv, m, shift + mu, m2_r, me, m2_e, c_re)
+    iv[_I_N] += m
+    nerr = np.int64(blk[_B_NERR])
+    iv[_I_NERR] += nerr
+    iv[_I_REL1] += np.int64(blk[_B_C1])
+    iv[_I_REL5] += np.int64(blk[_B_C5])
+    fv[_F_SUM_ERR] += blk[_B_SERR]
+    if nerr > 0 and blk[_B_MERR] > fv[_F_MAX_ERR]:
+        fv[_F_MAX_ERR] = blk[_B_MERR]
+    fv[_F_SUM_AE] += blk[_B_SAE]
+    if blk[_B_MAE] > fv[_F_MAX_AE]:
+        fv[_F_MAX_AE] = blk[_B_MAE]
+    fv[_F_SUM_REL] += blk[_B_SREL]
+    if blk[_B_MREL] > fv[_F_MAX_REL]:
+        fv[_F_MAX_REL] = blk[_B_MREL]
+    fv[_F_SUM_AR] += blk[_B_SAR]
+    fv[_F_SUM_AD] += blk[_B_SAD]
+    fv[_F_SUM_KL] += blk[_B_SKL]
+    if blk[_B_DMIN] < fv[_F_DMIN]:
+        fv[_F_DMIN] = blk[_B_DMIN]
+    if blk[_B_DMAX] > fv[_F_DMAX]:
+        fv[_F_DMAX] = blk[_B_DMAX]
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _finish_specials(iv, spc):
+    iv[_I_REF_NAN] += spc[0]
+    iv[_I_REF_INF] += spc[1]
+    iv[_I_DEV_NAN] += spc[2]
+    iv[_I_DEV_INF] += spc[3]
+    iv[_I_REF_OVF] += spc[4]
+    iv[_I_DEV_OVF] += spc[5]
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _acc_fast(r, d, atol, rtol, base, iv, fv):
+    """Metric pass over float32 / float16-bits arrays (1-D, C order)."""
+    n = r.size
+    blk = np.empty(_NB, np.float64)
+    spc = np.zeros(6, np.int64)
+    for s in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - s)
+        shift = _replace64(np.float64(_ld32(r, s)))
+        ng = m // 8
+        start = s
+        if ng > 0:
+            _reset_block(blk)
+            mxb = _block_kernel(r, d, s, ng, atol, rtol, shift, blk)
+            if mxb <= _FP16_MAX_BITS:
+                start = s + ng * 8
+            else:
+                _reset_block(blk)
+        else:
+            _reset_block(blk)
+        for i in range(start, s + m):
+            _elem32(_ld32(r, i), _ld32(d, i), shift, atol, rtol, blk, spc)
+        if blk[_B_NERR] > 0.0 and iv[_I_FIRST] < 0:
+            for i in range(s, s + m):
+                x = _replace64(np.float64(_ld32(r, i)))
+                y = _replace64(np.float64(_ld32(d, i)))
+                ax = abs(x)
+                if abs(y - x) > ax * rtol + atol:
+                    iv[_I_FIRST] = base + i
+                    fv[_F_FIRST_REF] = x
+                    fv[_F_FIRST_DEV] = y
+                    break
+        _merge_block(iv, fv, blk, m, shift)
+    _finish_specials(iv, spc)
+    if n > 0:
+        iv[_I_V0] = base
+        fv[_F_V0_REF] = _replace64(np.float64(_ld32(r, 0)))
+        fv[_F_V0_DEV] = _replace64(np.float64(_ld32(d, 0)))
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _acc_generic(r, d, atol, rtol, base, iv, fv):
+    """Same pass for any other dtype combination, all in float64."""
+    n = r.size
+    blk = np.empty(_NB, np.float64)
+    spc = np.zeros(6, np.int64)
+    for s in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - s)
+        shift = _replace64(_ld64(r, s))
+        _reset_block(blk)
+        for i in range(s, s + m):
+            _elem64(_ld64(r, i), _ld64(d, i), shift, atol, rtol, blk, spc)
+        if blk[_B_NERR] > 0.0 and iv[_I_FIRST] < 0:
+            for i in range(s, s + m):
+                x = _replace64(_ld64(r, i))
+                y = _replace64(_ld64(d, i))
+                if abs(y - x) > abs(x) * rtol + atol:
+                    iv[_I_FIRST] = base + i
+                    fv[_F_FIRST_REF] = x
+                    fv[_F_FIRST_DEV] = y
+                    break
+        _merge_block(iv, fv, blk, m, shift)
+    _finish_specials(iv, spc)
+    if n > 0:
+        iv[_I_V0] = base
+        fv[_F_V0_REF] = _replace64(_ld64(r, 0))
+        fv[_F_V0_DEV] = _replace64(_ld64(d, 0))
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _merge_state(iv, fv, jv, gv):
+    """(iv, fv) <- (iv, fv) merged with (jv, gv)."""
+    n_b = jv[_I_N]
+    _merge_moments(iv, fv, n_b, gv[_F_MEAN_R], gv[_F_M2_R], gv[_F_MEAN_E], gv[_F_M2_E],
+                   gv[_F_C_RE])
+    iv[_I_N] += n_b
+    for k in (_I_NERR, _I_REF_NAN, _I_REF_INF, _I_DEV_NAN, _I_DEV_INF, _I_REF_OVF,
+              _I_DEV_OVF, _I_REL1, _I_REL5):
+        iv[k] += jv[k]
+    if jv[_I_FIRST] >= 0 and (iv[_I_FIRST] < 0 or jv[_I_FIRST] < iv[_I_FIRST]):
+        iv[_I_FIRST] = jv[_I_FIRST]
+        fv[_F_FIRST_REF] = gv[_F_FIRST_REF]
+        fv[_F_FIRST_DEV] = gv[_F_FIRST_DEV]
+    if jv[_I_V0] >= 0 and (iv[_I_V0] < 0 or jv[_I_V0] < iv[_I_V0]):
+        iv[_I_V0] = jv[_I_V0]
+        fv[_F_V0_REF] = gv[_F_V0_REF]
+        fv[_F_V0_DEV] = gv[_F_V0_DEV]
+    for k in (_F_SUM_ERR, _F_SUM_AE, _F_SUM_REL, _F_SUM_AR, _F_SUM_AD, _F_SUM_KL):
+        fv[k] += gv[k]
+    for k in (_F_MAX_ERR, _F_MAX_AE, _F_MAX_REL, _F_DMAX):
+        if gv[k] > fv[k]:
+            fv[k] = gv[k]
+    if gv[_F_DMIN] < fv[_F_DMIN]:
+        fv[_F_DMIN] = gv[_F_DMIN]
+
+
+# ---------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------
+
+
+def _flat(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
+
+
+def _prepare(a: np.ndarray):
+    """(array for the compiled code, is float32/float16)."""
+    dt = a.dtype
+    if dt == np.float32:
+        return a, True
+    if dt == np.float16:
+        return a.view(np.uint16), True
+    if dt == np.float64 or dt == np.bool_:
+        return a, False
+    if dt.kind in "iu":
+        if dt == np.uint16:
+            # uint16 inside the compiled code means float16 bits.
+            return a.astype(np.int32), False
+        return a, False
+    if dt.kind == "f":
+        return a.astype(np.float64), False
+    raise TypeError(f"unsupported tensor dtype {dt}")
+
+
+_warm_lock = threading.Lock()
+_warmed = False
+
+
+def warmup() -> None:
+    """Load (or compile) the common kernel signatures.  Idempotent."""
+    global _warmed
+    if _warmed:
+        return
+    with _warm_lock:
+        if _warmed:
+            return
+        f32 = np.zeros(16, np.float32)
+        f16 = np.zeros(16, np.uint16)
+        f64 = np.zeros(16, np.float64)
+        for r, d in ((f32, f32), (f32, f16), (f16, f16), (f16, f32)):
+            iv, fv = _new_state()
+            _acc_fast(r, d, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv)
+        iv, fv = _new_state()
+        _acc_generic(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv)
+        _merge_state(iv, fv, iv.copy(), fv.copy())
+        _warmed = True
+
+
+def _run(ref, dev, atol, rtol, base):
+    r = _flat(ref)
+    d = _flat(dev)
+    if r.size != d.size:
+        raise ValueError(
+            f"element count mismatch: reference has {r.size} elements, device has {d.size}")
+    atol = float(atol)
+    rtol = float(rtol)
+    if not _warmed:
+        warmup()
+    r, rf = _prepare(r)
+    d, df = _prepare(d)
+    iv, fv = _new_state()
+    if rf and df:
+        _acc_fast(r, d, atol, rtol, int(base), iv, fv)
+    else:
+        _acc_generic(r, d, atol, rtol, int(base), iv, fv)
+    return iv, fv
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+
+
+def accumulate(ref_chunk, dev_chunk, offset: int = 0, atol: float = ATOL_DEFAULT,
+               rtol: float = RTOL_DEFAULT) -> Accumulator:
+    """Partial metrics of one chunk starting at flat ``offset`` of the tensor."""
+    iv, fv = _run(ref_chunk, dev_chunk, atol, rtol, offset)
+    return Accumulator._from_arrays(iv, fv, atol, rtol)
+
+
+def merge(accs: Iterable[Accumulator]) -> Accumulator:
+    accs = list(accs)
+    if not accs:
+        return Accumulator()
+    atol, rtol = accs[0].atol, accs[0].rtol
+    iv, fv = _new_state()
+    for a in accs:
+        if a.atol != atol or a.rtol != rtol:
+            raise ValueError("cannot merge accumulators built with different atol/rtol")
+        jv, gv = a._arrays()
+        _merge_state(iv, fv, jv, gv)
+    return Accumulator._from_arrays(iv, fv, atol, rtol)
+
+
+def _unravel(off: int, shape: tuple) -> tuple:
+    if off < 0:
+        return ()
+    if len(shape) == 0:
+        return ()
+    return tuple(int(i) for i in np.unravel_index(off, shape))
+
+
+def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetrics:
+    """NodeMetrics from a (merged) accumulator.
+
+    ``ref_at``/``dev_at`` are accepted for interface compatibility and not
+    needed: the accumulator keeps the values it reports.
+    """
+    n = int(acc.n)
+    if shape is None:
+        shape = (n,)
+    shape = tuple(int(s) for s in shape)
+    if int(np.prod(shape, dtype=np.int64)) != n:
+        raise ValueError(f"shape {shape} does not hold {n} elements")
+    nan = math.nan
+    errors = int(acc.errors)
+    first = int(acc.first_offset) if errors > 0 else -1
+    if first >= 0:
+        ref_value, dev_value = acc.first_ref, acc.first_dev
+    elif n > 0:
+        ref_value, dev_value = acc.v0_ref, acc.v0_dev
+    else:
+        ref_value = dev_value = nan
+    max_abs_err = float(acc.max_err) if errors else 0.0
+    mean_abs_err = float(acc.sum_err) / errors if errors else 0.0
+
+    if n == 0:
+        vals = dict.fromkeys(
+            ("max_abs_diff", "mean_abs_diff", "max_rel_err", "mean_rel_err", "ref_mean",
+             "ref_std", "ref_rms", "cosine", "mse", "rmse", "pearson", "sqnr_db",
+             "rel_euclidean", "kl_div", "rel_err_lt_0_001", "rel_err_lt_0_005"), nan)
+    else:
+        m2_r = max(acc.m2_ref, 0.0)
+        sum_r2 = m2_r + n * acc.mean_ref * acc.mean_ref
+        sum_e2 = max(acc.m2_diff, 0.0) + n * acc.mean_diff * acc.mean_diff
+        sum_re = acc.c_ref_diff + n * acc.mean_ref * acc.mean_diff
+        sum_rd = sum_r2 + sum_re
+        sum_d2 = max(sum_r2 + 2.0 * sum_re + sum_e2, 0.0)
+        r_zero = acc.sum_abs_ref == 0.0
+        d_zero = acc.sum_abs_dev == 0.0
+        same = acc.sum_abs_diff == 0.0
+        if r_zero and d_zero:
+            cosine = 1.0
+        elif r_zero or d_zero:
+            cosine = 0.0
+        else:
+            cosine = min(max(sum_rd / (math.sqrt(sum_r2) * math.sqrt(sum_d2)), -1.0), 1.0)
+        r_const = acc.m2_ref == 0.0
+        d_const = acc.dev_min == acc.dev_max
+        if r_const and d_const:
+            pearson = 1.0 if acc.dev_min == acc.mean_ref else nan
+        elif r_const or d_const:
+            pearson = nan
+        else:
+            var_d = m2_r + 2.0 * acc.c_ref_diff + max(acc.m2_diff, 0.0)
+            cov = m2_r + acc.c_ref_diff
+            pearson = (min(max(cov / math.sqrt(m2_r * var_d), -1.0), 1.0)
+                       if var_d > 0.0 else nan)
+        if same:
+            sqnr = math.inf
+        elif r_zero:
+            sqnr = -math.inf
+        else:
+            sqnr = 10.0 * math.log10(sum_r2 / sum_e2)
+        if r_zero:
+            rel_euc = 0.0 if same else math.inf
+        else:
+            rel_euc = math.sqrt(sum_e2) / math.sqrt(sum_r2)
+        sr, sd = acc.sum_abs_ref, acc.sum_abs_dev
+        if sr == 0.0 and sd == 0.0:
+            kl = 0.0
+        elif sr == 0.0 or sd == 0.0:
+            kl = nan
+        else:
+            kl = max(acc.sum_kl / sr + math.log(sd / sr), 0.0)
+        mse = sum_e2 / n
+        vals = dict(
+            max_abs_diff=float(acc.max_abs_diff), mean_abs_diff=acc.sum_abs_diff / n,
+            max_rel_err=float(acc.max_rel), mean_rel_err=acc.sum_rel / n,
+            ref_mean=float(acc.mean_ref), ref_std=math.sqrt(m2_r / n),
+            ref_rms=math.sqrt(sum_r2 / n), cosine=cosine, mse=mse, rmse=math.sqrt(mse),
+            pearson=pearson, sqnr_db=sqnr, rel_euclidean=rel_euc, kl_div=kl,
+            rel_err_lt_0_001=acc.n_rel_lt_0_001 / n, rel_err_lt_0_005=acc.n_rel_lt_0_005 / n,
+        )
+    return NodeMetrics(
+        total=n, errors=errors, first_mismatch_offset=first,
+        first_mismatch_index=_unravel(first, shape), shape=shape,
+        ref_value=float(ref_value), dev_value=float(dev_value),
+        max_abs_err=max_abs_err, mean_abs_err=mean_abs_err,
+        ref_nan=int(acc.ref_nan), ref_inf=int(acc.ref_inf), dev_nan=int(acc.dev_nan),
+        dev_inf=int(acc.dev_inf), fp16_overflow=int(acc.ref_overflow),
+        dev_fp16_overflow=int(acc.dev_overflow), atol=float(acc.atol), rtol=float(acc.rtol),
+        **vals,
+    )
+
+
+def compare(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
+            rtol: float = RTOL_DEFAULT) -> NodeMetrics:
+    """All metrics of one node in one fused pass (``shape`` is ref.shape)."""
+    shape = tuple(np.shape(ref))
+    iv, fv = _run(ref, dev, atol, rtol, 0)
+    return finalize(Accumulator._from_arrays(iv, fv, atol, rtol), shape)
+
+
+# ---------------------------------------------------------------------------
+# Worst elements
+# ---------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _worse(a_diff, a_idx, b_diff, b_idx):
+    return a_diff > b_diff or (a_diff == b_diff and a_idx < b_idx)
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _worst(r, d, atol, rtol, count, hidx, hdiff):
+    """Bounded heap (root = least bad kept) of the ``count`` worst mismatches."""
+    k = 0
+    for i in range(r.size):
+        x = _replace64(_ld64(r, i))
+        y = _replace64(_ld64(d, i))
+        ae = abs(y - x)
+        if not ae > abs(x) * rtol + atol:
+            continue
+        if k < count:
+            # sift up
+            c = k
+            k += 1
+            while c > 0:
+                p = (c - 1) // 2
+                if _worse(hdiff[p], hidx[p], ae, i):
+                    hdiff[c] = hdiff[p]
+                    hidx[c] = hidx[p]
+                    c = p
+                else:
+                    break
+            hdiff[c] = ae
+            hidx[c] = i
+        elif _worse(ae, i, hdiff[0], hidx[0]):
+            # replace root, sift down
+            c = 0
+            while True:
+                lft = 2 * c + 1
+                if lft >= k:
+                    break
+                ch = lft
+                if lft + 1 < k and _worse(hdiff[lft], hidx[lft], hdiff[lft + 1], hidx[lft + 1]):
+                    ch = lft + 1
+                if _worse(ae, i, hdiff[ch], hidx[ch]):
+                    hdiff[c] = hdiff[ch]
+                    hidx[c] = hidx[ch]
+                    c = ch
+                else:
+                    break
+            hdiff[c] = ae
+            hidx[c] = i
+    return k
+
+
+def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
+                   rtol: float = RTOL_DEFAULT, count: int = 128) -> list:
+    """Up to ``count`` mismatching elements, worst first.
+
+    Rows are ``(flat index, ref value, dev value, abs_diff, relative_diff)``
+    after NaN/Inf replacement, sorted by abs_diff descending then index.
+    """
+    r = _flat(ref)
+    d = _flat(dev)
+    if r.size != d.size:
+        raise ValueError(
+            f"element count mismatch: reference has {r.size} elements, device has {d.size}")
+    count = int(count)
+    if count <= 0 or r.size == 0:
+        return []
+    r, _ = _prepare(r)
+    d, _ = _prepare(d)
+    hidx = np.empty(count, np.int64)
+    hdiff = np.empty(count, np.float64)
+    k = _worst(r, d, float(atol), float(rtol), count, hidx, hdiff)
+    order = sorted(range(k), key=lambda j: (-hdiff[j], hidx[j]))
+    rows = []
+    for j in order:
+        i = int(hidx[j])
+        x = float(_replace_py(r[i]))
+        y = float(_replace_py(d[i]))
+        ae = abs(y - x)
+        den = abs(x) if x != 0.0 else REL_EPS
+        rows.append((i, x, y, ae, ae / den))
+    return rows
+
+
+def _replace_py(v) -> float:
+    if isinstance(v, np.uint16):  # float16 bits
+        v = np.uint16(v).view(np.float16)
+    v = float(v)
+    if v != v:
+        return 0.0
+    if v == math.inf:
+        return _F32_MAX
+    if v == -math.inf:
+        return -_F32_MAX
+    return v
+
+
+# ---------------------------------------------------------------------------
+# Reference definition
+# ---------------------------------------------------------------------------
+
+
+def reference_metrics(ref, dev, atol: float = ATOL_DEFAULT,
+                      rtol: float = RTOL_DEFAULT) -> NodeMetrics:
+    """Plain float64 numpy definition of every metric (slow; for checking)."""
+    shape = tuple(np.shape(ref))
+    r0 = np.asarray(ref).reshape(-1).astype(np.float64)
+    d0 = np.asarray(dev).reshape(-1).astype(np.float64)
+    if r0.size != d0.size:
+        raise ValueError(
+            f"element count mismatch: reference has {r0.size} elements, device has {d0.size}")
+    n = r0.size
+    big = _F32_MAX
+    r = np.nan_to_num(r0, nan=0.0, posinf=big, neginf=-big)
+    d = np.nan_to_num(d0, nan=0.0, posinf=big, neginf=-big)
+    diff = np.abs(d - r)
+    mis = diff > atol + rtol * np.abs(r)
+    errors = int(mis.sum())
+    first = int(np.argmax(mis)) if errors else -1
+    at = first if first >= 0 else 0
+    rel = diff / np.where(r == 0, REL_EPS, np.abs(r))
+    nan = math.nan
+    with np.errstate(all="ignore"):
+        counts = dict(
+            ref_nan=int(np.isnan(r0).sum()), ref_inf=int(np.isinf(r0).sum()),
+            dev_nan=int(np.isnan(d0).sum()), dev_inf=int(np.isinf(d0).sum()),
+            fp16_overflow=int((np.isfinite(r0) & (np.abs(r0) > FP16_MAX)).sum()),
+            dev_fp16_overflow=int(((np.isfinite(d0) & (np.abs(d0) > FP16_MAX))
+                                   | np.isinf(d0)).sum()),
+        )
+        if n == 0:
+            vals = dict.fromkeys(
+                ("max_abs_diff", "mean_abs_diff", "max_rel_err", "mean_rel_err", "ref_mean",
+                 "ref_std", "ref_rms", "cosine", "mse", "rmse", "pearson", "sqnr_db",
+                 "rel_euclidean", "kl_div", "rel_err_lt_0_001", "rel_err_lt_0_005"), nan)
+        else:
+            nr, nd, ne = np.linalg.norm(r), np.linalg.norm(d), np.linalg.norm(d - r)
+            r_zero, d_zero, same = not r.any(), not d.any(), not (d - r).any()
+            if r_zero and d_zero:
+                cosine = 1.0
+            elif r_zero or d_zero:
+                cosine = 0.0
+            else:
+                cosine = float(np.clip(np.dot(r, d) / (nr * nd), -1.0, 1.0))
+            r_const, d_const = np.ptp(r) == 0, np.ptp(d) == 0
+            if r_const and d_const:
+                pearson = 1.0 if r[0] == d[0] else nan
+            elif r_const or d_const:
+                pearson = nan
+            else:
+                rc, dc = r - r.mean(), d - d.mean()
+                pearson = float(np.clip(np.dot(rc, dc) / (np.linalg.norm(rc)
+                                                          * np.linalg.norm(dc)), -1.0, 1.0))
+            sqnr = (math.inf if same else -math.inf if r_zero
+                    else float(10.0 * np.log10(np.sum(r * r) / np.sum((r - d) ** 2))))
+            rel_euc = (0.0 if same else math.inf) if r_zero else float(ne / nr)
+            sr, sd = np.abs(r).sum(), np.abs(d).sum()
+            if sr == 0 and sd == 0:
+                kl = 0.0
+            elif sr == 0 or sd == 0:
+                kl = nan
+            else:
+                p = np.abs(r) / sr
+                lr = np.log(np.maximum(np.abs(r), REL_EPS) / sr)
+                lq = np.log(np.maximum(np.abs(d), REL_EPS) / sd)
+                kl = max(float(np.sum(p * (lr - lq))), 0.0)
+            vals = dict(
+                max_abs_diff=float(diff.max()), mean_abs_diff=float(diff.mean()),
+                max_rel_err=float(rel.max()), mean_rel_err=float(rel.mean()),
+                ref_mean=float(r.mean()), ref_std=float(r.std()),
+                ref_rms=float(np.sqrt(np.mean(r * r))), cosine=cosine,
+                mse=float(np.mean((d - r) ** 2)), rmse=float(np.sqrt(np.mean((d - r) ** 2))),
+                pearson=pearson, sqnr_db=sqnr, rel_euclidean=rel_euc, kl_div=kl,
+                rel_err_lt_0_001=float(np.mean(rel < 0.001)),
+                rel_err_lt_0_005=float(np.mean(rel < 0.005)),
+            )
+    return NodeMetrics(
+        total=n, errors=errors, first_mismatch_offset=first,
+        first_mismatch_index=_unravel(first, shape) if len(shape) else (),
+        shape=shape,
+        ref_value=float(r[at]) if n else nan, dev_value=float(d[at]) if n else nan,
+        max_abs_err=float(diff[mis].max()) if errors else 0.0,
+        mean_abs_err=float(diff[mis].mean()) if errors else 0.0,
+        atol=float(atol), rtol=float(rtol), **counts, **vals,
+    )
