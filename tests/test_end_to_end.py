@@ -160,3 +160,26 @@ def test_progress_streams_while_the_job_runs(services, cnn_files, tmp_path):
     done = [e.nodes_done for e in events if e.state == pb.COMPARING]
     assert done == sorted(done) and max(done) == 9
     assert events[-1].first_failing_node == "conv2"
+
+
+def test_fp16_run_of_the_demo_model(services, tmp_path):
+    """A real pretrained detector (PP-OCRv4 det) on a rendered page, FP16 vs FP32."""
+    from layerdiff.client.demo import det_input, packaged_model
+
+    collector, analyzer = services
+    np.savez(tmp_path / "page.npz", x=det_input(160, 224))
+    model = packaged_model()
+    res = run(model, tmp_path / "page.npz", precision="fp16", out=tmp_path / "out", analyzer=analyzer.address,
+              collector=collector.address, progress=False)
+    s = res.summary
+    assert s["counts"]["compared"] == len(onnx.load(str(model)).graph.node) == 672
+    first = s["first_failing_node"]
+    assert first is not None and first["op_type"] != "Constant"
+    orders = [n["order"] for n in s["nodes"]]
+    assert orders == sorted(orders)
+    assert all(n["passed"] for n in s["nodes"] if n["order"] < first["order"] and not n["constant"])
+    # the BatchNorm variance that FP16 cannot hold is named as a constant, with its overflow count
+    overflowing = [k for k in s["failing_constants"] if k["fp16_overflow"] > 0]
+    assert overflowing and overflowing[0]["tensor"] == "batch_norm_0.w_2"
+    # accumulated FP16 rounding, not a broken network: the output map still agrees
+    assert s["nodes"][-1]["cosine"] > 0.999

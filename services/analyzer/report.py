@@ -32,6 +32,7 @@ EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", 
                  "kl_div", "rel_err_lt_0.001", "rel_err_lt_0.005", "ref_nan", "ref_inf", "npu_nan", "npu_inf",
                  "fp16_overflow", "npu_fp16_overflow", "note"]
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
+CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-+=,@]")
 
 
@@ -69,6 +70,10 @@ class Row:
     def failed(self) -> bool:
         return not self.outcome.metrics.passed
 
+    @property
+    def is_constant(self) -> bool:
+        return self.site.op_type in CONSTANT_OPS
+
 
 @dataclass
 class JobReport:
@@ -82,7 +87,10 @@ class JobReport:
         return sorted(self.rows, key=lambda r: (r.site.order, r.site.output_index))
 
     def first_failing(self) -> Row | None:
-        return next((r for r in self.ordered() if r.failed), None)
+        """The first failing computation in execution order. Constants are
+        parameters, not computations: a constant that differs (a weight that
+        overflows FP16, a quantized weight) is reported on its own."""
+        return next((r for r in self.ordered() if r.failed and not r.is_constant), None)
 
 
 def _seed_cells(r: Row) -> list[str]:
@@ -118,7 +126,7 @@ def _json_num(v):
 def node_summary(r: Row) -> dict:
     d = {k: _json_num(v) for k, v in r.outcome.metrics.as_dict().items()}
     d.update(node=r.site.node, tensor=r.site.tensor, op_type=r.site.op_type, order=r.site.order,
-             device_name=r.device_name, passed=not r.failed, note=r.outcome.note)
+             device_name=r.device_name, passed=not r.failed, constant=r.is_constant, note=r.outcome.note)
     return d
 
 
@@ -160,6 +168,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
 
     first = rep.first_failing()
     failed = [r for r in rows if r.failed]
+    failed_constants = [r for r in failed if r.is_constant]
     summary = {
         "tool": "layerdiff",
         "version": __version__,
@@ -169,14 +178,16 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "counts": {
             "reference_tensors": len(all_sites),
             "compared": len(rows),
-            "failed": len(failed),
+            "failed": len(failed) - len(failed_constants),
+            "failed_constants": len(failed_constants),
             "passed": len(rows) - len(failed),
             "skipped": len(rep.skipped),
             "not_dumped": len(rep.not_dumped),
             "invalid_out": len(rep.invalid_out),
             "device_tensors": len(rep.device_names),
         },
-        "failing_nodes": [r.site.tensor for r in failed],
+        "failing_nodes": [r.site.tensor for r in failed if not r.is_constant],
+        "failing_constants": [node_summary(r) for r in failed_constants],
         "detail_files": detail_files,
         "nodes": [node_summary(r) for r in rows],
     }

@@ -243,7 +243,13 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     lines.append(f"{summary.get('model')} on {summary.get('device')} ({summary.get('precision')}, "
                  f"{summary.get('source')}): {c['compared']} compared, {c['failed']} failed, {c['passed']} passed, "
                  f"{c['skipped']} skipped, {c['not_dumped']} not dumped, {c['invalid_out']} unknown device names")
-    failing = [n for n in summary.get("nodes", []) if not n["passed"]]
+    constants = summary.get("failing_constants") or []
+    if constants:
+        k = constants[0]
+        overflow = f", {k['fp16_overflow']} beyond the FP16 range" if k.get("fp16_overflow") else ""
+        lines.append(f"constants (weights) that differ on the device: {len(constants)}, first {k['node']} "
+                     f"(tensor {k['tensor']}): {k['errors']}/{k['total']} outside tolerance{overflow}")
+    failing = [n for n in summary.get("nodes", []) if not n["passed"] and not n.get("constant")]
     if failing:
         lines.append(f"first {min(top, len(failing))} failing nodes in execution order:")
         lines.append(f"  {'#':>5}  {'node':40.40}  {'op':14.14}  {'errors/total':>16}  {'max_abs_err':>11}  "
