@@ -178,8 +178,13 @@ def test_fp16_run_of_the_demo_model(services, tmp_path):
     orders = [n["order"] for n in s["nodes"]]
     assert orders == sorted(orders)
     assert all(n["passed"] for n in s["nodes"] if n["order"] < first["order"] and not n["constant"])
-    # the BatchNorm variance that FP16 cannot hold is named as a constant, with its overflow count
+    # The head's BatchNorm running variance (~1e7) cannot be held in FP16: the
+    # constant is named with its overflow count, and the BatchNorm that reads
+    # it is where the output map stops agreeing (cosine falls below 0.9),
+    # while every computation before it still agrees closely.
     overflowing = [k for k in s["failing_constants"] if k["fp16_overflow"] > 0]
-    assert overflowing and overflowing[0]["tensor"] == "batch_norm_0.w_2"
-    # accumulated FP16 rounding, not a broken network: the output map still agrees
-    assert s["nodes"][-1]["cosine"] > 0.999
+    assert [k["tensor"] for k in overflowing] == ["batch_norm_0.w_2"]
+    computations = [n for n in s["nodes"] if not n["constant"]]
+    broken = next(n for n in computations if n["cosine"] < 0.9)
+    assert broken["node"] == "p2o.BatchNormalization.1"
+    assert all(n["cosine"] > 0.99 for n in computations if n["order"] < broken["order"])
