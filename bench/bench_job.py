@@ -115,7 +115,7 @@ def bench_analyzer_rss(work: Path, side: int) -> dict:
     return {"dump_MiB": dump_bytes / 2**20, "nodes": res.summary["counts"]["compared"],
             "analyzer_idle_rss_MiB": base / 2**20, "analyzer_peak_rss_MiB": peak / 2**20,
             "peak_rss_over_dump": peak / dump_bytes, "job_wall_s": wall,
-            "dump_GBps": dump_bytes / wall / 1e9}
+            "dump_GBps": dump_bytes / wall / 1e9, "analyzer_job_elapsed_s": res.summary["elapsed_s"]}
 
 
 def main(argv=None) -> dict:

@@ -40,6 +40,9 @@ class OnnxReference:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.log_severity_level = 3
+        # Without the arena every output returns to the system as soon as its
+        # node is compared, instead of the whole run staying resident.
+        so.enable_cpu_mem_arena = False
         try:
             sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         except Exception as e:

@@ -112,6 +112,9 @@ class LiveRunner:
         expose_all_outputs(self.model, only=wanted)
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        # Without the arena every output returns to the system as soon as its
+        # node is compared, instead of the whole run staying resident.
+        so.enable_cpu_mem_arena = False
         try:
             sess = ort.InferenceSession(self.model.SerializeToString(), so, providers=self.providers)
         except Exception as e:

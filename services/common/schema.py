@@ -157,7 +157,7 @@ class BufferPool:
     into pages already mapped runs about three times faster than into fresh
     allocations, and layers of a network repeat their sizes."""
 
-    def __init__(self, max_bytes: int = 1024**3) -> None:
+    def __init__(self, max_bytes: int = 128 * 1024**2) -> None:
         self.max_bytes = max_bytes
         self._free: dict[int, list[np.ndarray]] = {}
         self._free_bytes = 0
