@@ -188,3 +188,27 @@ def test_fp16_run_of_the_demo_model(services, tmp_path):
     broken = next(n for n in computations if n["cosine"] < 0.9)
     assert broken["node"] == "p2o.BatchNormalization.1"
     assert all(n["cosine"] > 0.99 for n in computations if n["order"] < broken["order"])
+
+
+def test_cancel_stops_a_running_job(services, tmp_path):
+    from layerdiff.client.demo import det_input, packaged_model
+
+    collector, analyzer = services
+    client = AnalyzerClient(analyzer.address)
+    np.savez(tmp_path / "page.npz", x=det_input(640, 640))
+    spec = pb.JobSpec(model_artifact=client.upload(packaged_model().read_bytes(), "det.onnx"),
+                      inputs_artifact=client.upload((tmp_path / "page.npz").read_bytes(), "page.npz"),
+                      collector=collector.address, precision="fp16")
+    job = client.submit(spec)
+    client.cancel(job)
+    events = list(client.watch(job, timeout=120))
+    assert events[-1].state == pb.CANCELLED
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as ei:
+        client.fetch(job, tmp_path / "out")
+    assert "CANCELLED" in ei.value.details()
+    with pytest.raises(grpc.RpcError) as ei:
+        list(client.watch("nosuchjob", timeout=10))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    client.close()

@@ -174,6 +174,8 @@ class JobRunner:
         collector = CollectorClient(spec.collector)
         try:
             collector.wait_ready()
+            if job.cancelled.is_set():
+                raise _Cancelled()
             request = self._capture_request(job, collector)
             job.call = collector.capture(request)
             if job.cancelled.is_set():
