@@ -33,7 +33,7 @@ EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", 
                  "fp16_overflow", "npu_fp16_overflow", "note"]
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
 CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
-_UNSAFE = re.compile(r"[^A-Za-z0-9_\-+=,@]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-+=,@.]")
 
 
 def g6(v: float) -> str:
@@ -46,16 +46,17 @@ def g6(v: float) -> str:
 
 def safe_filename(name: str, taken: set[str]) -> str:
     """A file name derived from a node name that can never leave the report
-    directory: separators normalized, anything unusual replaced, bounded length,
-    unique within the report."""
-    base = _UNSAFE.sub("_", name).strip("._") or "node"
-    if len(base) > 120 or base != name:
-        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-        base = f"{base[:120]}_{digest}" if (len(base) > 120 or base in taken) else base
+    directory: path separators and unusual characters become ``_`` (as the seed
+    tool names its files), bounded length, unique within the report (case
+    folded, for case-insensitive file systems)."""
+    digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    base = _UNSAFE.sub("_", name).replace("..", "_").lstrip(".") or "node"
+    if len(base) > 120:
+        base = f"{base[:120]}_{digest}"
     stem, n = base, 1
     while stem.lower() in taken:
         n += 1
-        stem = f"{base}_{n}"
+        stem = f"{base}_{digest}" if n == 2 else f"{base}_{digest}_{n}"
     taken.add(stem.lower())
     return stem
 
@@ -154,7 +155,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     _write_log(out / "compare_skip.log", rep.skipped +
                [(s.tensor, "not dumped by the device (fused away or not produced)") for s in rep.not_dumped])
     _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
-    (out / "dump_memory_nodename.log").write_text("".join(n + "\n" for n in rep.device_names), encoding="utf-8")
+    (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
+                                                  encoding="utf-8")
     with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["op_name", "atol", "rtol"])
@@ -198,4 +200,9 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
 def _write_log(path: Path, items: list[tuple[str, str]]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for name, reason in items:
-            f.write(f"{name}: {reason}\n")
+            # one line per node, whatever the name holds
+            f.write(f"{_one_line(name)}: {_one_line(reason)}\n")
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
