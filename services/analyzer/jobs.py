@@ -21,7 +21,7 @@ import pyarrow.flight as flight
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.compare import SkipNode
 from layerdiff.analyzer.pool import LocalPool
-from layerdiff.analyzer.reference import OnnxReference
+from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
 from layerdiff.analyzer.report import JobReport, Row, write_report
 from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.artifacts import ArtifactStore
@@ -167,8 +167,10 @@ class JobRunner:
         spec = job.spec
         total = len(p.reference.sites)
         job.emit(pb.REFERENCE, nodes_total=total)
+        reference = SegmentedReference(p.reference, p.feeds)
         helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
-        ref_future = helper.submit(p.reference.run, p.feeds)
+        # The first segment is computed while the collector starts producing.
+        ref_future = helper.submit(reference.ensure, 0)
         helper.shutdown(wait=False)
 
         collector = CollectorClient(spec.collector)
@@ -214,7 +216,7 @@ class JobRunner:
                  total: int) -> None:
         buffers = BufferPool()
         assembler = TensorAssembler(pool=buffers)
-        refs: dict[str, object] | None = None
+        refs: SegmentedReference | None = None
         seen: set[str] = set()
         pending: dict[Future, tuple[TensorSite, str, object]] = {}
         done = 0
@@ -262,7 +264,7 @@ class JobRunner:
                 return False
             if refs is None:
                 refs = ref_future.result()
-            ref = refs.pop(site.tensor, None)
+            ref = refs.pop(site.tensor)
             if ref is None:
                 rep.skipped.append((site.tensor, "the reference run produced no value"))
                 done += 1

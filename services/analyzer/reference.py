@@ -1,15 +1,22 @@
 """The reference: the original ONNX model run in FP32 on the CPU with every
 node output exposed and graph optimizations off, so that no node is fused
-away and every node has a value to compare against."""
+away and every node has a value to compare against.
+
+A large network's node outputs can outweigh the analyzer's memory (a
+detector at 1088x1088 produces about 2 GB), so the reference is computed in
+segments (``layerdiff.onnxgraph.plan_segments``) on demand, and each value is
+forgotten once compared."""
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 from layerdiff.errors import LayerdiffError
-from layerdiff.onnxgraph import (TensorSite, check_inputs, consumer_map, expose_all_outputs, load_model,
-                                 tensor_sites)
+from layerdiff.onnxgraph import (TensorSite, check_inputs, consumer_map, estimate_output_bytes, expose_all_outputs,
+                                 expose_only, load_model, plan_segments, tensor_sites)
 
 
 class OnnxReference:
@@ -32,11 +39,18 @@ class OnnxReference:
                 out.append({"order": s.order, "node": s.node, "op_type": s.op_type, "outputs": [s.tensor]})
         return out
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every node output by tensor name."""
+    def plan(self, feeds: dict[str, np.ndarray]) -> list[list[str]]:
+        """Consecutive tensors in execution order, cut into segments."""
+        return plan_segments([s.tensor for s in self.sites], estimate_output_bytes(self.model, feeds))
+
+    def run(self, feeds: dict[str, np.ndarray], only: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Every node output (or those in ``only``) by tensor name."""
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
-        expose_all_outputs(model)
+        if only is not None:
+            expose_only(model, only)
+        else:
+            expose_all_outputs(model)
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.log_severity_level = 3
@@ -53,3 +67,31 @@ class OnnxReference:
         except Exception as e:
             raise LayerdiffError(f"reference run failed: {e}", file=self.name) from e
         return {n: np.asarray(v) for n, v in zip(names, values)}
+
+
+class SegmentedReference:
+    """Reference values computed one segment at a time, on demand; each value
+    is handed out once (``pop``) and then forgotten."""
+
+    def __init__(self, reference: OnnxReference, feeds: dict[str, np.ndarray]) -> None:
+        self.reference = reference
+        self.feeds = feeds
+        self.segments = reference.plan(feeds)
+        self.segment_of = {t: i for i, seg in enumerate(self.segments) for t in seg}
+        self.computed = 0
+        self.values: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def ensure(self, upto: int) -> "SegmentedReference":
+        with self._lock:
+            while self.computed <= min(upto, len(self.segments) - 1):
+                self.values.update(self.reference.run(self.feeds, only=self.segments[self.computed]))
+                self.computed += 1
+        return self
+
+    def pop(self, tensor: str) -> np.ndarray | None:
+        i = self.segment_of.get(tensor)
+        if i is None:
+            return None
+        self.ensure(i)
+        return self.values.pop(tensor, None)

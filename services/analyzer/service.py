@@ -11,6 +11,7 @@ import grpc
 from layerdiff import __version__
 from layerdiff.analyzer.jobs import JobRunner
 from layerdiff.artifacts import ArtifactStore
+from layerdiff.memory import release_freed_tensors_to_system
 from layerdiff.errors import LayerdiffError, abort_with
 from layerdiff.net import DEFAULT_CHUNK_BYTES, bind, make_server
 from layerdiff.v1 import layerdiff_pb2 as pb
@@ -94,6 +95,7 @@ class AnalyzerService(pbg.AnalyzerServicer):
 
 class AnalyzerServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None) -> None:
+        release_freed_tensors_to_system()
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-analyzer-")

@@ -23,7 +23,8 @@ import onnxruntime as ort
 
 from layerdiff.collector.devices import resolve_provider
 from layerdiff.errors import LayerdiffError
-from layerdiff.onnxgraph import check_inputs, expose_all_outputs, load_model, tensor_sites
+from layerdiff.onnxgraph import (check_inputs, estimate_output_bytes, expose_only, load_model, plan_segments,
+                                 tensor_sites)
 from layerdiff.schema import NodeRecord
 
 log = logging.getLogger(__name__)
@@ -104,31 +105,45 @@ class LiveRunner:
                 self.model = ref
             self.view = dequantized_views(self.model)
 
+    def _session(self, outputs: list[str]) -> ort.InferenceSession:
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        expose_only(model, outputs)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        # Without the arena every output returns to the system as soon as it
+        # has been sent, instead of the whole run staying resident.
+        so.enable_cpu_mem_arena = False
+        try:
+            return ort.InferenceSession(model.SerializeToString(), so, providers=self.providers)
+        except Exception as e:
+            raise LayerdiffError(f"onnxruntime cannot load the device model: {e}", field="device_model") from e
+
     def records(self) -> Iterator[NodeRecord]:
+        """Every node output in execution order, computed segment by segment
+        (see layerdiff.onnxgraph.plan_segments) so that only about one segment
+        is resident at a time."""
         sites = tensor_sites(self.model)
         if self.original is not None:
             sites = [s for s in sites if s.tensor in self.original]
-        wanted = {self.view.get(s.tensor, s.tensor) for s in sites}
-        expose_all_outputs(self.model, only=wanted)
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        # Without the arena every output returns to the system as soon as its
-        # node is compared, instead of the whole run staying resident.
-        so.enable_cpu_mem_arena = False
-        try:
-            sess = ort.InferenceSession(self.model.SerializeToString(), so, providers=self.providers)
-        except Exception as e:
-            raise LayerdiffError(f"onnxruntime cannot load the device model: {e}", field="device_model") from e
-        names = [o.name for o in sess.get_outputs()]
-        try:
-            values = sess.run(None, self.feeds)
-        except Exception as e:
-            raise LayerdiffError(f"device run failed: {e}", field="inputs") from e
-        by_name = dict(zip(names, values))
-        del values
+        source = {s.tensor: self.view.get(s.tensor, s.tensor) for s in sites}
+        names = list(dict.fromkeys(source[s.tensor] for s in sites))
+        segments = plan_segments(names, estimate_output_bytes(self.model, self.feeds))
+        segment_of = {n: i for i, seg in enumerate(segments) for n in seg}
+        values: dict[str, np.ndarray] = {}
+        computed = 0
         for s in sites:
-            src = self.view.get(s.tensor, s.tensor)
-            arr = by_name.pop(src, None)
+            src = source[s.tensor]
+            while computed <= segment_of[src]:
+                sess = self._session(segments[computed])
+                try:
+                    out = sess.run(None, self.feeds)
+                except Exception as e:
+                    raise LayerdiffError(f"device run failed: {e}", field="inputs") from e
+                values.update(zip(segments[computed], out))
+                del sess, out
+                computed += 1
+            arr = values.pop(src, None)
             if arr is None:
                 yield NodeRecord.error(s.tensor, "the device run produced no value", s.op_type, s.order, s.node)
                 continue

@@ -27,6 +27,7 @@ from layerdiff import __version__
 from layerdiff.artifacts import ArtifactStore
 from layerdiff.collector.dumpdir import DumpDirectory
 from layerdiff.collector.live import LiveRunner
+from layerdiff.memory import release_freed_tensors_to_system
 from layerdiff.errors import LayerdiffError, NotFoundError, UnavailableError
 from layerdiff.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from layerdiff.onnxgraph import load_inputs
@@ -147,6 +148,7 @@ class CollectorServer:
     """A running collector; use as a context manager or call stop()."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None) -> None:
+        release_freed_tensors_to_system()
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-collector-")

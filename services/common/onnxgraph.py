@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from onnx import shape_inference
 
 from layerdiff.errors import LayerdiffError
 
@@ -93,6 +94,69 @@ def expose_all_outputs(model: onnx.ModelProto, only: set[str] | None = None) -> 
         model.graph.output.append(onnx.ValueInfoProto(name=site.tensor))
         present.add(site.tensor)
     return model
+
+
+def expose_only(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """Make exactly these tensors the graph outputs, in place."""
+    del model.graph.output[:]
+    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+    return model
+
+
+# Memory for every node output at once can outweigh the machine (a detector at
+# 1088x1088 produces about 2 GB), so a run that must expose every node output
+# is cut into segments of consecutive nodes, each run exposing only its own
+# outputs and freed before the next. The price is recomputing the prefix of
+# the graph for each later segment: at most MAX_SEGMENTS pieces (about 2.5x
+# the compute for four), none smaller than MIN_SEGMENT_BYTES.
+MIN_SEGMENT_BYTES = 256 * 1024**2
+MAX_SEGMENTS = 4
+
+
+def estimate_output_bytes(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """Size of each tensor for these inputs, from ONNX shape inference;
+    tensors whose shape stays unknown are left out."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    del m.graph.value_info[:]
+    for vi in m.graph.input:
+        if vi.name in feeds and vi.type.tensor_type.HasField("shape"):
+            for d, size in zip(vi.type.tensor_type.shape.dim, feeds[vi.name].shape):
+                d.ClearField("dim_param")
+                d.dim_value = int(size)
+    try:
+        inferred = shape_inference.infer_shapes(m, data_prop=True)
+    except Exception:  # an estimate only: without it the run is one segment
+        return {}
+    out: dict[str, int] = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+        tt = vi.type.tensor_type
+        dtype = ONNX_TO_NUMPY.get(tt.elem_type)
+        if not dtype or not tt.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
+        if any(d < 0 for d in dims):
+            continue
+        out[vi.name] = int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return out
+
+
+def plan_segments(names: list[str], sizes: dict[str, int], min_bytes: int = MIN_SEGMENT_BYTES,
+                  max_segments: int = MAX_SEGMENTS) -> list[list[str]]:
+    """Cut tensors (in execution order) into consecutive segments of about
+    equal estimated size."""
+    total = sum(sizes.get(n, 0) for n in names)
+    budget = max(min_bytes, -(-total // max_segments))
+    segments: list[list[str]] = [[]]
+    used = 0
+    for n in names:
+        b = sizes.get(n, 0)
+        if segments[-1] and used + b > budget:
+            segments.append([])
+            used = 0
+        segments[-1].append(n)
+        used += b
+    return segments
 
 
 def consumer_map(model: onnx.ModelProto) -> dict[str, list[str]]:
