@@ -39,9 +39,10 @@ class OnnxReference:
                 out.append({"order": s.order, "node": s.node, "op_type": s.op_type, "outputs": [s.tensor]})
         return out
 
-    def plan(self, feeds: dict[str, np.ndarray]) -> list[list[str]]:
-        """Consecutive tensors in execution order, cut into segments."""
-        return plan_segments([s.tensor for s in self.sites], estimate_output_bytes(self.model, feeds))
+    def plan(self, feeds: dict[str, np.ndarray], **limits) -> list[list[str]]:
+        """Consecutive tensors in execution order, cut into segments
+        (``limits``: min_bytes, max_segments of plan_segments)."""
+        return plan_segments([s.tensor for s in self.sites], estimate_output_bytes(self.model, feeds), **limits)
 
     def run(self, feeds: dict[str, np.ndarray], only: list[str] | None = None) -> dict[str, np.ndarray]:
         """Every node output (or those in ``only``) by tensor name."""
@@ -73,10 +74,10 @@ class SegmentedReference:
     """Reference values computed one segment at a time, on demand; each value
     is handed out once (``pop``) and then forgotten."""
 
-    def __init__(self, reference: OnnxReference, feeds: dict[str, np.ndarray]) -> None:
+    def __init__(self, reference: OnnxReference, feeds: dict[str, np.ndarray], **limits) -> None:
         self.reference = reference
         self.feeds = feeds
-        self.segments = reference.plan(feeds)
+        self.segments = reference.plan(feeds, **limits)
         self.segment_of = {t: i for i, seg in enumerate(self.segments) for t in seg}
         self.computed = 0
         self.values: dict[str, np.ndarray] = {}

@@ -151,7 +151,7 @@ def plan_segments(names: list[str], sizes: dict[str, int], min_bytes: int = MIN_
     used = 0
     for n in names:
         b = sizes.get(n, 0)
-        if segments[-1] and used + b > budget:
+        if segments[-1] and used + b > budget and len(segments) < max_segments:
             segments.append([])
             used = 0
         segments[-1].append(n)
