@@ -80,9 +80,11 @@ def main(argv=None):
         results.append(row)
         print(f"{name:<10} {nbytes / 2**20:>8.0f}Mi {row['baseline_gbs']:>12.2f} "
               f"{row['compare_gbs']:>13.2f} {row['ratio']:>7.3f}")
+    summary = {"bench": "metrics.compare", "mib": args.mib, "repeat": args.repeat,
+               "warmup_s": warm_s, "results": results}
     sys.stdout.flush()
-    print(json.dumps({"bench": "metrics.compare", "mib": args.mib, "repeat": args.repeat,
-                      "warmup_s": warm_s, "results": results}))
+    print(json.dumps(summary))
+    return summary
 
 
 if __name__ == "__main__":

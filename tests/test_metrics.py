@@ -89,7 +89,10 @@ def test_as_dict_is_json_ready():
     d = m.as_dict()
     assert d["shape"] == [2, 3] and d["first_mismatch_index"] == [0, 0]
     json.dumps(d)
-    assert M.NodeMetrics.from_dict(json.loads(json.dumps(d))) == m
+    back = M.NodeMetrics.from_dict(json.loads(json.dumps(d)))
+    assert_exact_fields(back, m)
+    for f in FLOAT_FIELDS:
+        assert same_float(getattr(back, f), getattr(m, f), 0.0), f
 
 
 def test_passing_node_reports_offset_zero_values():
@@ -175,7 +178,8 @@ def test_nan_inf_counts_and_replacement(n):
     # offsets 1 and 2 compare 0 against the other side's value
     expect = M.reference_metrics(r, d)
     assert_exact_fields(m, expect)
-    assert m.first_mismatch_offset == (1 if abs(r[2 - 1]) > 0.005 else 2)
+    # offset 1: NaN -> 0 against linspace value |.| > 0.005
+    assert m.first_mismatch_offset == 1
     assert np.isfinite(m.mse) and np.isfinite(m.cosine)
 
 
@@ -278,9 +282,13 @@ def check_against_reference(r, d, atol=M.ATOL_DEFAULT, rtol=M.RTOL_DEFAULT):
     e = M.reference_metrics(r, d, atol, rtol)
     assert_exact_fields(m, e)
     fast = r.dtype in (np.float32, np.float16) and d.dtype in (np.float32, np.float16)
+    scale = data_scale(r)
     for f in FLOAT_FIELDS:
         a, b = getattr(m, f), getattr(e, f)
-        if f == "kl_div":
+        if f in ("ref_mean", "ref_std"):
+            # sums with cancellation: absolute error relative to the data scale
+            ok = same_float(a, b, 1e-9, 1e-12 * scale)
+        elif f == "kl_div":
             # float32 log of the ratio on the fast path (see module doc)
             ok = same_float(a, b, 1e-5, 5e-6 if fast else 1e-9)
         elif f in ("cosine", "pearson"):
@@ -365,7 +373,8 @@ def _tensor_pairs():
     return pair()
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(_tensor_pairs(), st.sampled_from([(0.005, 0.2), (0.0, 0.0), (1e-3, 1e-3), (1.0, 0.0)]))
 def test_kernel_matches_reference_random(pair, tol):
     r, d = pair
@@ -388,14 +397,25 @@ def chunked(r, d, cuts, atol=M.ATOL_DEFAULT, rtol=M.RTOL_DEFAULT, order=None):
     return M.finalize(M.merge(accs), r.shape)
 
 
-def assert_same_result(a, b):
+def data_scale(r):
+    rr = np.nan_to_num(np.asarray(r, np.float64).reshape(-1), nan=0.0, posinf=F32_MAX,
+                       neginf=-F32_MAX)
+    return float(np.sqrt(np.mean(rr * rr))) if rr.size else 0.0
+
+
+def assert_same_result(a, b, scale=0.0):
     assert_exact_fields(a, b)
     for f in FLOAT_FIELDS:
-        assert same_float(getattr(a, f), getattr(b, f), 1e-9, 1e-12), (f, getattr(a, f),
-                                                                       getattr(b, f))
+        # the mean and std can cancel (e.g. +-float32 max): judge them against
+        # the data scale, everything else relative to itself
+        atol = {"ref_mean": 1e-12 * scale, "ref_std": 1e-12 * scale, "sqnr_db": 1e-8,
+                "kl_div": 1e-10}.get(f, 1e-12)
+        assert same_float(getattr(a, f), getattr(b, f), 1e-9, atol), (f, getattr(a, f),
+                                                                      getattr(b, f))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(_tensor_pairs(), st.data())
 def test_chunked_equals_whole(pair, data):
     r, d = pair
@@ -403,7 +423,7 @@ def test_chunked_equals_whole(pair, data):
     cuts = data.draw(st.lists(st.integers(0, n), max_size=6)) if n else []
     k = len(cuts) + 1
     order = data.draw(st.permutations(range(k)))
-    assert_same_result(chunked(r, d, cuts, order=order), M.compare(r, d))
+    assert_same_result(chunked(r, d, cuts, order=order), M.compare(r, d), data_scale(r))
 
 
 def test_chunked_large_random_cuts():
@@ -416,12 +436,14 @@ def test_chunked_large_random_cuts():
     for _ in range(5):
         cuts = list(rng.integers(0, n, rng.integers(1, 30)))
         order = list(rng.permutation(len(cuts) + 1))
-        assert_same_result(chunked(r.reshape(50, 1000), d, cuts, order=order), whole)
+        assert_same_result(chunked(r.reshape(50, 1000), d, cuts, order=order), whole,
+                           data_scale(r))
 
 
 def test_merge_empty_and_tolerance_checks():
     a = M.accumulate(np.ones(3), np.ones(3), 0)
-    assert M.finalize(M.merge([a, M.Accumulator()]), (3,)) == M.compare(np.ones(3), np.ones(3))
+    assert_same_result(M.finalize(M.merge([a, M.Accumulator()]), (3,)),
+                       M.compare(np.ones(3), np.ones(3)))
     assert M.merge([]).n == 0
     with pytest.raises(ValueError):
         M.merge([a, M.accumulate(np.ones(3), np.ones(3), 3, rtol=0.5)])
@@ -491,7 +513,7 @@ def test_log32_accuracy():
     assert err.max() < 2.5e-6      # ~1/2 ulp of |log| <= 34.6 in float32
     nz = exact != 0
     assert (err[nz] / np.abs(exact[nz])).max() < 2.5e-7
-    assert out[q == 1].tolist() == [0.0]
+    assert set(out[q == 1].tolist()) == {0.0}
 
 
 def test_half_conversion_exact():

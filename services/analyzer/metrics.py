@@ -23,20 +23,34 @@ Definitions (``reference_metrics`` is the executable form of this list):
   KL whenever no non-zero magnitude lies below 1e-10.  Clamped at 0 (it can
   only come out negative through rounding).
 
-Accuracy of the fast kernel: every count, offset, maximum and comparison is
-bit-exact float64 arithmetic (identical to ``reference_metrics``).  For
-float32/float16 inputs the per-element KL log term of elements with both
-magnitudes <= 65504 is ``log(max(|r|,eps)/max(|d|,eps))`` evaluated in float32
-(one IEEE division, then a Cephes-style polynomial, max error ~1.2e-7 absolute
-on the log), so KL differs from the float64 definition by at most ~2e-7
-absolute; all other elements and all other input dtypes use float64 ``log``.
+Implementation: float32 and float16 pairs go through a hand-vectorised
+kernel (LLVM IR emitted from numba intrinsics: 8 lanes, float64 accumulators,
+blocks of 2048 elements kept in L1, no tensor-sized temporaries, float16 read
+as bits and widened in registers).  Blocks containing NaN, Inf or magnitudes
+above 65504 fall back to a scalar path that applies the replacement; every
+other dtype combination is widened to float64 in bounded pieces and takes
+the scalar path.  First-, second- and co-moments are accumulated about a
+per-block shift and merged with Chan's pairwise formulas, so a large mean
+does not eat the variance and constant tensors have exactly zero variance.
+
+Accuracy: every count, offset and maximum comes from the same IEEE float64
+operations as ``reference_metrics`` (no fast-math, no contraction), so they
+agree exactly.  For float32/float16 pairs the KL log term of an element with
+both magnitudes <= 65504 is ``ln(max(|r|,eps) / max(|d|,eps))`` evaluated in
+float32 (IEEE division, 8-entry table + degree-6 polynomial; max error
+2e-7 relative / 2.5e-6 absolute over [1e-15, 1e15]) and multiplied by |r| in
+float32; KL then differs from the float64 definition by at most ~2e-7 times
+the |r|-weighted mean of |ln(|r|/|d|)| (below 1e-7 absolute on typical
+data).  All other elements and dtypes use float64 ``log``.  The per-element
+formula never depends on how a tensor is chunked, so chunked and whole
+results differ only by summation order.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Iterable
 
 import numpy as np
@@ -75,8 +89,8 @@ _EPS_32 = np.float32(REL_EPS)
 # Bit pattern of float32(65504): every |x| whose bits compare above it (as an
 # unsigned integer) is > 65504, Inf or NaN, i.e. needs the careful path.
 _FP16_MAX_BITS = 0x477FE000
-# Elements per block.  Two float32 blocks (16 KiB) stay in L1 while the
-# kernel makes its two sweeps over them.
+# Elements per block: the reference and device slices of one block (<= 16
+# KiB) stay in L1 while the kernel sweeps them three or four times.
 _BLOCK = 2048
 
 
@@ -87,6 +101,13 @@ _BLOCK = 2048
 
 @dataclass(frozen=True)
 class NodeMetrics:
+    """Metrics of one node (see the module docstring for the definitions).
+
+    ``ref_value``/``dev_value`` are after NaN/Inf replacement.  For an empty
+    tensor every statistic over elements is NaN, while the mismatch fields
+    are 0 / -1 / ().
+    """
+
     total: int
     errors: int
     first_mismatch_offset: int
@@ -155,13 +176,13 @@ _INT_FIELDS = (
 # constant tensor has exactly zero variance.
 _F_FIRST_REF, _F_FIRST_DEV, _F_V0_REF, _F_V0_DEV = 0, 1, 2, 3
 _F_SUM_ERR, _F_MAX_ERR, _F_SUM_AE, _F_MAX_AE, _F_SUM_REL, _F_MAX_REL = 4, 5, 6, 7, 8, 9
-_F_MEAN_R, _F_M2_R, _F_MEAN_E, _F_M2_E, _F_C_RE = 10, 11, 12, 13, 14
-_F_SUM_AR, _F_SUM_AD, _F_SUM_KL, _F_DMIN, _F_DMAX = 15, 16, 17, 18, 19
-_NF = 20
+_F_MEAN_R, _F_M2_R, _F_MEAN_D, _F_M2_D, _F_C_RD, _F_SUM_E2 = 10, 11, 12, 13, 14, 15
+_F_SUM_AR, _F_SUM_AD, _F_SUM_KL = 16, 17, 18
+_NF = 19
 _FLOAT_FIELDS = (
     "first_ref", "first_dev", "v0_ref", "v0_dev", "sum_err", "max_err", "sum_abs_diff",
-    "max_abs_diff", "sum_rel", "max_rel", "mean_ref", "m2_ref", "mean_diff", "m2_diff",
-    "c_ref_diff", "sum_abs_ref", "sum_abs_dev", "sum_kl", "dev_min", "dev_max",
+    "max_abs_diff", "sum_rel", "max_rel", "mean_ref", "m2_ref", "mean_dev", "m2_dev",
+    "c_ref_dev", "sum_sq_diff", "sum_abs_ref", "sum_abs_dev", "sum_kl",
 )
 
 
@@ -169,9 +190,10 @@ _FLOAT_FIELDS = (
 class Accumulator:
     """Mergeable partial result of the metric pass (numbers only).
 
-    ``e = d - r``; ``mean_ref/m2_ref``, ``mean_diff/m2_diff`` and
-    ``c_ref_diff`` are the centred first and second moments of r and e and
-    their co-moment.  ``v0_*`` hold the values at the smallest offset seen
+    ``mean_ref/m2_ref``, ``mean_dev/m2_dev`` and ``c_ref_dev`` are the
+    centred first and second moments of r and d and their co-moment;
+    ``sum_sq_diff`` is sum (d - r)^2 (kept directly: it cannot be recovered
+    from the moments without cancellation).  ``v0_*`` hold the values at the smallest offset seen
     (offset 0 once all chunks are merged), ``first_*`` those at the first
     mismatch; offsets are -1 when absent.  Values are after NaN/Inf
     replacement.
@@ -203,14 +225,13 @@ class Accumulator:
     max_rel: float = 0.0
     mean_ref: float = 0.0
     m2_ref: float = 0.0
-    mean_diff: float = 0.0
-    m2_diff: float = 0.0
-    c_ref_diff: float = 0.0
+    mean_dev: float = 0.0
+    m2_dev: float = 0.0
+    c_ref_dev: float = 0.0
+    sum_sq_diff: float = 0.0
     sum_abs_ref: float = 0.0
     sum_abs_dev: float = 0.0
     sum_kl: float = 0.0
-    dev_min: float = math.inf
-    dev_max: float = -math.inf
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -241,8 +262,6 @@ def _new_state():
     iv[_I_V0] = -1
     fv = np.zeros(_NF, np.float64)
     fv[_F_FIRST_REF] = fv[_F_FIRST_DEV] = fv[_F_V0_REF] = fv[_F_V0_DEV] = np.nan
-    fv[_F_DMIN] = np.inf
-    fv[_F_DMAX] = -np.inf
     return iv, fv
 
 
@@ -309,10 +328,6 @@ def _fabs(b, x):
 def _fmax(b, x, y):
     # select(x > y, x, y): maps to (v)maxps/pd; inputs are never NaN here.
     return b.select(b.fcmp_ordered(">", x, y), x, y)
-
-
-def _fmin(b, x, y):
-    return b.select(b.fcmp_ordered("<", x, y), x, y)
 
 
 def _log_tables():
@@ -408,9 +423,10 @@ def _emit_h2f(b, h):
 
 
 # Order of the per-block sums written by the kernel (and by the scalar path).
-(_B_SU, _B_SU2, _B_SE, _B_SUE, _B_SE2, _B_SAE, _B_MAE, _B_SAR, _B_SAD, _B_DMIN, _B_DMAX,
- _B_NERR, _B_SERR, _B_MERR, _B_SREL, _B_MREL, _B_C1, _B_C5, _B_SKL) = range(19)
-_NB = 19
+# u = r - shift_r, v = d - shift_d (shifts: first values of the block).
+(_B_SU, _B_SU2, _B_SV, _B_SV2, _B_SUV, _B_SE2, _B_SAE, _B_MAE, _B_SAR, _B_SAD,
+ _B_NERR, _B_SERR, _B_MERR, _B_SREL, _B_MREL, _B_C1, _B_C5, _B_SKL) = range(18)
+_NB = 18
 
 
 def _no_unroll_md(module, tag):
@@ -427,22 +443,22 @@ def _build_block_fn(module, name, ref_half, dev_half):
     The block (<= 16 KiB) stays in L1 and is swept several times, each sweep
     keeping few enough accumulators to live in the 16 AVX registers:
 
-    1. moments about ``shift``, |.| sums, max |e|, and the max of the raw
+    1. moments about the shifts, |.| sums, max |e|, and the max of the raw
        |r|, |d| bit patterns.  If that max shows a NaN, an Inf or a magnitude
        above 65504 the kernel stops and returns it: the caller redoes the
        block on the scalar path.
     2. tolerance test count, relative error sum/max and threshold counts.
-    3. KL log term (8 float32 lanes) and the device min/max.
+    3. KL log term (8 float32 lanes).
     4. only if sweep 2 found mismatches: their |e| sum and max.
 
     All float arithmetic that decides a count or a maximum is plain IEEE
     (no fast-math flags), so it matches the scalar path and numpy exactly.
     """
-    fnty = ir.FunctionType(_I64, [_PTR, _PTR, _I64, _F64, _F64, _F64, _PTR])
+    fnty = ir.FunctionType(_I64, [_PTR, _PTR, _I64, _F64, _F64, _F64, _F64, _PTR])
     fn = ir.Function(module, fnty, name=name)
     fn.linkage = "internal"
     fn.attributes.add("nounwind")
-    rp, dp, ng, atol, rtol, shift, outp = fn.args
+    rp, dp, ng, atol, rtol, shift_r, shift_d, outp = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
 
     def splat(v, ty):
@@ -506,7 +522,8 @@ def _build_block_fn(module, name, ref_half, dev_half):
 
     zd = _c(_V4D, 0.0)
     zl = _c(_V4L, 0)
-    kv = splat(shift, _V4D)
+    krv = splat(shift_r, _V4D)
+    kdv = splat(shift_d, _V4D)
     atolv = splat(atol, _V4D)
     rtolv = splat(rtol, _V4D)
 
@@ -518,12 +535,14 @@ def _build_block_fn(module, name, ref_half, dev_half):
         dbits = b.and_(b.bitcast(dv, _V8I), _c(_V8I, 0x7FFFFFFF))
         a["mxb"] = umax(b, a["mxb"], umax(b, rbits, dbits))
         for x, y in zip(halves(rv), halves(dv)):
-            u = b.fsub(x, kv)
+            u = b.fsub(x, krv)
+            v = b.fsub(y, kdv)
             e = b.fsub(y, x)
             a["su"] = b.fadd(a["su"], u)
             a["su2"] = _fma(b, u, u, a["su2"])
-            a["se"] = b.fadd(a["se"], e)
-            a["sue"] = _fma(b, u, e, a["sue"])
+            a["sv"] = b.fadd(a["sv"], v)
+            a["sv2"] = _fma(b, v, v, a["sv2"])
+            a["suv"] = _fma(b, u, v, a["suv"])
             a["se2"] = _fma(b, e, e, a["se2"])
             ae = _fabs(b, e)
             a["sae"] = b.fadd(a["sae"], ae)
@@ -532,11 +551,13 @@ def _build_block_fn(module, name, ref_half, dev_half):
             a["sad"] = b.fadd(a["sad"], _fabs(b, y))
         return a
 
-    inits = {k: zd for k in ("su", "su2", "se", "sue", "se2", "sae", "mae", "sar", "sad")}
+    inits = {k: zd for k in ("su", "su2", "sv", "sv2", "suv", "se2", "sae", "mae", "sar",
+                             "sad")}
     inits["mxb"] = _c(_V8I, 0)
     a = loop(inits, body1)
-    for idx, k in ((_B_SU, "su"), (_B_SU2, "su2"), (_B_SE, "se"), (_B_SUE, "sue"),
-                   (_B_SE2, "se2"), (_B_SAE, "sae"), (_B_SAR, "sar"), (_B_SAD, "sad")):
+    for idx, k in ((_B_SU, "su"), (_B_SU2, "su2"), (_B_SV, "sv"), (_B_SV2, "sv2"),
+                   (_B_SUV, "suv"), (_B_SE2, "se2"), (_B_SAE, "sae"), (_B_SAR, "sar"),
+                   (_B_SAD, "sad")):
         store(idx, reduce(a[k], fsum))
     store(_B_MAE, reduce(a["mae"], _fmax))
     maxbits = b.zext(reduce(a["mxb"], umax), _I64)
@@ -574,14 +595,12 @@ def _build_block_fn(module, name, ref_half, dev_half):
     store(_B_C1, b.sitofp(reduce(a["c1"], isum), _F64))
     store(_B_C5, b.sitofp(reduce(a["c5"], isum), _F64))
 
-    # ---- 3: KL term, device range -------------------------------------------
+    # ---- 3: KL term ---------------------------------------------------------
     eps32 = _c(_V8F, float(_EPS_32))
 
     def body3(i, a):
         rv = load8(rp, ref_half, i)
         dv = load8(dp, dev_half, i)
-        a["dmin"] = _fmin(b, dv, a["dmin"])
-        a["dmax"] = _fmax(b, dv, a["dmax"])
         arf = _fabs(b, rv)
         lg = _emit_log32(b, b.fdiv(_fmax(b, arf, eps32), _fmax(b, _fabs(b, dv), eps32)))
         # |r| * log term rounded once in float32 (relative 6e-8, well below
@@ -590,10 +609,8 @@ def _build_block_fn(module, name, ref_half, dev_half):
             a["skl"] = b.fadd(a["skl"], w)
         return a
 
-    a = loop({"skl": zd, "dmin": _c(_V8F, math.inf), "dmax": _c(_V8F, -math.inf)}, body3)
+    a = loop({"skl": zd}, body3)
     store(_B_SKL, reduce(a["skl"], fsum))
-    store(_B_DMIN, b.fpext(reduce(a["dmin"], _fmin), _F64))
-    store(_B_DMAX, b.fpext(reduce(a["dmax"], _fmax), _F64))
 
     # ---- 4: mismatch magnitudes (only when there are mismatches) -----------
     store(_B_SERR, ir.Constant(_F64, 0.0))
@@ -637,21 +654,22 @@ def _is_f32_or_half_array(t):
 
 
 @intrinsic
-def _block_kernel(typingctx, r, d, start, ng, atol, rtol, shift, out):
+def _block_kernel(typingctx, r, d, start, ng, atol, rtol, shift_r, shift_d, out):
     if not (_is_f32_or_half_array(r) and _is_f32_or_half_array(d)):
         return None
     sig = types.int64(r, d, types.int64, types.int64, types.float64, types.float64,
-                      types.float64, out)
+                      types.float64, types.float64, out)
 
     def codegen(context, builder, sig, args):
         ra = context.make_array(sig.args[0])(context, builder, args[0])
         da = context.make_array(sig.args[1])(context, builder, args[1])
-        oa = context.make_array(sig.args[7])(context, builder, args[7])
+        oa = context.make_array(sig.args[8])(context, builder, args[8])
         rptr = builder.gep(ra.data, [args[2]], inbounds=True)
         dptr = builder.gep(da.data, [args[2]], inbounds=True)
         fn = _block_fn(builder.module, sig.args[0].dtype == types.uint16,
                        sig.args[1].dtype == types.uint16)
-        return builder.call(fn, [rptr, dptr, args[3], args[4], args[5], args[6], oa.data])
+        return builder.call(fn, [rptr, dptr, args[3], args[4], args[5], args[6], args[7],
+                                 oa.data])
 
     return sig, codegen
 
@@ -682,31 +700,18 @@ def _ld32(a, i):
     raise NotImplementedError
 
 
-@overload(_ld32, inline="always")
+@overload(_ld32)
 def _ov_ld32(a, i):
+    # uint16 arrays reaching the compiled code are always float16 bit views.
     if a.dtype == types.uint16:
         return lambda a, i: _h2f(a[i])
     if a.dtype == types.float32:
         return lambda a, i: a[i]
 
 
-def _ld64(a, i):
-    raise NotImplementedError
-
-
-@overload(_ld64, inline="always")
-def _ov_ld64(a, i):
-    # uint16 arrays reaching the compiled code are always float16 bit views
-    # (genuine uint16 data is widened before dispatch).
-    if a.dtype == types.uint16:
-        return lambda a, i: np.float64(_h2f(a[i]))
-    if a.dtype == types.boolean:
-        return lambda a, i: 1.0 if a[i] else 0.0
-    return lambda a, i: np.float64(a[i])
-
-
 # ---------------------------------------------------------------------------
-# Scalar element path (tails, blocks with NaN/Inf/|x|>65504, other dtypes)
+# Scalar element path (block tails, blocks holding NaN/Inf/|x|>65504, and
+# every other dtype, which is widened to float64 piecewise)
 # ---------------------------------------------------------------------------
 
 
@@ -739,27 +744,25 @@ def _count_special(x, y, spc):
 
 
 @njit(inline="always", error_model="numpy")
-def _elem_common(x, y, shift, atol, rtol, blk):
-    # x, y: replaced values as float64.  Same operations, in the same
+def _elem_common(x, y, sr, sd, atol, rtol, blk):
+    # x, y: replaced values as float64.  Same operations, with the same
     # rounding, as the vector kernel.
-    u = x - shift
+    u = x - sr
+    v = y - sd
     e = y - x
     ae = abs(e)
     ax = abs(x)
     blk[_B_SU] += u
     blk[_B_SU2] += u * u
-    blk[_B_SE] += e
-    blk[_B_SUE] += u * e
+    blk[_B_SV] += v
+    blk[_B_SV2] += v * v
+    blk[_B_SUV] += u * v
     blk[_B_SE2] += e * e
     blk[_B_SAE] += ae
     if ae > blk[_B_MAE]:
         blk[_B_MAE] = ae
     blk[_B_SAR] += ax
     blk[_B_SAD] += abs(y)
-    if y < blk[_B_DMIN]:
-        blk[_B_DMIN] = y
-    if y > blk[_B_DMAX]:
-        blk[_B_DMAX] = y
     if ae > ax * rtol + atol:
         blk[_B_NERR] += 1.0
         blk[_B_SERR] += ae
@@ -782,12 +785,10 @@ def _log_term64(x, y):
 
 
 @njit(inline="always", error_model="numpy")
-def _elem32(rr, dd, shift, atol, rtol, blk, spc):
+def _elem32(rr, dd, sr, sd, atol, rtol, blk, spc):
     # rr, dd: raw float32 values.
     if abs(rr) <= _FP16_MAX_32 and abs(dd) <= _FP16_MAX_32:
-        x = np.float64(rr)
-        y = np.float64(dd)
-        _elem_common(x, y, shift, atol, rtol, blk)
+        _elem_common(np.float64(rr), np.float64(dd), sr, sd, atol, rtol, blk)
         qa = max(abs(rr), _EPS_32)
         qb = max(abs(dd), _EPS_32)
         blk[_B_SKL] += np.float64(abs(rr) * _log32(qa / qb))
@@ -797,29 +798,22 @@ def _elem32(rr, dd, shift, atol, rtol, blk, spc):
         _count_special(x, y, spc)
         x = _replace64(x)
         y = _replace64(y)
-        _elem_common(x, y, shift, atol, rtol, blk)
+        _elem_common(x, y, sr, sd, atol, rtol, blk)
         blk[_B_SKL] += abs(x) * _log_term64(x, y)
 
 
 @njit(inline="always", error_model="numpy")
-def _elem64(x, y, shift, atol, rtol, blk, spc):
+def _elem64(x, y, sr, sd, atol, rtol, blk, spc):
     if not (abs(x) <= FP16_MAX and abs(y) <= FP16_MAX):
         _count_special(x, y, spc)
         x = _replace64(x)
         y = _replace64(y)
-    _elem_common(x, y, shift, atol, rtol, blk)
+    _elem_common(x, y, sr, sd, atol, rtol, blk)
     blk[_B_SKL] += abs(x) * _log_term64(x, y)
 
 
-@njit(inline="always", error_model="numpy")
-def _reset_block(blk):
-    blk[:] = 0.0
-    blk[_B_DMIN] = np.inf
-    blk[_B_DMAX] = -np.inf
-
-
 @njit(error_model="numpy", nogil=True, cache=True)
-def _merge_moments(iv, fv, n_b, mean_r, m2_r, mean_e, m2_e, c_re):
+def _merge_moments(iv, fv, n_b, mean_r, m2_r, mean_d, m2_d, c_rd):
     """Chan et al. pairwise update of the centred moments in (iv, fv)."""
     n_a = iv[_I_N]
     if n_b == 0:
@@ -827,34 +821,33 @@ def _merge_moments(iv, fv, n_b, mean_r, m2_r, mean_e, m2_e, c_re):
     if n_a == 0:
         fv[_F_MEAN_R] = mean_r
         fv[_F_M2_R] = m2_r
-        fv[_F_MEAN_E] = mean_e
-        fv[_F_M2_E] = m2_e
-        fv[_F_C_RE] = c_re
+        fv[_F_MEAN_D] = mean_d
+        fv[_F_M2_D] = m2_d
+        fv[_F_C_RD] = c_rd
         return
     n = n_a + n_b
     dr = mean_r - fv[_F_MEAN_R]
-    de = mean_e - fv[_F_MEAN_E]
+    dd = mean_d - fv[_F_MEAN_D]
     w = n_b / n
     f = n_a * w
     fv[_F_MEAN_R] += dr * w
-    fv[_F_MEAN_E] += de * w
+    fv[_F_MEAN_D] += dd * w
     fv[_F_M2_R] += m2_r + dr * dr * f
-    fv[_F_M2_E] += m2_e + de * de * f
-    fv[_F_C_RE] += c_re + dr * de * f
+    fv[_F_M2_D] += m2_d + dd * dd * f
+    fv[_F_C_RD] += c_rd + dr * dd * f
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
-def _merge_block(iv, fv, blk, m, shift):
+def _merge_block(iv, fv, blk, m, sr, sd):
     mu = blk[_B_SU] / m
-    me = blk[_B_SE] / m
-    # The shift is an element of the block, so these differences lose at most
-    # ~m ulps even when the shift is an outlier.
+    mv = blk[_B_SV] / m
+    # The shifts are elements of the block, so these differences lose at
+    # most ~m ulps even when a shift is an outlier; a constant block has
+    # u == 0 (v == 0) everywhere and gets exactly zero variance.
     m2_r = max(blk[_B_SU2] - blk[_B_SU] * mu, 0.0)
-    m2_e = max(blk[_B_SE2] - blk[_B_SE] * me, 0.0)
-    if blk[_B_SU2] == 0.0:
-        m2_r = 0.0
-    c_re = blk[_B_SUE] - blk[_B_SU] * me
-    _merge_moments(iv, fv, m, shift + mu, m2_r, me, m2_e, c_re)
+    m2_d = max(blk[_B_SV2] - blk[_B_SV] * mv, 0.0)
+    c_rd = blk[_B_SUV] - blk[_B_SU] * mv
+    _merge_moments(iv, fv, m, sr + mu, m2_r, sd + mv, m2_d, c_rd)
     iv[_I_N] += m
     nerr = np.int64(blk[_B_NERR])
     iv[_I_NERR] += nerr
@@ -869,13 +862,10 @@ def _merge_block(iv, fv, blk, m, shift):
     fv[_F_SUM_REL] += blk[_B_SREL]
     if blk[_B_MREL] > fv[_F_MAX_REL]:
         fv[_F_MAX_REL] = blk[_B_MREL]
+    fv[_F_SUM_E2] += blk[_B_SE2]
     fv[_F_SUM_AR] += blk[_B_SAR]
     fv[_F_SUM_AD] += blk[_B_SAD]
     fv[_F_SUM_KL] += blk[_B_SKL]
-    if blk[_B_DMIN] < fv[_F_DMIN]:
-        fv[_F_DMIN] = blk[_B_DMIN]
-    if blk[_B_DMAX] > fv[_F_DMAX]:
-        fv[_F_DMAX] = blk[_B_DMAX]
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
@@ -896,73 +886,72 @@ def _acc_fast(r, d, atol, rtol, base, iv, fv):
     spc = np.zeros(6, np.int64)
     for s in range(0, n, _BLOCK):
         m = min(_BLOCK, n - s)
-        shift = _replace64(np.float64(_ld32(r, s)))
+        sr = _replace64(np.float64(_ld32(r, s)))
+        sd = _replace64(np.float64(_ld32(d, s)))
         ng = m // 8
+        blk[:] = 0.0
         start = s
         if ng > 0:
-            _reset_block(blk)
-            mxb = _block_kernel(r, d, s, ng, atol, rtol, shift, blk)
+            mxb = _block_kernel(r, d, s, ng, atol, rtol, sr, sd, blk)
             if mxb <= _FP16_MAX_BITS:
                 start = s + ng * 8
             else:
-                _reset_block(blk)
-        else:
-            _reset_block(blk)
+                blk[:] = 0.0
         for i in range(start, s + m):
-            _elem32(_ld32(r, i), _ld32(d, i), shift, atol, rtol, blk, spc)
+            _elem32(_ld32(r, i), _ld32(d, i), sr, sd, atol, rtol, blk, spc)
         if blk[_B_NERR] > 0.0 and iv[_I_FIRST] < 0:
             for i in range(s, s + m):
                 x = _replace64(np.float64(_ld32(r, i)))
                 y = _replace64(np.float64(_ld32(d, i)))
-                ax = abs(x)
-                if abs(y - x) > ax * rtol + atol:
+                if abs(y - x) > abs(x) * rtol + atol:
                     iv[_I_FIRST] = base + i
                     fv[_F_FIRST_REF] = x
                     fv[_F_FIRST_DEV] = y
                     break
-        _merge_block(iv, fv, blk, m, shift)
+        _merge_block(iv, fv, blk, m, sr, sd)
     _finish_specials(iv, spc)
-    if n > 0:
+    if n > 0 and (iv[_I_V0] < 0 or base < iv[_I_V0]):
         iv[_I_V0] = base
         fv[_F_V0_REF] = _replace64(np.float64(_ld32(r, 0)))
         fv[_F_V0_DEV] = _replace64(np.float64(_ld32(d, 0)))
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
-def _acc_generic(r, d, atol, rtol, base, iv, fv):
-    """Same pass for any other dtype combination, all in float64."""
+def _acc_f64(r, d, atol, rtol, base, iv, fv):
+    """Same pass, all in float64, for every other dtype (float64 inputs)."""
     n = r.size
     blk = np.empty(_NB, np.float64)
     spc = np.zeros(6, np.int64)
     for s in range(0, n, _BLOCK):
         m = min(_BLOCK, n - s)
-        shift = _replace64(_ld64(r, s))
-        _reset_block(blk)
+        sr = _replace64(r[s])
+        sd = _replace64(d[s])
+        blk[:] = 0.0
         for i in range(s, s + m):
-            _elem64(_ld64(r, i), _ld64(d, i), shift, atol, rtol, blk, spc)
+            _elem64(r[i], d[i], sr, sd, atol, rtol, blk, spc)
         if blk[_B_NERR] > 0.0 and iv[_I_FIRST] < 0:
             for i in range(s, s + m):
-                x = _replace64(_ld64(r, i))
-                y = _replace64(_ld64(d, i))
+                x = _replace64(r[i])
+                y = _replace64(d[i])
                 if abs(y - x) > abs(x) * rtol + atol:
                     iv[_I_FIRST] = base + i
                     fv[_F_FIRST_REF] = x
                     fv[_F_FIRST_DEV] = y
                     break
-        _merge_block(iv, fv, blk, m, shift)
+        _merge_block(iv, fv, blk, m, sr, sd)
     _finish_specials(iv, spc)
-    if n > 0:
+    if n > 0 and (iv[_I_V0] < 0 or base < iv[_I_V0]):
         iv[_I_V0] = base
-        fv[_F_V0_REF] = _replace64(_ld64(r, 0))
-        fv[_F_V0_DEV] = _replace64(_ld64(d, 0))
+        fv[_F_V0_REF] = _replace64(r[0])
+        fv[_F_V0_DEV] = _replace64(d[0])
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
 def _merge_state(iv, fv, jv, gv):
     """(iv, fv) <- (iv, fv) merged with (jv, gv)."""
     n_b = jv[_I_N]
-    _merge_moments(iv, fv, n_b, gv[_F_MEAN_R], gv[_F_M2_R], gv[_F_MEAN_E], gv[_F_M2_E],
-                   gv[_F_C_RE])
+    _merge_moments(iv, fv, n_b, gv[_F_MEAN_R], gv[_F_M2_R], gv[_F_MEAN_D], gv[_F_M2_D],
+                   gv[_F_C_RD])
     iv[_I_N] += n_b
     for k in (_I_NERR, _I_REF_NAN, _I_REF_INF, _I_DEV_NAN, _I_DEV_INF, _I_REF_OVF,
               _I_DEV_OVF, _I_REL1, _I_REL5):
@@ -975,13 +964,11 @@ def _merge_state(iv, fv, jv, gv):
         iv[_I_V0] = jv[_I_V0]
         fv[_F_V0_REF] = gv[_F_V0_REF]
         fv[_F_V0_DEV] = gv[_F_V0_DEV]
-    for k in (_F_SUM_ERR, _F_SUM_AE, _F_SUM_REL, _F_SUM_AR, _F_SUM_AD, _F_SUM_KL):
+    for k in (_F_SUM_ERR, _F_SUM_AE, _F_SUM_REL, _F_SUM_E2, _F_SUM_AR, _F_SUM_AD, _F_SUM_KL):
         fv[k] += gv[k]
-    for k in (_F_MAX_ERR, _F_MAX_AE, _F_MAX_REL, _F_DMAX):
+    for k in (_F_MAX_ERR, _F_MAX_AE, _F_MAX_REL):
         if gv[k] > fv[k]:
             fv[k] = gv[k]
-    if gv[_F_DMIN] < fv[_F_DMIN]:
-        fv[_F_DMIN] = gv[_F_DMIN]
 
 
 # ---------------------------------------------------------------------------
@@ -994,23 +981,26 @@ def _flat(a) -> np.ndarray:
     return a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
 
 
-def _prepare(a: np.ndarray):
-    """(array for the compiled code, is float32/float16)."""
+# Elements widened to float64 at a time on the generic path (bounded scratch,
+# one compiled signature for every dtype combination).
+_PIECE = 1 << 16
+
+
+def _kind(a: np.ndarray) -> str:
     dt = a.dtype
     if dt == np.float32:
-        return a, True
+        return "f32"
     if dt == np.float16:
-        return a.view(np.uint16), True
-    if dt == np.float64 or dt == np.bool_:
-        return a, False
-    if dt.kind in "iu":
-        if dt == np.uint16:
-            # uint16 inside the compiled code means float16 bits.
-            return a.astype(np.int32), False
-        return a, False
-    if dt.kind == "f":
-        return a.astype(np.float64), False
+        return "f16"
+    if dt == np.float64:
+        return "f64"
+    if dt.kind in "iufb":
+        return "other"
     raise TypeError(f"unsupported tensor dtype {dt}")
+
+
+def _as_f64(a: np.ndarray) -> np.ndarray:
+    return a if a.dtype == np.float64 else a.astype(np.float64)
 
 
 _warm_lock = threading.Lock()
@@ -1018,7 +1008,7 @@ _warmed = False
 
 
 def warmup() -> None:
-    """Load (or compile) the common kernel signatures.  Idempotent."""
+    """Load (or compile) the kernel signatures.  Idempotent, thread-safe."""
     global _warmed
     if _warmed:
         return
@@ -1032,7 +1022,7 @@ def warmup() -> None:
             iv, fv = _new_state()
             _acc_fast(r, d, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv)
         iv, fv = _new_state()
-        _acc_generic(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv)
+        _acc_f64(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv)
         _merge_state(iv, fv, iv.copy(), fv.copy())
         _warmed = True
 
@@ -1045,15 +1035,21 @@ def _run(ref, dev, atol, rtol, base):
             f"element count mismatch: reference has {r.size} elements, device has {d.size}")
     atol = float(atol)
     rtol = float(rtol)
+    base = int(base)
+    kr, kd = _kind(r), _kind(d)
     if not _warmed:
         warmup()
-    r, rf = _prepare(r)
-    d, df = _prepare(d)
     iv, fv = _new_state()
-    if rf and df:
-        _acc_fast(r, d, atol, rtol, int(base), iv, fv)
+    if kr in ("f32", "f16") and kd in ("f32", "f16"):
+        rv = r.view(np.uint16) if kr == "f16" else r
+        dv = d.view(np.uint16) if kd == "f16" else d
+        _acc_fast(rv, dv, atol, rtol, base, iv, fv)
+    elif kr == "f64" and kd == "f64":
+        _acc_f64(r, d, atol, rtol, base, iv, fv)
     else:
-        _acc_generic(r, d, atol, rtol, int(base), iv, fv)
+        for s in range(0, r.size, _PIECE):
+            _acc_f64(_as_f64(r[s:s + _PIECE]), _as_f64(d[s:s + _PIECE]), atol, rtol,
+                     base + s, iv, fv)
     return iv, fv
 
 
@@ -1091,6 +1087,14 @@ def _unravel(off: int, shape: tuple) -> tuple:
     return tuple(int(i) for i in np.unravel_index(off, shape))
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b != 0.0 else math.nan
+
+
+def _clip1(x: float) -> float:
+    return min(max(x, -1.0), 1.0) if x == x else x
+
+
 def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetrics:
     """NodeMetrics from a (merged) accumulator.
 
@@ -1122,11 +1126,11 @@ def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetr
              "rel_euclidean", "kl_div", "rel_err_lt_0_001", "rel_err_lt_0_005"), nan)
     else:
         m2_r = max(acc.m2_ref, 0.0)
+        m2_d = max(acc.m2_dev, 0.0)
         sum_r2 = m2_r + n * acc.mean_ref * acc.mean_ref
-        sum_e2 = max(acc.m2_diff, 0.0) + n * acc.mean_diff * acc.mean_diff
-        sum_re = acc.c_ref_diff + n * acc.mean_ref * acc.mean_diff
-        sum_rd = sum_r2 + sum_re
-        sum_d2 = max(sum_r2 + 2.0 * sum_re + sum_e2, 0.0)
+        sum_d2 = m2_d + n * acc.mean_dev * acc.mean_dev
+        sum_rd = acc.c_ref_dev + n * acc.mean_ref * acc.mean_dev
+        sum_e2 = acc.sum_sq_diff
         r_zero = acc.sum_abs_ref == 0.0
         d_zero = acc.sum_abs_dev == 0.0
         same = acc.sum_abs_diff == 0.0
@@ -1135,25 +1139,25 @@ def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetr
         elif r_zero or d_zero:
             cosine = 0.0
         else:
-            cosine = min(max(sum_rd / (math.sqrt(sum_r2) * math.sqrt(sum_d2)), -1.0), 1.0)
-        r_const = acc.m2_ref == 0.0
-        d_const = acc.dev_min == acc.dev_max
+            cosine = _clip1(_ratio(sum_rd, math.sqrt(sum_r2) * math.sqrt(sum_d2)))
+        # Exact zero variance: a constant block has u == 0 (v == 0) and the
+        # Chan merge of equal means adds exactly 0.
+        r_const = m2_r == 0.0
+        d_const = m2_d == 0.0
         if r_const and d_const:
-            pearson = 1.0 if acc.dev_min == acc.mean_ref else nan
+            pearson = 1.0 if acc.mean_ref == acc.mean_dev else nan
         elif r_const or d_const:
             pearson = nan
         else:
-            var_d = m2_r + 2.0 * acc.c_ref_diff + max(acc.m2_diff, 0.0)
-            cov = m2_r + acc.c_ref_diff
-            pearson = (min(max(cov / math.sqrt(m2_r * var_d), -1.0), 1.0)
-                       if var_d > 0.0 else nan)
-        if same:
+            pearson = _clip1(_ratio(acc.c_ref_dev, math.sqrt(m2_r) * math.sqrt(m2_d)))
+        if same or sum_e2 == 0.0:
             sqnr = math.inf
-        elif r_zero:
+        elif r_zero or sum_r2 == 0.0:
             sqnr = -math.inf
         else:
-            sqnr = 10.0 * math.log10(sum_r2 / sum_e2)
-        if r_zero:
+            q = sum_r2 / sum_e2
+            sqnr = 10.0 * math.log10(q) if q > 0.0 else -math.inf
+        if r_zero or sum_r2 == 0.0:
             rel_euc = 0.0 if same else math.inf
         else:
             rel_euc = math.sqrt(sum_e2) / math.sqrt(sum_r2)
@@ -1204,17 +1208,20 @@ def _worse(a_diff, a_idx, b_diff, b_idx):
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
-def _worst(r, d, atol, rtol, count, hidx, hdiff):
-    """Bounded heap (root = least bad kept) of the ``count`` worst mismatches."""
-    k = 0
-    for i in range(r.size):
-        x = _replace64(_ld64(r, i))
-        y = _replace64(_ld64(d, i))
+def _worst(r, d, atol, rtol, base, k, hidx, hdiff):
+    """Bounded heap (root = least bad kept) of the worst mismatches.
+
+    ``k`` entries of (hidx, hdiff) are in use on entry; returns the new k.
+    """
+    count = hidx.size
+    for j in range(r.size):
+        x = _replace64(r[j])
+        y = _replace64(d[j])
         ae = abs(y - x)
         if not ae > abs(x) * rtol + atol:
             continue
+        i = base + j
         if k < count:
-            # sift up
             c = k
             k += 1
             while c > 0:
@@ -1228,7 +1235,6 @@ def _worst(r, d, atol, rtol, count, hidx, hdiff):
             hdiff[c] = ae
             hidx[c] = i
         elif _worse(ae, i, hdiff[0], hidx[0]):
-            # replace root, sift down
             c = 0
             while True:
                 lft = 2 * c + 1
@@ -1260,20 +1266,22 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     if r.size != d.size:
         raise ValueError(
             f"element count mismatch: reference has {r.size} elements, device has {d.size}")
+    _kind(r), _kind(d)
     count = int(count)
     if count <= 0 or r.size == 0:
         return []
-    r, _ = _prepare(r)
-    d, _ = _prepare(d)
     hidx = np.empty(count, np.int64)
     hdiff = np.empty(count, np.float64)
-    k = _worst(r, d, float(atol), float(rtol), count, hidx, hdiff)
+    k = 0
+    for s in range(0, r.size, _PIECE):
+        k = _worst(_as_f64(r[s:s + _PIECE]), _as_f64(d[s:s + _PIECE]), float(atol),
+                   float(rtol), s, k, hidx, hdiff)
     order = sorted(range(k), key=lambda j: (-hdiff[j], hidx[j]))
     rows = []
     for j in order:
         i = int(hidx[j])
-        x = float(_replace_py(r[i]))
-        y = float(_replace_py(d[i]))
+        x = _replace_py(r[i])
+        y = _replace_py(d[i])
         ae = abs(y - x)
         den = abs(x) if x != 0.0 else REL_EPS
         rows.append((i, x, y, ae, ae / den))
@@ -1281,8 +1289,6 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
 
 
 def _replace_py(v) -> float:
-    if isinstance(v, np.uint16):  # float16 bits
-        v = np.uint16(v).view(np.float16)
     v = float(v)
     if v != v:
         return 0.0
