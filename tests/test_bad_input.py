@@ -107,9 +107,8 @@ def test_truncated_upload_is_refused_and_servers_stay_up(services):
 
 def test_unknown_precision_and_device(client, services, cnn_files):
     model = cnn_files[0].read_bytes()
-    job = _submit(client, services, model, _npz(input=GOOD), precision="int3")
-    ev = list(client.watch(job, timeout=60))[-1]
-    assert ev.state == pb.FAILED and "precision" in ev.message and "int3" in ev.message
+    code, msg = _status(lambda: _submit(client, services, model, _npz(input=GOOD), precision="int3"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'precision'" in msg and "int3" in msg
     job = _submit(client, services, model, _npz(input=GOOD), device="warp-drive")
     ev = list(client.watch(job, timeout=60))[-1]
     assert ev.state == pb.FAILED and "warp-drive" in ev.message and "available" in ev.message

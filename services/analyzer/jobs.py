@@ -1,13 +1,15 @@
 """A job: reference, device stream, alignment, comparisons, reports.
 
-The reference runs while the collector starts producing; gRPC flow control
-holds the device stream back until the reference is ready, and at most a few
-comparisons per core are in flight, so memory stays bounded by the reference
-plus a handful of device tensors.
+The first reference segment is computed while the collector starts
+producing; flow control holds the device stream back whenever the analyzer
+is busy, at most two comparisons per core are in flight, and every tensor is
+dropped once compared, so memory stays near one reference segment plus a
+handful of device tensors whatever the size of the network.
 """
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 import uuid
@@ -34,6 +36,9 @@ from layerdiff.v1 import layerdiff_pb2 as pb
 log = logging.getLogger(__name__)
 TERMINAL = {pb.DONE, pb.FAILED, pb.CANCELLED}
 DIFF_CNT_DEFAULT = 128
+PRECISIONS = ("fp32", "fp16", "int8")
+# Finished jobs kept with their reports; older ones are forgotten and deleted.
+KEEP_FINISHED_JOBS = 64
 
 
 @dataclass
@@ -76,6 +81,9 @@ class Prepared:
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     if not spec.collector:
         raise LayerdiffError("no collector address given", field="collector")
+    if spec.precision and spec.precision not in PRECISIONS and not spec.device_model_artifact:
+        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
+                             field="precision")
     model_name = spec.model_name or store.name(spec.model_artifact)
     reference = OnnxReference(store.read(spec.model_artifact, "model_artifact"), model_name)
     inputs_name = store.name(spec.inputs_artifact) if spec.inputs_artifact else "inputs"
@@ -106,13 +114,20 @@ class JobRunner:
 
     def submit(self, spec: pb.JobSpec) -> Job:
         prepared = prepare(spec, self.store)
-        job = Job(id=uuid.uuid4().hex[:16], spec=spec, report_dir=self.jobs_dir / "pending")
-        job.report_dir = self.jobs_dir / job.id
+        job_id = uuid.uuid4().hex[:16]
+        job = Job(id=job_id, spec=spec, report_dir=self.jobs_dir / job_id)
         with self._lock:
+            self._forget_old_jobs()
             self.jobs[job.id] = job
         job.emit(pb.QUEUED, nodes_total=len(prepared.reference.sites))
         threading.Thread(target=self._run, args=(job, prepared), name=f"job-{job.id}", daemon=True).start()
         return job
+
+    def _forget_old_jobs(self) -> None:
+        finished = [j for j in self.jobs.values() if j.done]
+        for old in finished[:max(0, len(finished) - KEEP_FINISHED_JOBS + 1)]:
+            del self.jobs[old.id]
+            shutil.rmtree(old.report_dir, ignore_errors=True)
 
     def get(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)
