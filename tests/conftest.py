@@ -20,13 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 class ServiceProcess:
     """`layerdiff <service> serve --port 0` in its own working directory."""
 
-    def __init__(self, service: str, workdir: Path) -> None:
+    def __init__(self, service: str, workdir: Path, env: dict | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = open(workdir / "service.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "layerdiff.client.cli", service, "serve", "--port", "0",
              "--workdir", str(workdir / "state")],
-            cwd=workdir, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            cwd=workdir, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         line = self.proc.stdout.readline()
         m = re.search(r"listening on (\S+)", line)
         if not m:

@@ -4,6 +4,7 @@ executor (local pool, remote workers) runs the same code."""
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,9 +56,46 @@ def reconcile(ref: np.ndarray, dev: np.ndarray, force_compare: bool) -> tuple[np
                    "use --force-compare to compare element by element")
 
 
+# A node larger than this is compared in chunks whose partial results merge
+# exactly; every executor cuts at the same bounds, so the local pool and the
+# distributed workers report identical figures.
+CHUNK_ELEMENTS = int(os.environ.get("LAYERDIFF_CHUNK_ELEMENTS", str(1 << 24)))
+
+
+def chunk_bounds(n: int, size: int | None = None) -> list[tuple[int, int]]:
+    size = size or CHUNK_ELEMENTS
+    return [(s, min(s + size, n)) for s in range(0, n, size)] if n > size else [(0, n)]
+
+
+def compare_chunk(ref_flat: np.ndarray, dev_flat: np.ndarray, offset: int, tol: Tolerance,
+                  diff_cnt: int) -> tuple[M.Accumulator, list]:
+    """Partial metrics of elements [offset, offset+len) and their worst rows
+    (indices in the whole tensor)."""
+    acc = M.accumulate(ref_flat, dev_flat, offset, tol.atol, tol.rtol)
+    worst = []
+    if acc.errors and diff_cnt > 0:
+        worst = [(i + offset, *rest) for i, *rest in M.worst_elements(ref_flat, dev_flat, tol.atol, tol.rtol,
+                                                                      diff_cnt)]
+    return acc, worst
+
+
+def merge_chunks(parts: list[tuple[M.Accumulator, list]], shape: tuple, diff_cnt: int
+                 ) -> tuple[M.NodeMetrics, list]:
+    """Combine chunk results given in offset order."""
+    m = M.finalize(M.merge(a for a, _ in parts), tuple(shape))
+    rows = [r for _, w in parts for r in w]
+    rows.sort(key=lambda r: (-r[3], r[0]))
+    return m, rows[:diff_cnt]
+
+
 def compare_node(ref: np.ndarray, dev: np.ndarray, tol: Tolerance, diff_cnt: int,
                  force_compare: bool = False) -> NodeOutcome:
     dev, note = reconcile(ref, dev, force_compare)
+    if ref.size > CHUNK_ELEMENTS:
+        r, d = ref.reshape(-1), dev.reshape(-1)
+        parts = [compare_chunk(r[a:b], d[a:b], a, tol, diff_cnt) for a, b in chunk_bounds(ref.size)]
+        m, worst = merge_chunks(parts, ref.shape, diff_cnt)
+        return NodeOutcome(m, worst, note)
     m = M.compare(ref, dev, tol.atol, tol.rtol)
     worst = M.worst_elements(ref, dev, tol.atol, tol.rtol, diff_cnt) if m.errors and diff_cnt > 0 else []
     return NodeOutcome(m, worst, note)

@@ -105,15 +105,29 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
 
 
 class JobRunner:
-    def __init__(self, store: ArtifactStore, jobs_dir: Path, executor_factory=LocalPool) -> None:
+    """Runs jobs on the local pool, or on Celery workers when a broker URL is
+    given (LAYERDIFF_BROKER_URL or --broker)."""
+
+    def __init__(self, store: ArtifactStore, jobs_dir: Path, broker_url: str | None = None) -> None:
         self.store = store
         self.jobs_dir = Path(jobs_dir)
+        self.broker_url = broker_url or None
         self.jobs: dict[str, Job] = {}
-        self.executor_factory = executor_factory
         self._lock = threading.Lock()
+
+    def executor(self, job_id: str, max_cores: int | None):
+        if self.broker_url:
+            from layerdiff.analyzer.fanout import CeleryPool
+
+            return CeleryPool(self.broker_url, job_id, max_cores)
+        return LocalPool(max_cores)
 
     def submit(self, spec: pb.JobSpec) -> Job:
         prepared = prepare(spec, self.store)
+        if self.broker_url:
+            from layerdiff.analyzer.store import TensorStore
+
+            TensorStore(self.broker_url).ping()   # a broker refusing connections fails the Submit itself
         job_id = uuid.uuid4().hex[:16]
         job = Job(id=job_id, spec=spec, report_dir=self.jobs_dir / job_id)
         with self._lock:
@@ -198,7 +212,7 @@ class JobRunner:
             if job.cancelled.is_set():
                 job.call.cancel()
             rep = JobReport()
-            executor = self.executor_factory(p.max_cores or None)
+            executor = self.executor(job.id, p.max_cores or None)
             try:
                 self._consume(job, p, job.call, ref_future, executor, rep, total)
             finally:
@@ -235,7 +249,7 @@ class JobRunner:
         seen: set[str] = set()
         pending: dict[Future, tuple[TensorSite, str, object]] = {}
         done = 0
-        limit = 2 * max(1, getattr(executor, "max_cores", 1))
+        limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
 
         def finished(fut: Future) -> None:
             nonlocal done

@@ -4,8 +4,8 @@ Everything a node report needs is computed in one fused pass over the two
 tensors (``compare``).  The pass is also available in chunked form
 (``accumulate`` / ``merge`` / ``finalize``) so that a node too large for one
 machine, or one message, can be split anywhere and recombined to the same
-result: counts, offsets and maxima exactly, sums up to float64 summation
-order (relative 1e-9 is far more than enough).
+result: counts, offsets and maxima exactly, sums up to summation order (see
+Accuracy below).
 
 Definitions (``reference_metrics`` is the executable form of this list):
 
@@ -24,26 +24,43 @@ Definitions (``reference_metrics`` is the executable form of this list):
   only come out negative through rounding).
 
 Implementation: float32 and float16 pairs go through a hand-vectorised
-kernel (LLVM IR emitted from numba intrinsics: 8 lanes, float64 accumulators,
-blocks of 2048 elements kept in L1, no tensor-sized temporaries, float16 read
-as bits and widened in registers).  Blocks containing NaN, Inf or magnitudes
-above 65504 fall back to a scalar path that applies the replacement; every
-other dtype combination is widened to float64 in bounded pieces and takes
-the scalar path.  First-, second- and co-moments are accumulated about a
-per-block shift and merged with Chan's pairwise formulas, so a large mean
-does not eat the variance and constant tensors have exactly zero variance.
+kernel (LLVM IR emitted from numba intrinsics: 8 float32 lanes, blocks of
+2048 elements kept in L1, no tensor-sized temporaries, float16 read as bits
+and widened in registers).  Blocks containing NaN, Inf, magnitudes above
+65504 or non-zero magnitudes below 2**-80 fall back to a scalar float64 path
+that applies the replacement; every other dtype combination is widened to
+float64 in bounded pieces and takes the scalar path.  First-, second- and
+co-moments are accumulated about a per-block shift and merged with Chan's
+pairwise formulas, so a large mean does not eat the variance and constant
+tensors have exactly zero variance.  The device moments are rebuilt from
+those of u = r - shift and w = (d - shift_d) - u, so 1 - cosine and
+1 - pearson keep relative accuracy when the tensors nearly agree.
 
-Accuracy: every count, offset and maximum comes from the same IEEE float64
-operations as ``reference_metrics`` (no fast-math, no contraction), so they
-agree exactly.  For float32/float16 pairs the KL log term of an element with
-both magnitudes <= 65504 is ``ln(max(|r|,eps) / max(|d|,eps))`` evaluated in
+Accuracy: every count, offset and maximum is exact, i.e. agrees with
+``reference_metrics``.  The float32 kernel decides them with a safety band
+(mismatch test against atol and rtol shrunk by 2**-20, relative-error
+thresholds +-2**-19, maxima grown by 2**-22 / 2**-20) and reruns a block's
+tolerance / relative-error work in IEEE float64 (no fast-math, no
+contraction, same operations as the scalar path and numpy) whenever a
+mismatch is possible, a threshold count falls in the band, or the block
+could raise a running maximum.  Sums over elements on the float32 path are
+accumulated in float32 for at most 32 terms per lane, then in float64: each
+sum of non-negative terms (|e|, e^2, |r|, |d|, relative errors) is within
+~2e-6 relative of its float64 value (typically ~1e-7), and the moments
+within ~2e-6 of sum (r - shift)^2: the mean is within ~2e-6 * max |r|
+absolute, std, rms, mse, rmse, rel_euclidean within ~2e-6 relative and
+sqnr_db within ~2e-5 dB.  For float32/float16 pairs the KL log
+term of an element is ``ln(max(|r|,eps) / max(|d|,eps))`` evaluated in
 float32 (IEEE division, 8-entry table + degree-6 polynomial; max error
-2e-7 relative / 2.5e-6 absolute over [1e-15, 1e15]) and multiplied by |r| in
-float32; KL then differs from the float64 definition by at most ~2e-7 times
-the |r|-weighted mean of |ln(|r|/|d|)| (below 1e-7 absolute on typical
-data).  All other elements and dtypes use float64 ``log``.  The per-element
-formula never depends on how a tensor is chunked, so chunked and whole
-results differ only by summation order.
+2e-7 relative / 2.5e-6 absolute over [1e-15, 1e15]), multiplied by |r| and
+accumulated as above, and sum |d| is taken as sum |r| + sum (|d| - |r|)
+where that does not cancel; KL then differs from the float64 definition by
+at most ~2e-6 times the |r|-weighted mean of |ln(|r|/|d|)| (below 1e-7
+absolute on typical data).  Other dtypes use float64 throughout (sums to
+float64 summation order).  The per-element formulas never depend on how a
+tensor is chunked, so chunked and whole results differ only in summation
+order: for float32/float16 pairs that is the float32 accuracy above, for
+other dtypes relative 1e-9 is far more than enough.
 """
 
 from __future__ import annotations
@@ -90,7 +107,7 @@ _EPS_32 = np.float32(REL_EPS)
 # unsigned integer) is > 65504, Inf or NaN, i.e. needs the careful path.
 _FP16_MAX_BITS = 0x477FE000
 # Elements per block: the reference and device slices of one block (<= 16
-# KiB) stay in L1 while the kernel sweeps them three or four times.
+# KiB) stay in L1 while the kernel sweeps them four (or five) times.
 _BLOCK = 2048
 
 
@@ -316,7 +333,7 @@ def _call_intr(b, base, *args):
 
 
 def _fma(b, x, y, z):
-    # Explicit fused multiply-add: exactly rounded, so the vector kernel and
+    # Explicit fused multiply-add: exactly rounded, so the vector kernels and
     # the scalar fallback produce identical results where it is used.
     return _call_intr(b, "fma", x, y, z)
 
@@ -422,11 +439,62 @@ def _emit_h2f(b, h):
     return b.bitcast(b.or_(bits, sign), fty)
 
 
-# Order of the per-block sums written by the kernel (and by the scalar path).
+# Order of the per-block sums written by the kernels (and by the scalar path).
 # u = r - shift_r, v = d - shift_d (shifts: first values of the block).
+# _B_NERRP and _B_AMB are only written by the float32 sweep: the number of
+# lanes that may mismatch, and the number whose relative error lies too close
+# to 0.001 or 0.005 for float32 to decide (both 0 means its counts are exact).
 (_B_SU, _B_SU2, _B_SV, _B_SV2, _B_SUV, _B_SE2, _B_SAE, _B_MAE, _B_SAR, _B_SAD,
- _B_NERR, _B_SERR, _B_MERR, _B_SREL, _B_MREL, _B_C1, _B_C5, _B_SKL) = range(18)
-_NB = 18
+ _B_NERR, _B_SERR, _B_MERR, _B_SREL, _B_MREL, _B_C1, _B_C5, _B_SKL,
+ _B_NERRP, _B_AMB) = range(20)
+_NB = 20
+
+# Groups of 8 elements summed in float32 before a partial sum is widened to
+# float64: each float32 lane then adds at most 32 terms, which bounds the
+# relative error of a sum of non-negative terms by 33 * 2**-24 < 2e-6.
+_SUB = 32
+# Relative half-width of the band around a threshold inside which a float32
+# decision is not trusted (the float32 quantities are within 2**-21 of the
+# float64 ones: a few roundings of 2**-24 each).
+_BAND = 2.0 ** -19
+
+
+def _f32_down(x: float) -> float:
+    """Largest float32 <= x (x finite, |x| < float32 max)."""
+    v = np.float32(x)
+    if float(v) > x:
+        v = np.nextafter(v, np.float32(-np.inf))
+    return float(v)
+
+
+def _f32_up(x: float) -> float:
+    v = np.float32(x)
+    if float(v) < x:
+        v = np.nextafter(v, np.float32(np.inf))
+    return float(v)
+
+
+_T1_LO, _T1_HI = _f32_down(0.001 * (1 - _BAND)), _f32_up(0.001 * (1 + _BAND))
+_T5_LO, _T5_HI = _f32_down(0.005 * (1 - _BAND)), _f32_up(0.005 * (1 + _BAND))
+
+
+def _fast_tolerances(atol: float, rtol: float):
+    """float32 (rtol_lo, atol_lo) for the float32 "may mismatch" test, or None.
+
+    ``ae32 > max(fma(|r|, rtol_lo, atol_lo), 0)`` is true for every element
+    that mismatches in float64 (and, rarely, for some that do not): rtol_lo
+    and atol_lo are rtol and atol shrunk by 2**-20 and rounded down, and
+    atol_lo is lowered by a further 2**-126 so that float32 rounding near the
+    subnormal range cannot hide a mismatch (see the tests).  Tolerances
+    outside [1e-30, 1e30] (other than 0) take the float64 test instead.
+    """
+    def ok(t):
+        return t == 0.0 or 1e-30 <= t <= 1e30
+
+    if not (ok(atol) and ok(rtol)):
+        return None
+    return (_f32_down(rtol * (1 - 2.0 ** -20)),
+            _f32_down(atol * (1 - 2.0 ** -20) - 2.0 ** -126))
 
 
 def _no_unroll_md(module, tag):
@@ -437,39 +505,23 @@ def _no_unroll_md(module, tag):
     return md
 
 
-def _build_block_fn(module, name, ref_half, dev_half):
-    """Vector kernel over ``ng`` groups of 8 elements of one block.
+class _Emitter:
+    """IR helpers shared by the block kernels (one function being built)."""
 
-    The block (<= 16 KiB) stays in L1 and is swept several times, each sweep
-    keeping few enough accumulators to live in the 16 AVX registers:
+    _lo_mask = ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])
+    _hi_mask = ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7])
 
-    1. moments about the shifts, |.| sums, max |e|, and the max of the raw
-       |r|, |d| bit patterns.  If that max shows a NaN, an Inf or a magnitude
-       above 65504 the kernel stops and returns it: the caller redoes the
-       block on the scalar path.
-    2. tolerance test count, relative error sum/max and threshold counts.
-    3. KL log term (8 float32 lanes).
-    4. only if sweep 2 found mismatches: their |e| sum and max.
+    def __init__(self, fn, b, outp):
+        self.fn, self.b, self.outp = fn, b, outp
 
-    All float arithmetic that decides a count or a maximum is plain IEEE
-    (no fast-math flags), so it matches the scalar path and numpy exactly.
-    """
-    fnty = ir.FunctionType(_I64, [_PTR, _PTR, _I64, _F64, _F64, _F64, _F64, _PTR])
-    fn = ir.Function(module, fnty, name=name)
-    fn.linkage = "internal"
-    fn.attributes.add("nounwind")
-    rp, dp, ng, atol, rtol, shift_r, shift_d, outp = fn.args
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-
-    def splat(v, ty):
+    def splat(self, v, ty):
+        b = self.b
         vec = b.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(_I32, 0))
         return b.shuffle_vector(vec, ir.Constant(ty, ir.Undefined),
                                 ir.Constant(ir.VectorType(_I32, ty.count), [0] * ty.count))
 
-    lo_mask = ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])
-    hi_mask = ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7])
-
-    def load8(ptr, half, i):
+    def load8(self, ptr, half, i):
+        b = self.b
         off = b.mul(i, ir.Constant(_I64, 8))
         if half:
             v = b.load(b.gep(ptr, [off], source_etype=_I16), typ=_V8H)
@@ -479,31 +531,31 @@ def _build_block_fn(module, name, ref_half, dev_half):
         v.align = 4
         return v
 
-    def halves(v):
-        return (b.fpext(b.shuffle_vector(v, v, lo_mask), _V4D),
-                b.fpext(b.shuffle_vector(v, v, hi_mask), _V4D))
+    def halves(self, v):
+        b = self.b
+        return (b.fpext(b.shuffle_vector(v, v, self._lo_mask), _V4D),
+                b.fpext(b.shuffle_vector(v, v, self._hi_mask), _V4D))
 
-    def store(idx, val):
-        b.store(val, b.gep(outp, [ir.Constant(_I64, idx)], source_etype=_F64))
+    def store(self, idx, val):
+        self.b.store(val, self.b.gep(self.outp, [ir.Constant(_I64, idx)], source_etype=_F64))
 
-    def reduce(v, pick):
+    def reduce(self, v, pick):
+        b = self.b
         s = b.extract_element(v, ir.Constant(_I32, 0))
         for k in range(1, v.type.count):
             s = pick(b, s, b.extract_element(v, ir.Constant(_I32, k)))
         return s
 
-    fsum = lambda bb, x, y: bb.fadd(x, y)
-    isum = lambda bb, x, y: bb.add(x, y)
-    umax = lambda bb, x, y: bb.select(bb.icmp_unsigned(">", x, y), x, y)
-
-    def loop(inits, body):
+    def loop(self, start, stop, inits, body, unroll=False):
+        """for i in range(start, stop) (at least one trip) carrying ``inits``."""
+        b, fn = self.b, self.fn
         pre = b.block
         hdr = fn.append_basic_block("sweep")
         ex = fn.append_basic_block("sweep_end")
         b.branch(hdr)
         b.position_at_end(hdr)
         i = b.phi(_I64)
-        i.add_incoming(ir.Constant(_I64, 0), pre)
+        i.add_incoming(start, pre)
         phis = {}
         for k, v in inits.items():
             phis[k] = b.phi(v.type)
@@ -514,71 +566,263 @@ def _build_block_fn(module, name, ref_half, dev_half):
         i.add_incoming(i_next, end)
         for k, ph in phis.items():
             ph.add_incoming(nxt[k], end)
-        br = b.cbranch(b.icmp_signed("<", i_next, ng), hdr, ex)
-        # Unrolling these bodies only adds register spills.
-        br.set_metadata("llvm.loop", _no_unroll_md(b.module, hdr.name))
+        br = b.cbranch(b.icmp_signed("<", i_next, stop), hdr, ex)
+        if not unroll:
+            # Unrolling these bodies only adds register spills.
+            br.set_metadata("llvm.loop", _no_unroll_md(b.module, hdr.name))
         b.position_at_end(ex)
         return nxt
 
-    zd = _c(_V4D, 0.0)
-    zl = _c(_V4L, 0)
-    krv = splat(shift_r, _V4D)
-    kdv = splat(shift_d, _V4D)
-    atolv = splat(atol, _V4D)
-    rtolv = splat(rtol, _V4D)
 
-    # ---- 1: moments --------------------------------------------------------
+_fsum = lambda bb, x, y: bb.fadd(x, y)
+_isum = lambda bb, x, y: bb.add(x, y)
+_umax = lambda bb, x, y: bb.select(bb.icmp_unsigned(">", x, y), x, y)
+_V8D = ir.VectorType(_F64, 8)
+# Moments and squares are taken of values scaled by 2**40 (exact): with every
+# non-zero input magnitude >= _TINY (smaller ones send the block to the
+# scalar path) no product of two non-zero scaled differences falls below the
+# float32 normal range, and with magnitudes <= 65504 none overflows.
+_SCALE = 2.0 ** 40
+_TINY = 2.0 ** -80
+_TINY_BITS = 0x17800000          # bits of float32 2**-80
+
+
+def _build_block_fn(module, name, ref_half, dev_half):
+    """float32 vector kernel over ``ng`` groups of 8 elements of one block.
+
+    The block (<= 16 KiB) stays in L1 and is swept four times, each sweep
+    keeping few enough accumulators to live in the 16 AVX registers.  Per
+    element work is done in 8 float32 lanes; every sum is widened to float64
+    after ``_SUB`` groups (<= 32 float32 additions per lane), and the block's
+    float64 partial sums are what the caller merges.
+
+    1. max and min non-zero |r|, |d| bit patterns, and the moments of
+       u = r - shift_r and w = (d - shift_d) - u: the d-moments are rebuilt
+       in float64 from (u, w) so that 1 - pearson and 1 - cosine keep
+       relative accuracy (they depend only on how w varies), and a constant
+       r or d still gives exactly zero variance (u == 0, resp. w == -u).
+       If a NaN, an Inf, a magnitude above 65504 or a non-zero magnitude
+       below _TINY shows up, the kernel returns 1 at once: the caller
+       redoes the block on the exact scalar path.
+    2. e^2, |e| sum and max, |r|, |d| and |d| - |r| sums, and the "may
+       mismatch" count (``_fast_tolerances``).
+    3. relative error sum, max and threshold counts (with a band of
+       ``_BAND`` around each threshold).
+    4. the KL log term (kept apart: its constants alone fill the registers).
+
+    The caller reruns the exact float64 sweep (``_build_exact_fn``) when a
+    mismatch is possible, a threshold count fell in the band, or the block's
+    float32 maximum of |e| or of the relative error could raise the running
+    maximum: counts, offsets and maxima therefore stay exact.
+    """
+    fnty = ir.FunctionType(_I64, [_PTR, _PTR, _I64, _F64, _F64, _F64, _F64, _PTR])
+    fn = ir.Function(module, fnty, name=name)
+    fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    rp, dp, ng, rtol_lo, atol_lo, shift_r, shift_d, outp = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    em = _Emitter(fn, b, outp)
+    zero64 = ir.Constant(_I64, 0)
+    sub = ir.Constant(_I64, _SUB)
+    nsub = b.sdiv(b.add(ng, ir.Constant(_I64, _SUB - 1)), sub)
+    zf = _c(_V8F, 0.0)
+    zi = _c(_V8I, 0)
+    zd8 = _c(_V8D, 0.0)
+    absmask = _c(_V8I, 0x7FFFFFFF)
+    kv = _c(_V8F, _SCALE)
+
+    def fabs_bits(v):
+        return b.and_(b.bitcast(v, _V8I), absmask)
+
+    def sweep(keep, sums, body):
+        """Nested loop: ``keep`` values carried through, ``sums`` (float32)
+        restarted every _SUB groups and added to float64 totals."""
+        def outer(j, o):
+            lo = b.mul(j, sub)
+            hi = b.add(lo, sub)
+            hi = b.select(b.icmp_signed("<", hi, ng), hi, ng)
+            inits = {k: o[k] for k in keep}
+            inits.update({k: zf for k in sums})
+            a = em.loop(lo, hi, inits, body)
+            out = {k: a[k] for k in keep}
+            for k in sums:
+                out[k + "64"] = b.fadd(o[k + "64"], b.fpext(a[k], _V8D))
+            return out
+
+        inits = dict(keep)
+        inits.update({k + "64": zd8 for k in sums})
+        o = em.loop(zero64, nsub, inits, outer)
+        tot = {k: o[k] for k in keep}
+        tot.update({k: em.reduce(o[k + "64"], _fsum) for k in sums})
+        return tot
+
+    def count(acc, cond):
+        return b.sub(acc, b.sext(cond, _V8I))
+
+    # ---- 1: range check and moments ----------------------------------------
+    sr32 = b.fptrunc(shift_r, _F32)
+    sd32 = b.fptrunc(shift_d, _F32)
+    srk = em.splat(b.fmul(b.fneg(sr32), ir.Constant(_F32, _SCALE)), _V8F)
+    sdk = em.splat(b.fmul(b.fneg(sd32), ir.Constant(_F32, _SCALE)), _V8F)
+    one = _c(_V8I, 1)
+    umin = lambda bb, x, y: bb.select(bb.icmp_unsigned("<", x, y), x, y)
+
     def body1(i, a):
-        rv = load8(rp, ref_half, i)
-        dv = load8(dp, dev_half, i)
-        rbits = b.and_(b.bitcast(rv, _V8I), _c(_V8I, 0x7FFFFFFF))
-        dbits = b.and_(b.bitcast(dv, _V8I), _c(_V8I, 0x7FFFFFFF))
-        a["mxb"] = umax(b, a["mxb"], umax(b, rbits, dbits))
-        for x, y in zip(halves(rv), halves(dv)):
-            u = b.fsub(x, krv)
-            v = b.fsub(y, kdv)
-            e = b.fsub(y, x)
-            a["su"] = b.fadd(a["su"], u)
-            a["su2"] = _fma(b, u, u, a["su2"])
-            a["sv"] = b.fadd(a["sv"], v)
-            a["sv2"] = _fma(b, v, v, a["sv2"])
-            a["suv"] = _fma(b, u, v, a["suv"])
-            a["se2"] = _fma(b, e, e, a["se2"])
-            ae = _fabs(b, e)
-            a["sae"] = b.fadd(a["sae"], ae)
-            a["mae"] = _fmax(b, ae, a["mae"])
-            a["sar"] = b.fadd(a["sar"], _fabs(b, x))
-            a["sad"] = b.fadd(a["sad"], _fabs(b, y))
+        rv = em.load8(rp, ref_half, i)
+        dv = em.load8(dp, dev_half, i)
+        rb = fabs_bits(rv)
+        db = fabs_bits(dv)
+        a["mxb"] = _umax(b, a["mxb"], _umax(b, rb, db))
+        # (bits - 1) wraps 0 to the top, so the minimum is over non-zeros.
+        a["mnb"] = umin(b, a["mnb"], umin(b, b.sub(rb, one), b.sub(db, one)))
+        u = _fma(b, rv, kv, srk)
+        v = _fma(b, dv, kv, sdk)
+        w = b.fsub(v, u)
+        a["su"] = b.fadd(a["su"], u)
+        a["sw"] = b.fadd(a["sw"], w)
+        a["su2"] = _fma(b, u, u, a["su2"])
+        a["sw2"] = _fma(b, w, w, a["sw2"])
+        a["suw"] = _fma(b, u, w, a["suw"])
         return a
 
-    inits = {k: zd for k in ("su", "su2", "sv", "sv2", "suv", "se2", "sae", "mae", "sar",
-                             "sad")}
-    inits["mxb"] = _c(_V8I, 0)
-    a = loop(inits, body1)
-    for idx, k in ((_B_SU, "su"), (_B_SU2, "su2"), (_B_SV, "sv"), (_B_SV2, "sv2"),
-                   (_B_SUV, "suv"), (_B_SE2, "se2"), (_B_SAE, "sae"), (_B_SAR, "sar"),
-                   (_B_SAD, "sad")):
-        store(idx, reduce(a[k], fsum))
-    store(_B_MAE, reduce(a["mae"], _fmax))
-    maxbits = b.zext(reduce(a["mxb"], umax), _I64)
+    t = sweep({"mxb": zi, "mnb": _c(_V8I, -1)}, ("su", "sw", "su2", "sw2", "suw"), body1)
+    maxbits = em.reduce(t["mxb"], _umax)
+    minbits = em.reduce(t["mnb"], umin)
+    bad = b.or_(b.icmp_unsigned(">", maxbits, ir.Constant(_I32, _FP16_MAX_BITS)),
+                b.icmp_unsigned("<", minbits, ir.Constant(_I32, _TINY_BITS - 1)))
     bail = fn.append_basic_block("bail")
     go = fn.append_basic_block("go")
-    b.cbranch(b.icmp_unsigned(">", maxbits, ir.Constant(_I64, _FP16_MAX_BITS)), bail, go)
+    b.cbranch(bad, bail, go)
     b.position_at_end(bail)
-    b.ret(maxbits)
+    b.ret(ir.Constant(_I64, 1))
     b.position_at_end(go)
+    ik = ir.Constant(_F64, 1.0 / _SCALE)
+    ik2 = ir.Constant(_F64, 1.0 / (_SCALE * _SCALE))
+    su2, suw, sw2 = t["su2"], t["suw"], t["sw2"]
+    em.store(_B_SU, b.fmul(t["su"], ik))
+    em.store(_B_SV, b.fmul(b.fadd(t["su"], t["sw"]), ik))
+    em.store(_B_SU2, b.fmul(su2, ik2))
+    # (su2 + 2 suw) + sw2: exactly 0 when w == -u everywhere (constant d).
+    em.store(_B_SV2, b.fmul(b.fadd(b.fadd(su2, b.fmul(suw, ir.Constant(_F64, 2.0))), sw2),
+                            ik2))
+    em.store(_B_SUV, b.fmul(b.fadd(su2, suw), ik2))
 
-    # ---- 2: tolerance and relative error -----------------------------------
+    # ---- 2: error magnitudes, |r|, |d|, tolerance pre-test -----------------
+    rtolv = em.splat(b.fptrunc(rtol_lo, _F32), _V8F)
+    atolv = em.splat(b.fptrunc(atol_lo, _F32), _V8F)
+
     def body2(i, a):
-        rv = load8(rp, ref_half, i)
-        dv = load8(dp, dev_half, i)
-        for x, y in zip(halves(rv), halves(dv)):
+        rv = em.load8(rp, ref_half, i)
+        dv = em.load8(dp, dev_half, i)
+        ar = _fabs(b, rv)
+        ad = _fabs(b, dv)
+        e = b.fsub(dv, rv)
+        ae = _fabs(b, e)
+        es = b.fmul(e, kv)
+        a["se2"] = _fma(b, es, es, a["se2"])
+        a["sae"] = b.fadd(a["sae"], ae)
+        a["mae"] = _fmax(b, ae, a["mae"])
+        a["sar"] = b.fadd(a["sar"], ar)
+        a["sad"] = b.fadd(a["sad"], ad)
+        a["sdr"] = b.fadd(a["sdr"], b.fsub(ad, ar))
+        tol = _fmax(b, _fma(b, ar, rtolv, atolv), zf)
+        a["nerrp"] = count(a["nerrp"], b.fcmp_ordered(">", ae, tol))
+        return a
+
+    t = sweep({"mae": zf, "nerrp": zi}, ("se2", "sae", "sar", "sad", "sdr"), body2)
+    em.store(_B_SE2, b.fmul(t["se2"], ik2))
+    em.store(_B_SAE, t["sae"])
+    em.store(_B_MAE, b.fpext(em.reduce(t["mae"], _fmax), _F64))
+    sar, sad, sdr = t["sar"], t["sad"], t["sdr"]
+    em.store(_B_SAR, sar)
+    # sum |d| as sum |r| + sum (|d| - |r|) while that does not cancel: then
+    # ln(sum|d| / sum|r|) in KL keeps relative accuracy however small it is.
+    small = b.fcmp_ordered("<=", b.call(
+        cgutils.get_or_insert_function(module, ir.FunctionType(_F64, [_F64]), "llvm.fabs.f64"),
+        [sdr]), b.fmul(sar, ir.Constant(_F64, 0.5)))
+    em.store(_B_SAD, b.select(small, b.fadd(sar, sdr), sad))
+    em.store(_B_NERRP, b.sitofp(em.reduce(t["nerrp"], _isum), _F64))
+
+    # ---- 3: relative error and KL term --------------------------------------
+    eps32 = _c(_V8F, float(_EPS_32))
+
+    def body3(i, a):
+        rv = em.load8(rp, ref_half, i)
+        dv = em.load8(dp, dev_half, i)
+        ar = _fabs(b, rv)
+        ae = _fabs(b, b.fsub(dv, rv))
+        den = b.select(b.fcmp_ordered("==", rv, zf), eps32, ar)
+        rel = b.fdiv(ae, den)
+        a["srel"] = b.fadd(a["srel"], rel)
+        a["mrel"] = _fmax(b, rel, a["mrel"])
+        a["c1lo"] = count(a["c1lo"], b.fcmp_ordered("<", rel, _c(_V8F, _T1_LO)))
+        a["c1hi"] = count(a["c1hi"], b.fcmp_ordered("<", rel, _c(_V8F, _T1_HI)))
+        a["c5lo"] = count(a["c5lo"], b.fcmp_ordered("<", rel, _c(_V8F, _T5_LO)))
+        a["c5hi"] = count(a["c5hi"], b.fcmp_ordered("<", rel, _c(_V8F, _T5_HI)))
+        return a
+
+    def body4(i, a):
+        rv = em.load8(rp, ref_half, i)
+        dv = em.load8(dp, dev_half, i)
+        ar = _fabs(b, rv)
+        lg = _emit_log32(b, b.fdiv(_fmax(b, ar, eps32), _fmax(b, _fabs(b, dv), eps32)))
+        a["skl"] = _fma(b, ar, lg, a["skl"])
+        return a
+
+    keep = {k: zi for k in ("c1lo", "c1hi", "c5lo", "c5hi")}
+    keep["mrel"] = zf
+    t = sweep(keep, ("srel",), body3)
+    t.update(sweep({}, ("skl",), body4))
+
+    def icount(v):
+        return b.sitofp(em.reduce(v, _isum), _F64)
+
+    em.store(_B_SREL, t["srel"])
+    em.store(_B_SKL, t["skl"])
+    em.store(_B_MREL, b.fpext(em.reduce(t["mrel"], _fmax), _F64))
+    em.store(_B_C1, icount(t["c1lo"]))
+    em.store(_B_C5, icount(t["c5lo"]))
+    em.store(_B_AMB, icount(b.add(b.sub(t["c1hi"], t["c1lo"]), b.sub(t["c5hi"], t["c5lo"]))))
+    for idx in (_B_NERR, _B_SERR, _B_MERR):
+        em.store(idx, ir.Constant(_F64, 0.0))
+    b.ret(ir.Constant(_I64, 0))
+    return fn
+
+
+def _build_exact_fn(module, name, ref_half, dev_half):
+    """float64 tolerance test and relative error over ``ng`` groups of 8.
+
+    Writes the mismatch count, |e| sum and max over mismatches, the max of
+    |e|, relative error sum and max and the threshold counts, all with the same IEEE
+    float64 operations as the scalar path and ``reference_metrics``.
+    """
+    fnty = ir.FunctionType(ir.VoidType(), [_PTR, _PTR, _I64, _F64, _F64, _PTR])
+    fn = ir.Function(module, fnty, name=name)
+    fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    rp, dp, ng, atol, rtol, outp = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    em = _Emitter(fn, b, outp)
+    zd = _c(_V4D, 0.0)
+    zl = _c(_V4L, 0)
+    atolv = em.splat(atol, _V4D)
+    rtolv = em.splat(rtol, _V4D)
+
+    def body(i, a):
+        rv = em.load8(rp, ref_half, i)
+        dv = em.load8(dp, dev_half, i)
+        for x, y in zip(em.halves(rv), em.halves(dv)):
             ax = _fabs(b, x)
             ae = _fabs(b, b.fsub(y, x))
+            a["mae"] = _fmax(b, ae, a["mae"])
             # No fast-math flags anywhere here: these must round exactly like
             # the scalar path and like numpy's ``atol + rtol * |r|``.
             tol = b.fadd(b.fmul(ax, rtolv), atolv)
-            a["nerr"] = b.add(a["nerr"], b.zext(b.fcmp_ordered(">", ae, tol), _V4L))
+            mis = b.fcmp_ordered(">", ae, tol)
+            a["nerr"] = b.add(a["nerr"], b.zext(mis, _V4L))
+            emis = b.select(mis, ae, zd)
+            a["serr"] = b.fadd(a["serr"], emis)
+            a["merr"] = _fmax(b, emis, a["merr"])
             den = b.select(b.fcmp_ordered("==", x, zd), _c(_V4D, REL_EPS), ax)
             rel = b.fdiv(ae, den)
             a["srel"] = b.fadd(a["srel"], rel)
@@ -587,65 +831,28 @@ def _build_block_fn(module, name, ref_half, dev_half):
             a["c5"] = b.add(a["c5"], b.zext(b.fcmp_ordered("<", rel, _c(_V4D, 0.005)), _V4L))
         return a
 
-    a = loop({"nerr": zl, "c1": zl, "c5": zl, "srel": zd, "mrel": zd}, body2)
-    store(_B_SREL, reduce(a["srel"], fsum))
-    store(_B_MREL, reduce(a["mrel"], _fmax))
-    nerr = reduce(a["nerr"], isum)
-    store(_B_NERR, b.sitofp(nerr, _F64))
-    store(_B_C1, b.sitofp(reduce(a["c1"], isum), _F64))
-    store(_B_C5, b.sitofp(reduce(a["c5"], isum), _F64))
-
-    # ---- 3: KL term ---------------------------------------------------------
-    eps32 = _c(_V8F, float(_EPS_32))
-
-    def body3(i, a):
-        rv = load8(rp, ref_half, i)
-        dv = load8(dp, dev_half, i)
-        arf = _fabs(b, rv)
-        lg = _emit_log32(b, b.fdiv(_fmax(b, arf, eps32), _fmax(b, _fabs(b, dv), eps32)))
-        # |r| * log term rounded once in float32 (relative 6e-8, well below
-        # the log's own error), summed in float64.
-        for w in halves(b.fmul(arf, lg)):
-            a["skl"] = b.fadd(a["skl"], w)
-        return a
-
-    a = loop({"skl": zd}, body3)
-    store(_B_SKL, reduce(a["skl"], fsum))
-
-    # ---- 4: mismatch magnitudes (only when there are mismatches) -----------
-    store(_B_SERR, ir.Constant(_F64, 0.0))
-    store(_B_MERR, ir.Constant(_F64, 0.0))
-    sweep4 = fn.append_basic_block("mism")
-    done = fn.append_basic_block("done")
-    b.cbranch(b.icmp_signed(">", nerr, ir.Constant(_I64, 0)), sweep4, done)
-    b.position_at_end(sweep4)
-
-    def body4(i, a):
-        rv = load8(rp, ref_half, i)
-        dv = load8(dp, dev_half, i)
-        for x, y in zip(halves(rv), halves(dv)):
-            ae = _fabs(b, b.fsub(y, x))
-            tol = b.fadd(b.fmul(_fabs(b, x), rtolv), atolv)
-            em = b.select(b.fcmp_ordered(">", ae, tol), ae, zd)
-            a["serr"] = b.fadd(a["serr"], em)
-            a["merr"] = _fmax(b, em, a["merr"])
-        return a
-
-    a = loop({"serr": zd, "merr": zd}, body4)
-    store(_B_SERR, reduce(a["serr"], fsum))
-    store(_B_MERR, reduce(a["merr"], _fmax))
-    b.branch(done)
-    b.position_at_end(done)
-    b.ret(maxbits)
+    inits = {"nerr": zl, "c1": zl, "c5": zl, "serr": zd, "merr": zd, "srel": zd,
+             "mrel": zd, "mae": zd}
+    a = em.loop(ir.Constant(_I64, 0), ng, inits, body)
+    em.store(_B_MAE, em.reduce(a["mae"], _fmax))
+    em.store(_B_SERR, em.reduce(a["serr"], _fsum))
+    em.store(_B_MERR, em.reduce(a["merr"], _fmax))
+    em.store(_B_SREL, em.reduce(a["srel"], _fsum))
+    em.store(_B_MREL, em.reduce(a["mrel"], _fmax))
+    em.store(_B_NERR, b.sitofp(em.reduce(a["nerr"], _isum), _F64))
+    em.store(_B_C1, b.sitofp(em.reduce(a["c1"], _isum), _F64))
+    em.store(_B_C5, b.sitofp(em.reduce(a["c5"], _isum), _F64))
+    b.ret_void()
     return fn
 
 
-def _block_fn(module, ref_half, dev_half):
-    name = "layerdiff_metrics_block_%s%s" % ("h" if ref_half else "f", "h" if dev_half else "f")
+def _get_fn(module, builder, prefix, ref_half, dev_half):
+    name = "layerdiff_metrics_%s_%s%s" % (prefix, "h" if ref_half else "f",
+                                          "h" if dev_half else "f")
     try:
         return module.get_global(name)
     except KeyError:
-        return _build_block_fn(module, name, ref_half, dev_half)
+        return builder(module, name, ref_half, dev_half)
 
 
 def _is_f32_or_half_array(t):
@@ -653,23 +860,43 @@ def _is_f32_or_half_array(t):
             and t.dtype in (types.float32, types.uint16))
 
 
+def _data_ptrs(context, builder, sig, args, start):
+    ra = context.make_array(sig.args[0])(context, builder, args[0])
+    da = context.make_array(sig.args[1])(context, builder, args[1])
+    oa = context.make_array(sig.args[-1])(context, builder, args[-1])
+    return (builder.gep(ra.data, [start], inbounds=True),
+            builder.gep(da.data, [start], inbounds=True), oa.data)
+
+
 @intrinsic
-def _block_kernel(typingctx, r, d, start, ng, atol, rtol, shift_r, shift_d, out):
+def _block_kernel(typingctx, r, d, start, ng, rtol_lo, atol_lo, shift_r, shift_d, out):
     if not (_is_f32_or_half_array(r) and _is_f32_or_half_array(d)):
         return None
     sig = types.int64(r, d, types.int64, types.int64, types.float64, types.float64,
                       types.float64, types.float64, out)
 
     def codegen(context, builder, sig, args):
-        ra = context.make_array(sig.args[0])(context, builder, args[0])
-        da = context.make_array(sig.args[1])(context, builder, args[1])
-        oa = context.make_array(sig.args[8])(context, builder, args[8])
-        rptr = builder.gep(ra.data, [args[2]], inbounds=True)
-        dptr = builder.gep(da.data, [args[2]], inbounds=True)
-        fn = _block_fn(builder.module, sig.args[0].dtype == types.uint16,
-                       sig.args[1].dtype == types.uint16)
+        rptr, dptr, optr = _data_ptrs(context, builder, sig, args, args[2])
+        fn = _get_fn(builder.module, _build_block_fn, "block",
+                     sig.args[0].dtype == types.uint16, sig.args[1].dtype == types.uint16)
         return builder.call(fn, [rptr, dptr, args[3], args[4], args[5], args[6], args[7],
-                                 oa.data])
+                                 optr])
+
+    return sig, codegen
+
+
+@intrinsic
+def _exact_kernel(typingctx, r, d, start, ng, atol, rtol, out):
+    if not (_is_f32_or_half_array(r) and _is_f32_or_half_array(d)):
+        return None
+    sig = types.none(r, d, types.int64, types.int64, types.float64, types.float64, out)
+
+    def codegen(context, builder, sig, args):
+        rptr, dptr, optr = _data_ptrs(context, builder, sig, args, args[2])
+        fn = _get_fn(builder.module, _build_exact_fn, "exact",
+                     sig.args[0].dtype == types.uint16, sig.args[1].dtype == types.uint16)
+        builder.call(fn, [rptr, dptr, args[3], args[4], args[5], optr])
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -746,7 +973,7 @@ def _count_special(x, y, spc):
 @njit(inline="always", error_model="numpy")
 def _elem_common(x, y, sr, sd, atol, rtol, blk):
     # x, y: replaced values as float64.  Same operations, with the same
-    # rounding, as the vector kernel.
+    # rounding, as the float64 sweep (_build_exact_fn) and reference_metrics.
     u = x - sr
     v = y - sd
     e = y - x
@@ -878,9 +1105,21 @@ def _finish_specials(iv, spc):
     iv[_I_DEV_OVF] += spc[5]
 
 
+# Bounds on the relative error of the float32 |e| (one rounding) and of a
+# float32 relative error (a few roundings of 2**-24; inputs below _TINY never
+# reach the float32 sweep, so nothing there underflows).
+_AE32_GROW = 1.0 + 2.0 ** -22
+_REL32_GROW = 1.0 + 2.0 ** -20
+
+
 @njit(error_model="numpy", nogil=True, cache=True)
-def _acc_fast(r, d, atol, rtol, base, iv, fv):
-    """Metric pass over float32 / float16-bits arrays (1-D, C order)."""
+def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
+    """Metric pass over float32 / float16-bits arrays (1-D, C order).
+
+    ``rtol_lo``/``atol_lo`` come from ``_fast_tolerances``; ``exact_tol``
+    forces the float64 tolerance sweep on every block (tolerances it cannot
+    represent).
+    """
     n = r.size
     blk = np.empty(_NB, np.float64)
     spc = np.zeros(6, np.int64)
@@ -892,9 +1131,26 @@ def _acc_fast(r, d, atol, rtol, base, iv, fv):
         blk[:] = 0.0
         start = s
         if ng > 0:
-            mxb = _block_kernel(r, d, s, ng, atol, rtol, sr, sd, blk)
-            if mxb <= _FP16_MAX_BITS:
+            if _block_kernel(r, d, s, ng, rtol_lo, atol_lo, sr, sd, blk) == 0:
                 start = s + ng * 8
+                # When a count was not decided (or relative errors are huge)
+                # the float64 sweep replaces the block's tolerance and
+                # relative-error results.  The float32 maxima of |e| and of
+                # the relative error are within _AE32_GROW resp. _REL32_GROW
+                # of the float64 ones: when either could raise the running
+                # maximum the float64 sweep supplies the maxima only, so
+                # that the sums never depend on what came before the block
+                # (chunked and whole results then agree).
+                mrel = blk[_B_MREL]
+                mae = blk[_B_MAE]
+                redo = (exact_tol or blk[_B_NERRP] > 0.0 or blk[_B_AMB] > 0.0
+                        or mrel >= 1e30)
+                if redo or (mae > 0.0 and (mae * _AE32_GROW > fv[_F_MAX_AE]
+                                           or mrel * _REL32_GROW > fv[_F_MAX_REL])):
+                    srel = blk[_B_SREL]
+                    _exact_kernel(r, d, s, ng, atol, rtol, blk)
+                    if not redo:
+                        blk[_B_SREL] = srel
             else:
                 blk[:] = 0.0
         for i in range(start, s + m):
@@ -1018,9 +1274,10 @@ def warmup() -> None:
         f32 = np.zeros(16, np.float32)
         f16 = np.zeros(16, np.uint16)
         f64 = np.zeros(16, np.float64)
+        rtol_lo, atol_lo = _fast_tolerances(ATOL_DEFAULT, RTOL_DEFAULT)
         for r, d in ((f32, f32), (f32, f16), (f16, f16), (f16, f32)):
             iv, fv = _new_state()
-            _acc_fast(r, d, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv)
+            _acc_fast(r, d, ATOL_DEFAULT, RTOL_DEFAULT, rtol_lo, atol_lo, False, 0, iv, fv)
         iv, fv = _new_state()
         _acc_f64(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv)
         _merge_state(iv, fv, iv.copy(), fv.copy())
@@ -1043,7 +1300,9 @@ def _run(ref, dev, atol, rtol, base):
     if kr in ("f32", "f16") and kd in ("f32", "f16"):
         rv = r.view(np.uint16) if kr == "f16" else r
         dv = d.view(np.uint16) if kd == "f16" else d
-        _acc_fast(rv, dv, atol, rtol, base, iv, fv)
+        lo = _fast_tolerances(atol, rtol)
+        rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
+        _acc_fast(rv, dv, atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv)
     elif kr == "f64" and kd == "f64":
         _acc_f64(r, d, atol, rtol, base, iv, fv)
     else:

@@ -19,6 +19,7 @@ def default_cores() -> int:
 class LocalPool:
     def __init__(self, max_cores: int | None = None) -> None:
         self.max_cores = max(1, max_cores or default_cores())
+        self.max_in_flight = 2 * self.max_cores   # each in-flight node holds its tensors
         self._ex = ThreadPoolExecutor(max_workers=self.max_cores, thread_name_prefix="layerdiff-compare")
 
     def submit(self, ref, dev, tol, diff_cnt, force_compare) -> "Future[NodeOutcome]":

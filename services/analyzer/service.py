@@ -3,6 +3,7 @@ progress as a stream, fetch reports, cancel."""
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -21,10 +22,10 @@ log = logging.getLogger(__name__)
 
 
 class AnalyzerService(pbg.AnalyzerServicer):
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, broker_url: str | None = None) -> None:
         self.workdir = Path(workdir)
         self.store = ArtifactStore(self.workdir / "artifacts")
-        self.runner = JobRunner(self.store, self.workdir / "jobs")
+        self.runner = JobRunner(self.store, self.workdir / "jobs", broker_url)
 
     def Health(self, request, context):
         return pb.HealthReply(service="analyzer", version=__version__, status="SERVING")
@@ -94,13 +95,18 @@ class AnalyzerService(pbg.AnalyzerServicer):
 
 
 class AnalyzerServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None,
+                 broker_url: str | None = None) -> None:
+        """``broker_url`` (default: LAYERDIFF_BROKER_URL) sends comparisons to
+        Celery workers; without one they run on the local pool."""
         release_freed_tensors_to_system()
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-analyzer-")
             workdir = self._tmp.name
-        self.service = AnalyzerService(Path(workdir))
+        if broker_url is None:
+            broker_url = os.environ.get("LAYERDIFF_BROKER_URL") or None
+        self.service = AnalyzerService(Path(workdir), broker_url)
         self.server = make_server()
         pbg.add_AnalyzerServicer_to_server(self.service, self.server)
         self.port = bind(self.server, host, port)

@@ -58,8 +58,8 @@ def _cmd_run(a) -> int:
     return 0
 
 
-def _serve(server_cls, a) -> int:
-    server = server_cls(host=a.host, port=a.port, workdir=a.workdir)
+def _serve(server_cls, a, **kw) -> int:
+    server = server_cls(host=a.host, port=a.port, workdir=a.workdir, **kw)
     print(f"{a.service} listening on {server.address}", flush=True)
     stop = lambda *_: server.stop(grace=2.0)  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
@@ -75,15 +75,49 @@ def _add_service(sub, name: str) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=0, help="0 picks a free port")
     serve.add_argument("--workdir", help="private working directory (default: a temporary one)")
+    if name == "analyzer":
+        serve.add_argument("--broker", help="Redis URL: fan comparisons out to Celery workers "
+                                            "(default: LAYERDIFF_BROKER_URL; none = local pool)")
     serve.set_defaults(func=_cmd_serve, service=name)
 
 
 def _cmd_serve(a) -> int:
     if a.service == "collector":
-        from layerdiff.collector.service import CollectorServer as cls
-    else:
-        from layerdiff.analyzer.service import AnalyzerServer as cls
-    return _serve(cls, a)
+        from layerdiff.collector.service import CollectorServer
+
+        return _serve(CollectorServer, a)
+    from layerdiff.analyzer.service import AnalyzerServer
+
+    return _serve(AnalyzerServer, a, broker_url=a.broker)
+
+
+def _add_worker(sub) -> None:
+    p = sub.add_parser("worker", help="a Celery worker for the analyzer's per-node comparisons",
+                       description="Start a Celery worker that compares nodes for any analyzer using the same "
+                                   "broker. It needs nothing but the broker address.")
+    p.add_argument("--broker", help="Redis URL (default: LAYERDIFF_BROKER_URL)")
+    p.add_argument("--max-cores", "--max_cores", type=int, help="worker processes (default: CPU count)")
+    p.add_argument("--loglevel", default="WARNING")
+    p.set_defaults(func=_cmd_worker)
+
+
+def _cmd_worker(a) -> int:
+    import os
+
+    from layerdiff.analyzer.pool import default_cores
+    from layerdiff.errors import LayerdiffError
+
+    broker = a.broker or os.environ.get("LAYERDIFF_BROKER_URL")
+    if not broker:
+        raise LayerdiffError("no broker: give --broker or set LAYERDIFF_BROKER_URL", field="broker")
+    os.environ["LAYERDIFF_BROKER_URL"] = broker
+    from layerdiff.analyzer.celery_app import QUEUE, make_app
+
+    app = make_app(broker)
+    app.worker_main(["worker", f"--loglevel={a.loglevel}", f"--concurrency={a.max_cores or default_cores()}",
+                     "-Q", QUEUE, "--pool=prefork", "-n", f"layerdiff-{os.getpid()}@%h", "--without-gossip",
+                     "--without-mingle"])
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_service(sub, "collector")
     _add_service(sub, "analyzer")
+    _add_worker(sub)
     return parser
 
 

@@ -1,0 +1,79 @@
+"""The Celery application of the distributed executor and its one task.
+
+The task is thin: it reads the referenced tensors from the store, runs the
+same plain comparison functions as the local pool and returns JSON (never a
+pickle). It is idempotent: the same (job, item) gives the same answer, so a
+redelivered task (its worker died before acknowledging) is harmless.
+
+Configuration comes from the environment: LAYERDIFF_BROKER_URL (Redis; the
+result backend and the tensor store are the same server) and
+LAYERDIFF_VISIBILITY_TIMEOUT_S (how long an unacknowledged task waits before
+it is redelivered to another worker; default 60).
+"""
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+QUEUE = "layerdiff"
+TASK = "layerdiff.compare_batch"
+DEFAULT_VISIBILITY_TIMEOUT_S = 60
+
+
+def make_app(broker_url: str | None = None, visibility_timeout_s: int | None = None) -> Celery:
+    url = broker_url or os.environ.get("LAYERDIFF_BROKER_URL", "")
+    vt = visibility_timeout_s or int(os.environ.get("LAYERDIFF_VISIBILITY_TIMEOUT_S",
+                                                    DEFAULT_VISIBILITY_TIMEOUT_S))
+    app = Celery("layerdiff", broker=url, backend=url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json", result_serializer="json", accept_content=["json"], result_accept_content=["json"],
+        task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
+        task_default_queue=QUEUE, result_expires=3600, broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": vt}, result_backend_transport_options={
+            "retry_policy": {"timeout": 5.0}},
+        worker_hijack_root_logger=False, worker_send_task_events=False,
+    )
+    app.task(name=TASK, bind=True)(compare_batch)
+    return app
+
+
+_stores: dict[str, object] = {}
+
+
+def _store(url: str):
+    from layerdiff.analyzer.store import TensorStore
+
+    if url not in _stores:
+        _stores[url] = TensorStore(url)
+    return _stores[url]
+
+
+def compare_batch(self, job_id: str, items: list[dict]) -> list[dict]:
+    """Compare a batch of nodes (or chunks of large nodes) of one job."""
+    from layerdiff.analyzer.compare import SkipNode, compare_chunk, compare_node
+    from layerdiff.analyzer.tolerances import Tolerance
+
+    store = _store(self.app.conf.broker_url)
+    if not store.job_alive(job_id):
+        return [{"id": it.get("id"), "error": f"job {job_id} no longer exists (finished, expired or cancelled)"}
+                for it in items]
+    out = []
+    for it in items:
+        try:
+            ref = store.get(it["ref"])
+            dev = store.get(it["dev"])
+            tol = Tolerance(float(it["atol"]), float(it["rtol"]))
+            diff_cnt = int(it["diff_cnt"])
+            if "offset" in it:
+                acc, worst = compare_chunk(ref, dev, int(it["offset"]), tol, diff_cnt)
+                out.append({"id": it["id"], "acc": acc.to_dict(), "worst": worst})
+            else:
+                res = compare_node(ref, dev, tol, diff_cnt, bool(it.get("force_compare")))
+                out.append({"id": it["id"], "metrics": res.metrics.as_dict(), "worst": res.worst, "note": res.note})
+        except SkipNode as e:
+            out.append({"id": it.get("id"), "skip": str(e)})
+        except Exception as e:  # reported per item: the rest of the batch goes on
+            out.append({"id": it.get("id"), "error": f"{type(e).__name__}: {e}"})
+    return out
+

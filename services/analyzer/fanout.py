@@ -1,0 +1,281 @@
+"""The distributed executor: per-node comparisons fanned out to Celery
+workers on any host, with the same interface as the local pool.
+
+- Tensor bytes go to the tensor store (Redis), never into a Celery message:
+  a task carries references, dtypes, shapes and tolerances (a few hundred
+  bytes per node).
+- Small nodes are batched into one task of about ``batch_bytes`` of
+  comparison work (an empty Celery round trip costs milliseconds); a batch
+  also leaves after ``linger_s`` so progress never stalls. Nodes larger than
+  CHUNK_ELEMENTS are cut at the same bounds as in the local pool and their
+  chunk results merged exactly.
+- Reliability: tasks are acknowledged late; results are idempotent per
+  (job, item). A task without a result after ``task_timeout_s`` (its worker
+  died, or the broker lost it) is sent again, with a doubled timeout each
+  time, and whichever copy answers first counts. A job has a deadline; a
+  store that stays unreachable, or comes back without the job's data
+  (restarted), fails the remaining nodes with a clear reason instead of
+  waiting forever.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import redis
+from kombu.exceptions import OperationalError
+
+from layerdiff.analyzer import metrics as M
+from layerdiff.analyzer.celery_app import QUEUE, TASK, make_app
+from layerdiff.analyzer.compare import NodeOutcome, SkipNode, chunk_bounds, merge_chunks, reconcile
+from layerdiff.analyzer.store import TensorStore
+from layerdiff.errors import LayerdiffError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = int(os.environ.get("LAYERDIFF_JOB_DEADLINE_S", "3600"))
+# A batch holds well under a second of work; a task silent for this long is
+# presumed lost with its worker.
+DEFAULT_TASK_TIMEOUT_S = float(os.environ.get("LAYERDIFF_TASK_TIMEOUT_S", "30"))
+STORE_GRACE_S = 20.0
+
+
+class StoreLost(LayerdiffError):
+    pass
+
+
+@dataclass
+class _Node:
+    future: Future
+    shape: tuple
+    diff_cnt: int
+    note: str = ""
+    parts: list = field(default_factory=list)   # chunk results, in offset order
+
+
+class CeleryPool:
+    def __init__(self, broker_url: str, job_id: str, max_cores: int | None = None, *,
+                 deadline_s: float = DEFAULT_DEADLINE_S, task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S, batch_bytes: int = 32 * 1024**2, linger_s: float = 0.05,
+                 max_inflight_bytes: int = 512 * 1024**2) -> None:
+        self.broker_url = broker_url
+        self.job_id = job_id
+        self.max_cores = max_cores or 1
+        self.max_in_flight = 4096          # nodes; memory is bounded by bytes below
+        self.app = make_app(broker_url)
+        self.store = TensorStore(broker_url, ttl_s=int(deadline_s) + 600)
+        self.store.ping()
+        self.store.open_job(job_id)
+        self.deadline = time.monotonic() + deadline_s
+        self.task_timeout_s = task_timeout_s
+        self.batch_bytes = batch_bytes
+        self.linger_s = linger_s
+        self.max_inflight_bytes = max_inflight_bytes
+        self._ids = itertools.count()
+        self._items: dict[int, tuple[_Node, int, int]] = {}    # item id -> (node, chunk index, bytes)
+        self._batch: list[dict] = []
+        self._batch_nbytes = 0
+        self._batch_since = 0.0
+        self._tasks: dict = {}            # AsyncResult -> (item ids, items, sent at, timeout)
+        self._inflight_bytes = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._failure: LayerdiffError | None = None
+        self.stats = {"tasks": 0, "items": 0, "message_bytes": 0}
+        self._poller = threading.Thread(target=self._poll, name=f"fanout-{job_id}", daemon=True)
+        self._poller.start()
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, ref, dev, tol, diff_cnt: int, force_compare: bool) -> Future:
+        fut: Future = Future()
+        if self._failure is not None:
+            fut.set_exception(self._failure)
+            return fut
+        try:
+            dev, note = reconcile(ref, dev, force_compare)
+        except SkipNode as e:
+            fut.set_exception(e)
+            return fut
+        bounds = chunk_bounds(ref.size)
+        node = _Node(fut, tuple(ref.shape), diff_cnt, note, [None] * len(bounds))
+        common = {"atol": tol.atol, "rtol": tol.rtol, "diff_cnt": diff_cnt}
+        try:
+            if len(bounds) == 1:
+                self._add(node, 0, ref, dev, dict(common, force_compare=False))
+            else:
+                r, d = ref.reshape(-1), dev.reshape(-1)
+                for k, (a, b) in enumerate(bounds):
+                    self._add(node, k, r[a:b], d[a:b], dict(common, offset=a))
+        except (redis.RedisError, OperationalError) as e:
+            self._fail_all(UnavailableError(f"broker {self.broker_url} failed: {e}", field="broker"))
+            if not fut.done():
+                fut.set_exception(self._failure)
+        return fut
+
+    def _add(self, node: _Node, k: int, ref, dev, item: dict) -> None:
+        nbytes = ref.nbytes + dev.nbytes
+        with self._cv:
+            while self._inflight_bytes > self.max_inflight_bytes and self._failure is None:
+                self._cv.wait(0.1)
+            if self._failure is not None:
+                raise self._failure
+            item_id = next(self._ids)
+            self._items[item_id] = (node, k, nbytes)
+            self._inflight_bytes += nbytes
+        item.update(id=item_id, ref=self.store.put(self.job_id, f"{item_id}:r", ref),
+                    dev=self.store.put(self.job_id, f"{item_id}:d", dev))
+        with self._cv:
+            if not self._batch:
+                self._batch_since = time.monotonic()
+            self._batch.append(item)
+            self._batch_nbytes += nbytes
+            if self._batch_nbytes >= self.batch_bytes:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if not self._batch:
+            return
+        items, self._batch, self._batch_nbytes = self._batch, [], 0
+        self._send_locked(items, self.task_timeout_s)
+        self.stats["tasks"] += 1
+        self.stats["items"] += len(items)
+        self.stats["message_bytes"] += len(json.dumps([self.job_id, items]))
+
+    def _send_locked(self, items: list[dict], timeout: float) -> None:
+        try:
+            res = self.app.send_task(TASK, args=[self.job_id, items], queue=QUEUE)
+        except (OperationalError, redis.RedisError) as e:
+            raise UnavailableError(f"broker {self.broker_url} refuses the task: {e}", field="broker") from e
+        self._tasks[res] = ([it["id"] for it in items], items, time.monotonic(), timeout)
+
+    def _resend_overdue(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            overdue = [(res, t) for res, t in self._tasks.items() if now - t[2] > t[3]]
+        if not overdue:
+            return
+        if not self.store.job_alive(self.job_id):
+            raise StoreLost(f"the store {self.broker_url} lost this job's data (restarted?); the remaining nodes "
+                            "cannot be compared", field="broker")
+        with self._cv:
+            for res, (ids, items, _, timeout) in overdue:
+                if self._tasks.pop(res, None) is None:
+                    continue
+                live = [it for it in items if it["id"] in self._items]
+                if live:
+                    log.warning("job %s: task %s silent for %.0f s, sending its %d nodes again", self.job_id, res.id,
+                                timeout, len(live))
+                    self.stats["resent"] = self.stats.get("resent", 0) + 1
+                    self._send_locked(live, timeout * 2)
+
+    # ----------------------------------------------------------------- results
+    def _poll(self) -> None:
+        down_since = None
+        while True:
+            with self._cv:
+                if self._closed and not self._items:
+                    return
+                try:
+                    if self._batch and time.monotonic() - self._batch_since >= self.linger_s:
+                        self._flush_locked()
+                except LayerdiffError as e:
+                    self._fail_all_locked(e)
+                tasks = [(res, t[0]) for res, t in self._tasks.items()]
+            try:
+                for res, ids in tasks:
+                    if res.ready():
+                        value = res.get(propagate=False, disable_sync_subtasks=False)
+                        res.forget()
+                        with self._cv:
+                            self._tasks.pop(res, None)
+                            self._resolve_locked(ids, value)
+                self._resend_overdue()
+                if down_since is not None:
+                    if not self.store.job_alive(self.job_id):
+                        raise StoreLost(f"the store {self.broker_url} came back without this job's data (restarted?);"
+                                        " the remaining nodes were lost", field="broker")
+                    down_since = None
+            except StoreLost as e:
+                self._fail_all(e)
+            except (redis.RedisError, OperationalError, ConnectionError, OSError) as e:
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > STORE_GRACE_S:
+                    self._fail_all(UnavailableError(f"broker {self.broker_url} unreachable for {STORE_GRACE_S:.0f} s:"
+                                                    f" {e}", field="broker"))
+            if time.monotonic() > self.deadline and self._items:
+                self._fail_all(LayerdiffError(f"deadline exceeded with {len(self._items)} comparisons outstanding",
+                                              field="deadline"))
+            time.sleep(0.02)
+
+    def _resolve_locked(self, ids: list[int], value) -> None:
+        if not isinstance(value, list):
+            # the task itself failed (an exception on the worker): every node in it is lost
+            for i in ids:
+                self._finish_item(i, error=f"worker task failed: {value!r}")
+            return
+        by_id = {r.get("id"): r for r in value if isinstance(r, dict)}
+        for i in ids:
+            r = by_id.get(i)
+            if r is None:
+                self._finish_item(i, error="worker returned no result for this node")
+            else:
+                self._finish_item(i, result=r)
+
+    def _finish_item(self, item_id: int, result: dict | None = None, error: str | None = None) -> None:
+        entry = self._items.pop(item_id, None)
+        if entry is None:
+            return
+        node, k, nbytes = entry
+        self._inflight_bytes -= nbytes
+        self._cv.notify_all()
+        if node.future.done():
+            return
+        if error is None and result is not None:
+            error = result.get("error")
+        if error is not None:
+            node.future.set_exception(SkipNode(f"worker: {error}"))
+            return
+        if "skip" in result:
+            node.future.set_exception(SkipNode(result["skip"]))
+        elif "metrics" in result:
+            node.future.set_result(NodeOutcome(M.NodeMetrics.from_dict(result["metrics"]),
+                                               [tuple(w) for w in result["worst"]], result.get("note", "")))
+        else:
+            node.parts[k] = (M.Accumulator.from_dict(result["acc"]), [tuple(w) for w in result["worst"]])
+            if all(p is not None for p in node.parts):
+                m, worst = merge_chunks(node.parts, node.shape, node.diff_cnt)
+                node.future.set_result(NodeOutcome(m, worst, node.note))
+
+    def _fail_all(self, exc: LayerdiffError) -> None:
+        with self._cv:
+            self._fail_all_locked(exc)
+
+    def _fail_all_locked(self, exc: LayerdiffError) -> None:
+        self._failure = exc
+        for node, _, _ in list(self._items.values()):
+            if not node.future.done():
+                node.future.set_exception(exc)
+        self._items.clear()
+        self._tasks.clear()
+        self._batch = []
+        self._inflight_bytes = 0
+        self._cv.notify_all()
+
+    # ------------------------------------------------------------------- close
+    def close(self) -> None:
+        with self._cv:
+            try:
+                self._flush_locked()
+            except LayerdiffError as e:
+                self._fail_all_locked(e)
+            self._closed = True
+        self._poller.join(timeout=max(0.0, self.deadline - time.monotonic()) + 5)
+        try:
+            self.store.drop_job(self.job_id)
+        except redis.RedisError as e:  # the keys expire by themselves
+            log.warning("could not delete job %s from the store: %s", self.job_id, e)

@@ -1,0 +1,254 @@
+"""Comparisons fanned out to Celery workers on a real Redis: identical
+reports to the local pool, no tensor bytes in messages, survival of a killed
+worker, a clear failure when Redis restarts, clear errors for bad tasks."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from layerdiff.client.api import AnalyzerClient, run
+from layerdiff.net import free_port
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+from conftest import ServiceProcess, wait_for
+
+CHUNK = "4096"   # small chunks so that the tests' nodes are split and merged
+
+
+class RedisServer:
+    def __init__(self, workdir) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = redis.Redis(port=self.port)
+        assert wait_for(lambda: _pings(r), 10), "redis-server did not start"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _pings(r) -> bool:
+    try:
+        return r.ping()
+    except redis.RedisError:
+        return False
+
+
+def start_worker(url: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "layerdiff.client.cli", "worker", "--broker", url,
+                             "--max-cores", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _workers_ready(url: str, n: int) -> bool:
+    from layerdiff.analyzer.celery_app import make_app
+
+    try:
+        return len(make_app(url).control.ping(timeout=1.0)) >= n
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Redis, two workers, a Celery analyzer and a local-pool analyzer (same
+    chunking), a collector: every one its own process, stopped by PID."""
+    base = tmp_path_factory.mktemp("cluster")
+    rs = RedisServer(base)
+    env = dict(os.environ, LAYERDIFF_CHUNK_ELEMENTS=CHUNK, LAYERDIFF_VISIBILITY_TIMEOUT_S="5",
+               LAYERDIFF_TASK_TIMEOUT_S="4", LAYERDIFF_JOB_DEADLINE_S="240")
+    workers = [start_worker(rs.url, env) for _ in range(2)]
+    procs = []
+    try:
+        assert wait_for(lambda: _workers_ready(rs.url, 2), 60), "workers did not come up"
+        collector = ServiceProcess("collector", base / "collector")
+        procs.append(collector)
+        celery_analyzer = ServiceProcess("analyzer", base / "analyzer-celery", env=dict(env, LAYERDIFF_BROKER_URL=rs.url))
+        procs.append(celery_analyzer)
+        local_analyzer = ServiceProcess("analyzer", base / "analyzer-local", env=env)
+        procs.append(local_analyzer)
+        yield {"redis": rs, "workers": workers, "collector": collector, "celery": celery_analyzer,
+               "local": local_analyzer, "env": env}
+    finally:
+        for p in procs:
+            p.stop()
+        for w in workers:
+            if w.poll() is None:
+                os.kill(w.pid, signal.SIGTERM)
+                try:
+                    w.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    w.kill()
+        rs.stop()
+
+
+def _reports(out):
+    files = {}
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            files[p.relative_to(out).as_posix()] = p.read_bytes()
+    summary = json.loads(files.pop("summary.json"))
+    for k in ("job_id", "started_at", "elapsed_s"):
+        summary.pop(k)
+    return files, summary
+
+
+def test_celery_and_local_pool_give_identical_reports(cluster, cnn_files, tmp_path):
+    model, inputs, device = cnn_files
+    outs = {}
+    for name in ("local", "celery"):
+        outs[name] = tmp_path / name
+        run(model, inputs, device_model=device, out=outs[name], analyzer=cluster[name].address,
+            collector=cluster["collector"].address, diff_cnt=7, progress=False)
+    local_files, local_summary = _reports(outs["local"])
+    celery_files, celery_summary = _reports(outs["celery"])
+    assert local_files.keys() == celery_files.keys()
+    for name in local_files:
+        assert local_files[name] == celery_files[name], name
+    assert local_summary == celery_summary
+    assert celery_summary["first_failing_node"]["node"] == "conv2"
+
+
+def test_no_tensor_bytes_in_broker_messages_and_store_cleaned(cluster, cnn_files, tmp_path):
+    """Every message on the broker is small (references only) and the job's
+    tensors are deleted when it ends."""
+    r = redis.Redis.from_url(cluster["redis"].url)
+    model, inputs, device = cnn_files
+    pushes: list[int] = []
+    stop = threading.Event()
+
+    def watch():
+        with redis.Redis.from_url(cluster["redis"].url).monitor() as m:
+            for cmd in m.listen():
+                if cmd["command"].upper().startswith("LPUSH"):
+                    pushes.append(len(cmd["command"]))
+                if stop.is_set():
+                    return
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    run(model, inputs, device_model=device, out=tmp_path / "out", analyzer=cluster["celery"].address,
+        collector=cluster["collector"].address, progress=False)
+    stop.set()
+    r.ping()
+    t.join(timeout=5)
+    assert pushes, "no task was published"
+    # the conv outputs alone are 8 KiB each, twice per node: only references travel
+    assert max(pushes) < 16 * 1024
+    assert not list(r.scan_iter(match="layerdiff:job:*"))
+
+
+def test_a_killed_worker_does_not_lose_the_job(cluster, tmp_path):
+    from layerdiff.client.demo import det_input, packaged_model
+
+    np.savez(tmp_path / "page.npz", x=det_input(320, 320))
+    local = run(packaged_model(), tmp_path / "page.npz", precision="fp16", out=tmp_path / "local",
+                analyzer=cluster["local"].address, collector=cluster["collector"].address, progress=False)
+    victim = cluster["workers"][0]
+    killed = []
+
+    def progress(ev):
+        if not killed and ev.nodes_done >= 40:
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(ev.nodes_done)
+
+    dist = run(packaged_model(), tmp_path / "page.npz", precision="fp16", out=tmp_path / "dist",
+               analyzer=cluster["celery"].address, collector=cluster["collector"].address, progress=progress)
+    assert killed and victim.wait(timeout=10) == -signal.SIGKILL
+    assert dist.summary["counts"] == local.summary["counts"]
+    assert dist.summary["nodes"] == local.summary["nodes"]
+    # the worker is replaced for the next tests
+    cluster["workers"][0] = start_worker(cluster["redis"].url, cluster["env"])
+    assert wait_for(lambda: _workers_ready(cluster["redis"].url, 2), 60)
+
+
+def test_bad_tasks_get_clear_errors(cluster):
+    from layerdiff.analyzer.celery_app import QUEUE, TASK, make_app
+    from layerdiff.analyzer.store import TensorStore
+
+    app = make_app(cluster["redis"].url)
+    store = TensorStore(cluster["redis"].url)
+    item = {"id": 1, "atol": 0.005, "rtol": 0.2, "diff_cnt": 4,
+            "ref": {"key": "layerdiff:job:ghost:1:r", "dtype": "float32", "shape": [2], "nbytes": 8, "parts": 1},
+            "dev": {"key": "layerdiff:job:ghost:1:d", "dtype": "float32", "shape": [2], "nbytes": 8, "parts": 1}}
+    res = app.send_task(TASK, args=["ghost", [item]], queue=QUEUE).get(timeout=30)
+    assert "job ghost no longer exists" in res[0]["error"]
+
+    store.open_job("j1")
+    good_r = store.put("j1", "ok:r", np.arange(4, dtype=np.float32))
+    good_d = store.put("j1", "ok:d", np.arange(4, dtype=np.float32) + 1)
+    cut = store.put("j1", "cut:r", np.arange(4, dtype=np.float32))
+    store.r.set(cut["key"] + ":0", b"\x00" * 6)       # truncated payload
+    gone = dict(cut, key="layerdiff:job:j1:gone:r")    # missing payload
+    base = {"atol": 0.005, "rtol": 0.2, "diff_cnt": 4, "force_compare": False}
+    items = [dict(base, id=1, ref=good_r, dev=good_d), dict(base, id=2, ref=cut, dev=good_d),
+             dict(base, id=3, ref=gone, dev=good_d)]
+    res = {r["id"]: r for r in app.send_task(TASK, args=["j1", items], queue=QUEUE).get(timeout=30)}
+    assert res[1]["metrics"]["errors"] == 4
+    assert "payload truncated: 6 of 16 bytes" in res[2]["error"] and "cut:r" in res[2]["error"]
+    assert "payload missing" in res[3]["error"] and "gone:r" in res[3]["error"]
+    store.drop_job("j1")
+
+
+def test_broker_refusing_connections_fails_the_submit(cnn_files, tmp_path):
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    analyzer = ServiceProcess("analyzer", tmp_path / "analyzer", env=dict(os.environ, LAYERDIFF_BROKER_URL=dead))
+    try:
+        import grpc
+
+        client = AnalyzerClient(analyzer.address)
+        model, inputs, _ = cnn_files
+        spec = pb.JobSpec(model_artifact=client.upload(model.read_bytes(), "model.onnx"),
+                          inputs_artifact=client.upload(inputs.read_bytes(), "inputs.npz"), collector="127.0.0.1:1")
+        with pytest.raises(grpc.RpcError) as ei:
+            client.submit(spec)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert dead in ei.value.details() and "refuses connections" in ei.value.details()
+        assert analyzer.alive()
+    finally:
+        analyzer.stop()
+
+
+def test_redis_restart_fails_the_job_clearly(cluster, tmp_path):
+    """Redis keeps nothing across a restart: the job must not wait forever."""
+    from layerdiff.client.demo import det_input, packaged_model
+
+    np.savez(tmp_path / "page.npz", x=det_input(320, 320))
+    client = AnalyzerClient(cluster["celery"].address)
+    spec = pb.JobSpec(model_artifact=client.upload(packaged_model().read_bytes(), "det.onnx"),
+                      inputs_artifact=client.upload((tmp_path / "page.npz").read_bytes(), "page.npz"),
+                      collector=cluster["collector"].address, precision="fp16")
+    job = client.submit(spec)
+    restarted = False
+    started = time.monotonic()
+    last = None
+    for ev in client.watch(job, timeout=180):
+        last = ev
+        if not restarted and ev.nodes_done >= 20:
+            cluster["redis"].stop()
+            time.sleep(1.0)
+            cluster["redis"].start()
+            restarted = True
+    assert restarted
+    assert last.state in (pb.FAILED, pb.DONE)
+    if last.state == pb.FAILED:
+        assert "restarted" in last.message or "unreachable" in last.message
+    assert time.monotonic() - started < 150
+    assert wait_for(lambda: _workers_ready(cluster["redis"].url, 2), 60)
