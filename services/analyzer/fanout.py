@@ -34,7 +34,7 @@ from kombu.exceptions import OperationalError
 from layerdiff.analyzer import metrics as M
 from layerdiff.analyzer.celery_app import QUEUE, TASK, make_app
 from layerdiff.analyzer.compare import NodeOutcome, SkipNode, chunk_bounds, merge_chunks, reconcile
-from layerdiff.analyzer.store import TensorStore
+from layerdiff.analyzer.store import FLIGHT_MIN_BYTES, TensorStore, tensor_endpoint
 from layerdiff.errors import LayerdiffError, UnavailableError
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,12 @@ DEFAULT_DEADLINE_S = int(os.environ.get("LAYERDIFF_JOB_DEADLINE_S", "3600"))
 # presumed lost with its worker.
 DEFAULT_TASK_TIMEOUT_S = float(os.environ.get("LAYERDIFF_TASK_TIMEOUT_S", "30"))
 STORE_GRACE_S = 20.0
+
+
+def _endpoint_started() -> bool:
+    from layerdiff.analyzer import store
+
+    return store._endpoint is not None
 
 
 class StoreLost(LayerdiffError):
@@ -127,8 +133,7 @@ class CeleryPool:
             item_id = next(self._ids)
             self._items[item_id] = (node, k, nbytes)
             self._inflight_bytes += nbytes
-        item.update(id=item_id, ref=self.store.put(self.job_id, f"{item_id}:r", ref),
-                    dev=self.store.put(self.job_id, f"{item_id}:d", dev))
+        item.update(id=item_id, ref=self._put(f"{item_id}:r", ref), dev=self._put(f"{item_id}:d", dev))
         with self._cv:
             if not self._batch:
                 self._batch_since = time.monotonic()
@@ -136,6 +141,11 @@ class CeleryPool:
             self._batch_nbytes += nbytes
             if self._batch_nbytes >= self.batch_bytes:
                 self._flush_locked()
+
+    def _put(self, name: str, arr) -> dict:
+        if arr.nbytes >= FLIGHT_MIN_BYTES:
+            return tensor_endpoint().put(f"layerdiff:job:{self.job_id}:{name}", arr)
+        return self.store.put(self.job_id, name, arr)
 
     def _flush_locked(self) -> None:
         if not self._batch:
@@ -232,6 +242,8 @@ class CeleryPool:
             return
         node, k, nbytes = entry
         self._inflight_bytes -= nbytes
+        if nbytes >= FLIGHT_MIN_BYTES:
+            tensor_endpoint().drop(f"layerdiff:job:{self.job_id}:{item_id}:")
         self._cv.notify_all()
         if node.future.done():
             return
@@ -275,6 +287,8 @@ class CeleryPool:
                 self._fail_all_locked(e)
             self._closed = True
         self._poller.join(timeout=max(0.0, self.deadline - time.monotonic()) + 5)
+        if _endpoint_started():
+            tensor_endpoint().drop(f"layerdiff:job:{self.job_id}:")
         try:
             self.store.drop_job(self.job_id)
         except redis.RedisError as e:  # the keys expire by themselves

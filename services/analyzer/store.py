@@ -1,15 +1,21 @@
 """Out-of-band tensor store for distributed comparisons.
 
 Celery messages carry references, never tensor bytes: the analyzer writes
-each tensor to Redis under a key of its job, the task names the key with the
-dtype and shape it expects, and the worker reads the bytes back and checks
-their size before using them. A job's keys live under one prefix and carry a
+each small tensor to Redis under a key of its job, and keeps each large one
+in its own memory behind an Arrow Flight endpoint; the task names the key
+(and endpoint) with the dtype and shape it expects, and the worker reads the
+bytes back and checks their size before using them. A job's keys live under one prefix and carry a
 time-to-live (the job's deadline), so a job that ends or dies leaves nothing
 behind for long; ``drop_job`` deletes them at once.
 """
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
 import redis
 
 from layerdiff.errors import LayerdiffError, UnavailableError
@@ -73,6 +79,8 @@ class TensorStore:
         nbytes = int(ref.get("nbytes", -1))
         if nbytes != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
             raise LayerdiffError(f"shape {shape} of {dtype} does not make {nbytes} bytes", field=key)
+        if "flight" in ref:
+            return fetch_flight(ref, nbytes).view(dtype).reshape(shape)
         parts = int(ref.get("parts", 1))
         values = self.r.mget([f"{key}:{i}" for i in range(parts)])
         missing = [i for i, v in enumerate(values) if v is None]
@@ -84,3 +92,103 @@ class TensorStore:
             raise LayerdiffError(f"payload truncated: {got} of {nbytes} bytes", field=key)
         buf = values[0] if parts == 1 else b"".join(values)
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+# ----------------------------------------------------------------- large tensors
+# Redis moves about 0.4 GB/s here, an Arrow Flight stream about 2 GB/s: large
+# tensors stay in the analyzer's memory and workers pull them from its Flight
+# endpoint instead.
+FLIGHT_MIN_BYTES = int(os.environ.get("LAYERDIFF_FLIGHT_MIN_BYTES", str(1024 * 1024)))
+_FLIGHT_CHUNK = 4 * 1024 * 1024
+_BLOB_SCHEMA = pa.schema([("data", pa.binary())])
+
+
+class TensorEndpoint(flight.FlightServerBase):
+    """Serves the analyzer's in-flight tensors to workers: DoGet(key)."""
+
+    def __init__(self, host: str, advertise: str, port: int = 0) -> None:
+        super().__init__(f"grpc+tcp://{host}:{port}")
+        self.address = f"{advertise}:{self.port}"
+        self._arrays: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self.serve, name="tensor-endpoint", daemon=True).start()
+
+    def put(self, key: str, arr: np.ndarray) -> dict:
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        with self._lock:
+            self._arrays[key] = arr
+        return {"key": key, "flight": self.address, "dtype": arr.dtype.name, "shape": list(arr.shape),
+                "nbytes": arr.nbytes, "parts": 1}
+
+    def drop(self, prefix: str) -> None:
+        with self._lock:
+            for k in [k for k in self._arrays if k.startswith(prefix)]:
+                del self._arrays[k]
+
+    def do_get(self, context, ticket):
+        key = ticket.ticket.decode("utf-8", "replace")
+        with self._lock:
+            arr = self._arrays.get(key)
+        if arr is None:
+            raise KeyError(f"tensor {key!r} is not held by this analyzer (job ended?)")
+        raw = arr.reshape(-1).view(np.uint8) if arr.size else np.zeros(0, np.uint8)
+
+        def batches():
+            for off in range(0, max(raw.size, 1), _FLIGHT_CHUNK):
+                piece = pa.py_buffer(raw[off:off + _FLIGHT_CHUNK])
+                offsets = pa.py_buffer(np.array([0, piece.size], np.int32))
+                yield pa.RecordBatch.from_arrays(
+                    [pa.Array.from_buffers(pa.binary(), 1, [None, offsets, piece])], schema=_BLOB_SCHEMA)
+
+        return flight.GeneratorStream(_BLOB_SCHEMA, batches())
+
+
+_endpoint: TensorEndpoint | None = None
+_endpoint_lock = threading.Lock()
+
+
+def tensor_endpoint() -> TensorEndpoint:
+    """This process's endpoint, started on first use. LAYERDIFF_TENSOR_HOST /
+    LAYERDIFF_TENSOR_PORT choose where it listens, LAYERDIFF_ADVERTISE_HOST the
+    address workers are given (default: the listening host)."""
+    global _endpoint
+    with _endpoint_lock:
+        if _endpoint is None:
+            host = os.environ.get("LAYERDIFF_TENSOR_HOST", "127.0.0.1")
+            _endpoint = TensorEndpoint(host, os.environ.get("LAYERDIFF_ADVERTISE_HOST", host),
+                                       int(os.environ.get("LAYERDIFF_TENSOR_PORT", "0")))
+        return _endpoint
+
+
+_clients: dict[str, flight.FlightClient] = {}
+
+
+def fetch_flight(ref: dict, nbytes: int) -> bytes | np.ndarray:
+    location = ref["flight"]
+    client = _clients.get(location)
+    if client is None:
+        client = _clients[location] = flight.connect(f"grpc+tcp://{location}")
+    try:
+        reader = client.do_get(flight.Ticket(ref["key"].encode()), flight.FlightCallOptions(timeout=300))
+        out = np.empty(nbytes, dtype=np.uint8)
+        got = 0
+        for chunk in reader:
+            col = chunk.data.column(0)
+            bufs = col.buffers()
+            offs = np.frombuffer(bufs[1], np.int32)[col.offset:col.offset + len(col) + 1]
+            data = np.frombuffer(bufs[2], np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+            for i in range(len(col)):
+                piece = data[offs[i]:offs[i + 1]]
+                if got + piece.size > nbytes:
+                    raise LayerdiffError(f"payload larger than the declared {nbytes} bytes", field=ref["key"])
+                out[got:got + piece.size] = piece
+                got += piece.size
+    except (pa.ArrowException, KeyError) as e:
+        from layerdiff.collector.service import flight_message
+
+        raise LayerdiffError(f"payload missing from the analyzer at {location}: {flight_message(e)}",
+                             field=ref["key"]) from None
+    if got != nbytes:
+        raise LayerdiffError(f"payload truncated: {got} of {nbytes} bytes", field=ref["key"])
+    return out
