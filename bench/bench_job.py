@@ -3,7 +3,7 @@ size; (d) the whole job on a real CNN detector (PP-OCRv4 det) compared with
 its FP16 build, against Polygraphy doing the same comparison in the same run.
 
 Every measured program is its own process; peak RSS is the kernel's
-high-water mark for that process (VmHWM, or wait4's ru_maxrss).
+high-water mark for that process (VmHWM).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,16 +25,24 @@ from layerdiff.client.demo import det_input, packaged_model
 
 
 def _timed(cmd: list[str], **kw) -> tuple[float, int, int]:
-    """(wall seconds, peak RSS bytes, exit code) of one command."""
+    """(wall seconds, peak RSS bytes, exit code) of one command. The peak is
+    the kernel's high-water mark of the program itself, polled until it
+    exits (wait4's figure would include this process's memory at fork time)."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
-    _, status, usage = os.wait4(proc.pid, 0)
+    err = []
+    threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True).start()
+    peak = 0
+    while proc.poll() is None:
+        try:
+            peak = max(peak, _hwm(proc.pid))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+        time.sleep(0.02)
     wall = time.perf_counter() - t
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace")
     if proc.returncode not in (0, 1):
-        print(err[-2000:], file=sys.stderr)
-    return wall, usage.ru_maxrss * 1024, proc.returncode
+        print((err[0] if err else b"").decode(errors="replace")[-2000:], file=sys.stderr)
+    return wall, peak, proc.returncode
 
 
 def bench_vs_polygraphy(work: Path, height: int, width: int) -> dict:
