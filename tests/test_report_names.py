@@ -3,7 +3,7 @@ directory, readable, and unique."""
 from __future__ import annotations
 
 from layerdiff.analyzer.align import Aligner, normalize
-from layerdiff.analyzer.report import safe_filename
+from layerdiff.names import safe_filename
 from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.onnxgraph import TensorSite
 

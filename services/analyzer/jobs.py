@@ -182,7 +182,7 @@ class JobRunner:
     def _capture_request(self, job: Job, collector) -> pb.CaptureRequest:
         spec = job.spec
         if spec.dump_path:
-            return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(path=spec.dump_path))
+            return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(path=spec.dump_path, format=spec.dump_format))
         model = collector.upload(self.store.read(spec.model_artifact), self.store.name(spec.model_artifact))
         inputs = collector.upload(self.store.read(spec.inputs_artifact), self.store.name(spec.inputs_artifact))
         device_model = collector.upload(self.store.read(spec.device_model_artifact),

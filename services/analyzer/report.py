@@ -14,15 +14,14 @@
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerdiff import __version__
 from layerdiff.analyzer.compare import NodeOutcome
+from layerdiff.names import safe_filename
 from layerdiff.onnxgraph import TensorSite
 
 SEED_COLUMNS = ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_dim/data_shape", "ref_value",
@@ -33,7 +32,6 @@ EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", 
                  "fp16_overflow", "npu_fp16_overflow", "note"]
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
 CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
-_UNSAFE = re.compile(r"[^A-Za-z0-9_\-+=,@.]")
 
 
 def g6(v: float) -> str:
@@ -42,23 +40,6 @@ def g6(v: float) -> str:
     if isinstance(v, float) and math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return f"{v:.6g}"
-
-
-def safe_filename(name: str, taken: set[str]) -> str:
-    """A file name derived from a node name that can never leave the report
-    directory: path separators and unusual characters become ``_`` (as the seed
-    tool names its files), bounded length, unique within the report (case
-    folded, for case-insensitive file systems)."""
-    digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    base = _UNSAFE.sub("_", name).replace("..", "_").lstrip(".") or "node"
-    if len(base) > 120:
-        base = f"{base[:120]}_{digest}"
-    stem, n = base, 1
-    while stem.lower() in taken:
-        n += 1
-        stem = f"{base}_{digest}" if n == 2 else f"{base}_{digest}_{n}"
-    taken.add(stem.lower())
-    return stem
 
 
 @dataclass

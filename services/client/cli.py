@@ -27,6 +27,8 @@ def _add_run(sub) -> None:
     p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
     p.add_argument("--device-model", help="a second ONNX file (optimized/quantized/converted export) run as device")
     p.add_argument("--dump", help="read this dump directory on the collector host instead of a live run")
+    p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin"],
+                   help="the dump's format (default: per manifest entry or file extension)")
     p.add_argument("--analyzer", help="HOST:PORT of a running analyzer (default: start one in-process)")
     p.add_argument("--collector", help="HOST:PORT of a running collector (default: start one in-process)")
     p.add_argument("--atol", type=float, help="absolute tolerance (default 0.005)")
@@ -50,7 +52,7 @@ def _cmd_run(a) -> int:
     from layerdiff.client.api import format_summary, run
 
     result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,
-                 dump=a.dump, analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
+                 dump=a.dump, dump_format=a.dump_format, analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
                  diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict, skip_keys=a.skip_keys,
                  exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
                  progress=not a.no_progress)
@@ -89,6 +91,23 @@ def _cmd_serve(a) -> int:
     from layerdiff.analyzer.service import AnalyzerServer
 
     return _serve(AnalyzerServer, a, broker_url=a.broker)
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert a dump to .npy (and .txt) files with shape and dtype sidecars")
+    p.add_argument("dump", help="dump directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--txt", action="store_true", help="also write each tensor flattened as text")
+    p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin"])
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_convert(a) -> int:
+    from layerdiff.collector.convert import convert
+
+    res = convert(a.dump, a.out, txt=a.txt, fmt=a.dump_format)
+    print(f"converted {res['converted']} tensors, skipped {res['skipped']} (see convert_skip.log) into {res['out']}")
+    return 0
 
 
 def _add_worker(sub) -> None:
@@ -132,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_service(sub, "collector")
     _add_service(sub, "analyzer")
     _add_worker(sub)
+    _add_convert(sub)
     return parser
 
 

@@ -57,7 +57,7 @@ class CollectorFlight(flight.FlightServerBase):
     def source(self, request: pb.CaptureRequest) -> Iterator[NodeRecord]:
         kind = request.WhichOneof("source")
         if kind == "dump":
-            return DumpDirectory(request.dump.path).records()
+            return DumpDirectory(request.dump.path, fmt=request.dump.format).records()
         if kind == "live":
             live = request.live
             model = self.store.read(live.model_artifact, "model_artifact")
