@@ -155,7 +155,8 @@ def _progress_bar(enabled):
 
 
 def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: str = "fp32",
-        device_model=None, dump: str | None = None, dump_format: str = "", analyzer: str | None = None, collector: str | None = None,
+        device_model=None, dump: str | None = None, dump_format: str = "", analyzer: str | None = None,
+        collector: str | None = None,
         atol: float | None = None, rtol: float | None = None, diff_cnt: int | None = None, op_config=None,
         map_node_dict=None, skip_keys=None, exclude_node_list=None, force_compare: bool = False,
         max_cores: int | None = None, progress: bool | Callable[[pb.JobEvent], None] = True,
