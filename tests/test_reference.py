@@ -3,7 +3,6 @@ output gives, and the segment plan follows the estimated sizes."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 
 from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
 from layerdiff.collector.live import LiveRunner

@@ -7,8 +7,7 @@ import pytest
 
 from layerdiff.collector.dumpdir import write_dump
 from layerdiff.collector.service import CollectorClient, CollectorServer
-from layerdiff.errors import LayerdiffError
-from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, TensorAssembler, encode_records
+from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, TensorAssembler
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 

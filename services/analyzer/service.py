@@ -7,7 +7,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import grpc
 
 from layerdiff import __version__
 from layerdiff.analyzer.jobs import JobRunner
