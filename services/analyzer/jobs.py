@@ -182,7 +182,8 @@ class JobRunner:
     def _capture_request(self, job: Job, collector) -> pb.CaptureRequest:
         spec = job.spec
         if spec.dump_path:
-            return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(path=spec.dump_path, format=spec.dump_format))
+            return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(
+                path=spec.dump_path, format=spec.dump_format, default_concat_dim=spec.default_concat_dim))
         model = collector.upload(self.store.read(spec.model_artifact), self.store.name(spec.model_artifact))
         inputs = collector.upload(self.store.read(spec.inputs_artifact), self.store.name(spec.inputs_artifact))
         device_model = collector.upload(self.store.read(spec.device_model_artifact),
@@ -278,6 +279,7 @@ class JobRunner:
             if site is None:
                 rep.invalid_out.append((rec.name, rec.message if rec.status != STATUS_OK
                                         else "not found in the reference model"))
+                rep.log_splice_failure(rec)
                 return False
             if site.tensor in seen:
                 rep.skipped.append((rec.name, f"duplicate device tensor for {site.tensor!r}"))
@@ -285,6 +287,7 @@ class JobRunner:
             seen.add(site.tensor)
             if rec.status != STATUS_OK:
                 rep.skipped.append((site.tensor, f"device tensor unusable: {rec.message}"))
+                rep.log_splice_failure(rec)
                 done += 1
                 return False
             if decision.skip_reason:

@@ -64,6 +64,16 @@ class JobReport:
     invalid_out: list[tuple[str, str]] = field(default_factory=list)    # (device name, reason)
     not_dumped: list[TensorSite] = field(default_factory=list)
     device_names: list[str] = field(default_factory=list)
+    check_skip: list[tuple[str, str]] = field(default_factory=list)     # tiled slices that failed validation
+    concat_skip: list[tuple[str, str]] = field(default_factory=list)    # slices that did not splice
+
+    def log_splice_failure(self, rec) -> None:
+        from layerdiff.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
+
+        if rec.status == STATUS_CHECK_SKIP:
+            self.check_skip.append((rec.name, rec.message))
+        elif rec.status == STATUS_CONCAT_SKIP:
+            self.concat_skip.append((rec.name, rec.message))
 
     def ordered(self) -> list[Row]:
         return sorted(self.rows, key=lambda r: (r.site.order, r.site.output_index))
@@ -136,6 +146,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     _write_log(out / "compare_skip.log", rep.skipped +
                [(s.tensor, "not dumped by the device (fused away or not produced)") for s in rep.not_dumped])
     _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
+    _write_log(out / "check_skip.log", rep.check_skip)
+    _write_log(out / "concate_skip.log", rep.concat_skip)
     (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
                                                   encoding="utf-8")
     with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:

@@ -155,7 +155,8 @@ def _progress_bar(enabled):
 
 
 def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: str = "fp32",
-        device_model=None, dump: str | None = None, dump_format: str = "", analyzer: str | None = None,
+        device_model=None, dump: str | None = None, dump_format: str = "", default_concat_dim: int = 0,
+        analyzer: str | None = None,
         collector: str | None = None,
         atol: float | None = None, rtol: float | None = None, diff_cnt: int | None = None, op_config=None,
         map_node_dict=None, skip_keys=None, exclude_node_list=None, force_compare: bool = False,
@@ -194,7 +195,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
             inputs_artifact=client.upload(inputs_data, inputs_name),
             device_model_artifact=client.upload(device_model_bytes, device_model_name) if device_model_bytes else "",
             collector=collector, device=device, precision=precision, dump_path=dump or "", dump_format=dump_format,
-            options=options,
+            default_concat_dim=default_concat_dim, options=options,
             model_name=model_name)
         try:
             job_id = client.submit(spec)

@@ -29,6 +29,8 @@ def _add_run(sub) -> None:
     p.add_argument("--dump", help="read this dump directory on the collector host instead of a live run")
     p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin"],
                    help="the dump's format (default: per manifest entry or file extension)")
+    p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
+                   help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1 (default 0)")
     p.add_argument("--analyzer", help="HOST:PORT of a running analyzer (default: start one in-process)")
     p.add_argument("--collector", help="HOST:PORT of a running collector (default: start one in-process)")
     p.add_argument("--atol", type=float, help="absolute tolerance (default 0.005)")
@@ -52,7 +54,7 @@ def _cmd_run(a) -> int:
     from layerdiff.client.api import format_summary, run
 
     result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,
-                 dump=a.dump, dump_format=a.dump_format, analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
+                 dump=a.dump, dump_format=a.dump_format, default_concat_dim=a.default_concat_dim, analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
                  diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict, skip_keys=a.skip_keys,
                  exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
                  progress=not a.no_progress)
@@ -99,13 +101,15 @@ def _add_convert(sub) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--txt", action="store_true", help="also write each tensor flattened as text")
     p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin"])
+    p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
+                   help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1")
     p.set_defaults(func=_cmd_convert)
 
 
 def _cmd_convert(a) -> int:
     from layerdiff.collector.convert import convert
 
-    res = convert(a.dump, a.out, txt=a.txt, fmt=a.dump_format)
+    res = convert(a.dump, a.out, txt=a.txt, fmt=a.dump_format, default_concat_dim=a.default_concat_dim)
     print(f"converted {res['converted']} tensors, skipped {res['skipped']} (see convert_skip.log) into {res['out']}")
     return 0
 

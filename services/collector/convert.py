@@ -15,12 +15,12 @@ from layerdiff.names import safe_filename
 from layerdiff.schema import STATUS_OK
 
 
-def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = "") -> dict:
+def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = "", default_concat_dim: int = 0) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     taken: set[str] = set()
     nodes, skipped = [], []
-    for rec in DumpDirectory(str(dump), fmt=fmt).records():
+    for rec in DumpDirectory(str(dump), fmt=fmt, default_concat_dim=default_concat_dim).records():
         if rec.status != STATUS_OK or rec.array is None:
             skipped.append((rec.name, rec.message))
             continue

@@ -57,7 +57,8 @@ class CollectorFlight(flight.FlightServerBase):
     def source(self, request: pb.CaptureRequest) -> Iterator[NodeRecord]:
         kind = request.WhichOneof("source")
         if kind == "dump":
-            return DumpDirectory(request.dump.path, fmt=request.dump.format).records()
+            return DumpDirectory(request.dump.path, fmt=request.dump.format,
+                                 default_concat_dim=request.dump.default_concat_dim).records()
         if kind == "live":
             live = request.live
             model = self.store.read(live.model_artifact, "model_artifact")

@@ -34,13 +34,15 @@ TENSOR_SCHEMA = pa.schema([
     pa.field("total_bytes", pa.int64()),
     pa.field("offset", pa.int64()),         # byte offset of this chunk in the tensor
     pa.field("data", pa.binary()),
-    pa.field("status", pa.string()),        # "ok" or "error"
+    pa.field("status", pa.string()),        # "ok", or why not: "error", "check_skip", "concat_skip"
     pa.field("message", pa.string()),       # why, for "error" rows; flags for "ok" rows
     pa.field("node", pa.string()),          # the node that produced the tensor
 ])
 
 STATUS_OK = "ok"
-STATUS_ERROR = "error"
+STATUS_ERROR = "error"             # the node's data could not be read
+STATUS_CHECK_SKIP = "check_skip"   # a slice of a tiled node failed validation (check_skip.log)
+STATUS_CONCAT_SKIP = "concat_skip" # the slices do not splice into one tensor (concate_skip.log)
 
 # Only plain numeric dtypes ever cross the wire (no object arrays, no pickles).
 ALLOWED_DTYPES = frozenset({
@@ -66,8 +68,9 @@ class NodeRecord:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def error(cls, name: str, message: str, op_type: str = "", order: int = -1, node: str = "") -> "NodeRecord":
-        return cls(name=name, op_type=op_type, order=order, status=STATUS_ERROR, message=message, node=node)
+    def error(cls, name: str, message: str, op_type: str = "", order: int = -1, node: str = "",
+              status: str = STATUS_ERROR) -> "NodeRecord":
+        return cls(name=name, op_type=op_type, order=order, status=status, message=message, node=node)
 
 
 # ----------------------------------------------------------------- encoding
@@ -214,7 +217,8 @@ class TensorAssembler:
             if statuses[i] != STATUS_OK:
                 self._abandon(out)
                 out.append(NodeRecord.error(name, messages[i] or "no reason given", ops[i] or "",
-                                            orders[i] if orders[i] is not None else -1, nodes[i] or ""))
+                                            orders[i] if orders[i] is not None else -1, nodes[i] or "",
+                                            status=statuses[i] or STATUS_ERROR))
                 continue
             piece = dbytes[doffs[i]:doffs[i + 1]]
             try:
