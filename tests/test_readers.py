@@ -37,7 +37,7 @@ def _capture(address, path, fmt=""):
     return out + asm.finish()
 
 
-@pytest.mark.parametrize("fmt", ["npy", "npz", "onnx", "bin"])
+@pytest.mark.parametrize("fmt", ["npy", "npz", "onnx", "bin", "h5"])
 def test_every_format_round_trips_bit_exact_through_the_collector(live_records, tmp_path, fmt):
     dump = write_dump(tmp_path / fmt, live_records, fmt=fmt)
     with CollectorServer() as server:
@@ -160,3 +160,26 @@ def test_parsers_never_crash_on_random_or_mutated_bytes(tmp_path, data):
                      data.draw(st.integers(-5, 400)), max_bytes=1 << 20)
     except LayerdiffError:
         pass
+
+
+def test_hdf5_layout_calls_and_bad_datasets(tmp_path):
+    import h5py
+
+    with h5py.File(tmp_path / "d.h5", "w", track_order=True) as f:
+        f["conv1/0/output/0"] = np.arange(6, dtype=np.float16).reshape(2, 3)
+        f["conv1/0/output/1"] = np.ones(2, np.float32)
+        f["conv1/0/input/0"] = np.zeros(3, np.float32)          # inputs are not outputs
+        f["conv1/7/output/0"] = np.full(2, 7.0, np.float32)      # a second call of the op
+        f.create_dataset("huge/0/output/0", shape=(10**6, 10**6), dtype=np.float32)   # declared, never written
+        f["text/0/output/0"] = np.array([b"abc"])
+        f["flat"] = np.zeros(2)
+    recs = {r.name: r for r in DumpDirectory(str(tmp_path)).records()}
+    assert np.array_equal(recs["conv1"].array, np.arange(6, dtype=np.float16).reshape(2, 3))
+    assert recs["conv1:1"].array.dtype == np.float32
+    assert np.array_equal(recs["conv1@7"].array, np.full(2, 7.0, np.float32))
+    assert "over the limit" in recs["huge"].message
+    assert "not a plain numeric type" in recs["text"].message
+    assert "not an /op/seqid group" in recs["flat"].message
+    (tmp_path / "junk.h5").write_bytes(b"not hdf5 at all")
+    junk = [r for r in DumpDirectory(str(tmp_path)).records() if "junk" in r.message]
+    assert junk and "is not an HDF5 file" in junk[0].message

@@ -27,7 +27,7 @@ def _add_run(sub) -> None:
     p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
     p.add_argument("--device-model", help="a second ONNX file (optimized/quantized/converted export) run as device")
     p.add_argument("--dump", help="read this dump directory on the collector host instead of a live run")
-    p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin"],
+    p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin", "h5"],
                    help="the dump's format (default: per manifest entry or file extension)")
     p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
                    help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1 (default 0)")
@@ -100,7 +100,7 @@ def _add_convert(sub) -> None:
     p.add_argument("dump", help="dump directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--txt", action="store_true", help="also write each tensor flattened as text")
-    p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin"])
+    p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin", "h5"])
     p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
                    help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1")
     p.set_defaults(func=_cmd_convert)

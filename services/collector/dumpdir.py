@@ -8,7 +8,10 @@ reader function with the same contract: validate, then map or read):
 - ``onnx``: a serialized ONNX ``TensorProto`` (``.pb`` / ``.tensor``), named
   by its ``name`` field or the file stem;
 - ``bin``: raw bytes at a byte offset of a file, with dtype and shape given
-  by the manifest entry.
+  by the manifest entry;
+- ``h5``: an HDF5 dump laid out ``/op/seqid/{input,output}/N`` (PyTorch on
+  NPU); output N of the first call of ``op`` is the node ``op`` (``op:N`` for
+  N > 0), later calls are ``op@seqid``.
 
 An optional ``manifest.json`` lists the nodes with their execution order::
 
@@ -49,8 +52,9 @@ from layerdiff.schema import (ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, STATUS_C
                               NodeRecord)
 
 MANIFEST = "manifest.json"
-FORMATS = ("npy", "npz", "onnx", "bin")
-_EXTENSIONS = {".npy": "npy", ".npz": "npz", ".pb": "onnx", ".tensor": "onnx", ".bin": "bin"}
+FORMATS = ("npy", "npz", "onnx", "bin", "h5")
+_EXTENSIONS = {".npy": "npy", ".npz": "npz", ".pb": "onnx", ".tensor": "onnx", ".bin": "bin", ".h5": "h5",
+               ".hdf5": "h5"}
 
 
 def check_node_name(name: object) -> str:
@@ -246,6 +250,45 @@ def read_npz(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[
                 yield key, LayerdiffError(f"unreadable member ({type(e).__name__}: {e})", file=member)
 
 
+def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[tuple[str, object]]:
+    """(node name, array or LayerdiffError) for every ``/op/seqid/output/N``
+    dataset, each checked (dtype, declared size) before it is read."""
+    import h5py
+
+    shown = path.name
+    try:
+        f = h5py.File(path, "r")
+    except Exception as e:  # h5py raises OSError and others for non-HDF5 bytes
+        raise LayerdiffError(f"is not an HDF5 file ({type(e).__name__}: {e})", file=shown) from e
+    with f:
+        for op in f.keys():   # the file's own order (insertion order where it tracks it)
+            group = f[op]
+            if not isinstance(group, h5py.Group):
+                yield op, LayerdiffError("is not an /op/seqid group", file=shown, node=op)
+                continue
+            seqids = sorted(group.keys(), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
+            for n_call, seq in enumerate(seqids):
+                outputs = group[seq].get("output") if isinstance(group[seq], h5py.Group) else None
+                if not isinstance(outputs, h5py.Group):
+                    yield f"{op}@{seq}", LayerdiffError("has no output group", file=shown, node=f"{op}/{seq}")
+                    continue
+                for idx in sorted(outputs.keys(), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0)):
+                    base = op if n_call == 0 else f"{op}@{seq}"
+                    name = base if idx == "0" else f"{base}:{idx}"
+                    where = f"{shown}:/{op}/{seq}/output/{idx}"
+                    try:
+                        ds = outputs[idx]
+                        if not isinstance(ds, h5py.Dataset):
+                            raise LayerdiffError("is not a dataset", file=where)
+                        dt = _plain_dtype(ds.dtype, where)
+                        _size_of(dt, ds.shape or (), max_bytes, where)
+                        yield name, np.asarray(ds[()], dtype=dt)
+                    except LayerdiffError as e:
+                        yield name, e
+                    except Exception as e:  # a damaged dataset: this node only
+                        yield name, LayerdiffError(f"unreadable dataset ({type(e).__name__}: {e})", file=where)
+
+
 class SpliceError(LayerdiffError):
     """A tiled node that cannot be assembled; ``status`` says at which stage."""
 
@@ -363,7 +406,7 @@ class DumpDirectory:
         if not mpath.exists():
             files = sorted(p.name for p in self.root.iterdir() if p.is_file() and p.name != MANIFEST and
                            (_EXTENSIONS.get(p.suffix.lower()) == self.fmt if self.fmt else
-                            _EXTENSIONS.get(p.suffix.lower()) in ("npy", "npz", "onnx")))
+                            _EXTENSIONS.get(p.suffix.lower()) in ("npy", "npz", "onnx", "h5")))
             return [{"name": Path(f).stem, "file": f, "order": i, "op_type": ""} for i, f in enumerate(files)]
         try:
             doc = json.loads(mpath.read_text(encoding="utf-8"))
@@ -376,8 +419,8 @@ class DumpDirectory:
 
     def records(self) -> Iterator[NodeRecord]:
         for i, entry in enumerate(self.entries):
-            if isinstance(entry, dict) and self._format(entry) == "npz":
-                yield from self._npz_records(i, entry)
+            if isinstance(entry, dict) and self._format(entry) in ("npz", "h5"):
+                yield from self._archive_records(i, entry)
             else:
                 yield self._record(i, entry)
 
@@ -387,11 +430,13 @@ class DumpDirectory:
             fmt = _EXTENSIONS.get(Path(entry["file"]).suffix.lower(), "npy")
         return fmt or "npy"
 
-    def _npz_records(self, i: int, entry: dict) -> Iterator[NodeRecord]:
+    def _archive_records(self, i: int, entry: dict) -> Iterator[NodeRecord]:
+        """Files holding many nodes (npz, HDF5)."""
         order = entry.get("order", i) if isinstance(entry.get("order", i), int) else i
         try:
             path = resolve_inside(self.root, entry.get("file"), str(entry.get("name")))
-            members = list(read_npz(path, self.max_tensor_bytes))
+            read = read_h5 if self._format(entry) == "h5" else read_npz
+            members = list(read(path, self.max_tensor_bytes))
         except LayerdiffError as e:
             yield NodeRecord.error(str(entry.get("name") or f"<entry {i}>"), str(e), order=order)
             return
@@ -487,7 +532,14 @@ def write_dump(directory: str | Path, records: list[NodeRecord], fmt: str = "npy
     root.mkdir(parents=True, exist_ok=True)
     kept = [(i, r) for i, r in enumerate(records) if r.array is not None]
     nodes: list[dict] = []
-    if fmt == "npz":
+    if fmt == "h5":
+        import h5py
+
+        with h5py.File(root / "dump.h5", "w", track_order=True) as f:
+            for _, r in kept:
+                f.create_dataset(f"{r.name.replace('/', '_')}/0/output/0", data=r.array)
+        nodes.append({"name": "dump", "file": "dump.h5", "format": "h5", "order": 0})
+    elif fmt == "npz":
         np.savez(root / "dump.npz", **{r.name: r.array for _, r in kept})
         nodes.append({"name": "dump", "file": "dump.npz", "format": "npz", "order": 0})
     elif fmt == "bin":
