@@ -183,7 +183,8 @@ class JobRunner:
         spec = job.spec
         if spec.dump_path:
             return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(
-                path=spec.dump_path, format=spec.dump_format, default_concat_dim=spec.default_concat_dim))
+                path=spec.dump_path, format=spec.dump_format, default_concat_dim=spec.default_concat_dim,
+                watch=spec.watch))
         model = collector.upload(self.store.read(spec.model_artifact), self.store.name(spec.model_artifact))
         inputs = collector.upload(self.store.read(spec.inputs_artifact), self.store.name(spec.inputs_artifact))
         device_model = collector.upload(self.store.read(spec.device_model_artifact),

@@ -156,6 +156,7 @@ def _progress_bar(enabled):
 
 def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: str = "fp32",
         device_model=None, dump: str | None = None, dump_format: str = "", default_concat_dim: int = 0,
+        watch: bool = False,
         analyzer: str | None = None,
         collector: str | None = None,
         atol: float | None = None, rtol: float | None = None, diff_cnt: int | None = None, op_config=None,
@@ -195,7 +196,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
             inputs_artifact=client.upload(inputs_data, inputs_name),
             device_model_artifact=client.upload(device_model_bytes, device_model_name) if device_model_bytes else "",
             collector=collector, device=device, precision=precision, dump_path=dump or "", dump_format=dump_format,
-            default_concat_dim=default_concat_dim, options=options,
+            default_concat_dim=default_concat_dim, watch=watch, options=options,
             model_name=model_name)
         try:
             job_id = client.submit(spec)

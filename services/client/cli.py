@@ -31,6 +31,8 @@ def _add_run(sub) -> None:
                    help="the dump's format (default: per manifest entry or file extension)")
     p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
                    help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1 (default 0)")
+    p.add_argument("--watch", action="store_true",
+                   help="with --dump: stream nodes while the runtime is still writing them")
     p.add_argument("--analyzer", help="HOST:PORT of a running analyzer (default: start one in-process)")
     p.add_argument("--collector", help="HOST:PORT of a running collector (default: start one in-process)")
     p.add_argument("--atol", type=float, help="absolute tolerance (default 0.005)")
@@ -54,7 +56,8 @@ def _cmd_run(a) -> int:
     from layerdiff.client.api import format_summary, run
 
     result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,
-                 dump=a.dump, dump_format=a.dump_format, default_concat_dim=a.default_concat_dim, analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
+                 dump=a.dump, dump_format=a.dump_format, default_concat_dim=a.default_concat_dim, watch=a.watch,
+                 analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
                  diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict, skip_keys=a.skip_keys,
                  exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
                  progress=not a.no_progress)

@@ -388,7 +388,8 @@ class DumpDirectory:
     """A directory of node dumps, read where it lies."""
 
     def __init__(self, path: str, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, fmt: str = "",
-                 default_concat_dim: int = 0) -> None:
+                 default_concat_dim: int = 0, entries: list[dict] | None = None) -> None:
+        """``entries``: read these manifest entries instead of listing the directory."""
         if not path:
             raise LayerdiffError("no dump path given", field="dump_path")
         if fmt and fmt not in FORMATS:
@@ -399,7 +400,7 @@ class DumpDirectory:
         self.max_tensor_bytes = max_tensor_bytes
         self.fmt = fmt
         self.default_concat_dim = default_concat_dim
-        self.entries = self._entries()
+        self.entries = entries if entries is not None else self._entries()
 
     def _entries(self) -> list[dict]:
         mpath = self.root / MANIFEST

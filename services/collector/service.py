@@ -27,6 +27,7 @@ from layerdiff import __version__
 from layerdiff.artifacts import ArtifactStore
 from layerdiff.collector.dumpdir import DumpDirectory
 from layerdiff.collector.live import LiveRunner
+from layerdiff.collector.watch import watch_records
 from layerdiff.memory import release_freed_tensors_to_system
 from layerdiff.errors import LayerdiffError, NotFoundError, UnavailableError
 from layerdiff.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
@@ -57,8 +58,11 @@ class CollectorFlight(flight.FlightServerBase):
     def source(self, request: pb.CaptureRequest) -> Iterator[NodeRecord]:
         kind = request.WhichOneof("source")
         if kind == "dump":
-            return DumpDirectory(request.dump.path, fmt=request.dump.format,
-                                 default_concat_dim=request.dump.default_concat_dim).records()
+            d = request.dump
+            if d.watch:
+                return watch_records(d.path, fmt=d.format, default_concat_dim=d.default_concat_dim,
+                                     idle_s=d.idle_timeout_s or 10.0)
+            return DumpDirectory(d.path, fmt=d.format, default_concat_dim=d.default_concat_dim).records()
         if kind == "live":
             live = request.live
             model = self.store.read(live.model_artifact, "model_artifact")
