@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,24 +29,7 @@ from layerdiff.client.demo import REC_MODEL, packaged_model
 from layerdiff.collector.dumpdir import write_dump
 from layerdiff.collector.live import LiveRunner
 from layerdiff.net import free_port
-
-
-def _serve(service, workdir, env):
-    proc = subprocess.Popen([sys.executable, "-m", "layerdiff.client.cli", service, "serve", "--port", "0",
-                             "--workdir", str(workdir)], stdout=subprocess.PIPE, text=True, env=env)
-    return proc, re.search(r"listening on (\S+)", proc.stdout.readline()).group(1)
-
-
-def _wait(pred, timeout=60):
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            if pred():
-                return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("timed out")
+from procs import TaskPushes, serve, wait
 
 
 _FETCH = r"""
@@ -79,7 +60,7 @@ def main(argv=None) -> dict:
         procs.append(subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                        "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL))
         r = redis.Redis(port=port)
-        _wait(r.ping)
+        wait(r.ping)
         env = dict(os.environ)
         for _ in range(2):
             procs.append(subprocess.Popen([sys.executable, "-m", "layerdiff.client.cli", "worker", "--broker", url,
@@ -91,14 +72,14 @@ def main(argv=None) -> dict:
         np.savez(tmp / "in.npz", **feeds)
         dump = write_dump(tmp / "dump", list(LiveRunner(model.read_bytes(), feeds, precision="fp16").records()))
         dump_bytes = sum(p.stat().st_size for p in dump.glob("*.npy"))
-        collector, caddr = _serve("collector", tmp / "c", env)
-        local, laddr = _serve("analyzer", tmp / "l", env)
-        celery, daddr = _serve("analyzer", tmp / "d", dict(env, LAYERDIFF_BROKER_URL=url))
+        collector, caddr = serve("collector", tmp / "c", env)
+        local, laddr = serve("analyzer", tmp / "l", env)
+        celery, daddr = serve("analyzer", tmp / "d", dict(env, LAYERDIFF_BROKER_URL=url))
         procs += [collector, local, celery]
         from layerdiff.analyzer.celery_app import QUEUE, TASK, make_app
 
         app = make_app(url)
-        _wait(lambda: len(app.control.ping(timeout=1.0)) >= 2)
+        wait(lambda: len(app.control.ping(timeout=1.0)) >= 2)
 
         walls = {}
         for name, addr in (("local", laddr), ("celery", daddr), ("local2", laddr), ("celery2", daddr)):
@@ -108,27 +89,11 @@ def main(argv=None) -> dict:
             walls[name] = time.perf_counter() - t0
             nodes = res.summary["counts"]["compared"]
 
-        # One more run with the broker's MONITOR on (it slows Redis, so not timed):
-        # the size of every task message actually pushed.
-        pushes: list[int] = []
-        stop = threading.Event()
-
-        def watch():
-            with redis.Redis(port=port).monitor() as m:
-                for cmd in m.listen():
-                    if cmd["command"].upper().startswith("LPUSH"):
-                        pushes.append(len(cmd["command"]))
-                    if stop.is_set():
-                        return
-
-        t = threading.Thread(target=watch, daemon=True)
-        t.start()
-        time.sleep(0.2)
-        run(model, tmp / "in.npz", dump=str(dump), out=tmp / "monitored", analyzer=daddr, collector=caddr,
-            progress=False)
-        stop.set()
-        r.ping()
-        t.join(timeout=5)
+        # One more run, not timed, to read the size of every task message pushed.
+        with TaskPushes(port) as monitored:
+            run(model, tmp / "in.npz", dump=str(dump), out=tmp / "monitored", analyzer=daddr, collector=caddr,
+                progress=False)
+        pushes = monitored.sizes
 
         from layerdiff.analyzer.store import TensorStore, tensor_endpoint
 

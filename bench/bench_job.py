@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import numpy as np
 import onnx
 
 from layerdiff.client.demo import det_input, packaged_model
+from procs import serve
 
 
 def _timed(cmd: list[str], **kw) -> tuple[float, int, int]:
@@ -75,12 +75,6 @@ def bench_vs_polygraphy(work: Path, height: int, width: int) -> dict:
     }
 
 
-def _serve(service: str, workdir: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "layerdiff.client.cli", service, "serve", "--port", "0",
-                             "--workdir", str(workdir)], stdout=subprocess.PIPE, text=True)
-    return proc, re.search(r"listening on (\S+)", proc.stdout.readline()).group(1)
-
-
 def _hwm(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -106,8 +100,8 @@ def bench_analyzer_rss(work: Path, side: int) -> dict:
     del records
     dump_bytes = sum(p.stat().st_size for p in dump.glob("*.npy"))
     np.savez(work / "in.npz", **feeds)
-    collector, caddr = _serve("collector", work / "collector")
-    analyzer, aaddr = _serve("analyzer", work / "analyzer")
+    collector, caddr = serve("collector", work / "collector")
+    analyzer, aaddr = serve("analyzer", work / "analyzer")
     try:
         base = _hwm(analyzer.pid)
         t = time.perf_counter()

@@ -34,7 +34,7 @@ from kombu.exceptions import OperationalError
 from layerdiff.analyzer import metrics as M
 from layerdiff.analyzer.celery_app import QUEUE, TASK, make_app
 from layerdiff.analyzer.compare import NodeOutcome, SkipNode, chunk_bounds, merge_chunks, reconcile
-from layerdiff.analyzer.store import FLIGHT_MIN_BYTES, TensorStore, tensor_endpoint
+from layerdiff.analyzer.store import FLIGHT_MIN_BYTES, TensorStore, drop_from_endpoint, tensor_endpoint
 from layerdiff.errors import LayerdiffError, UnavailableError
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,6 @@ DEFAULT_DEADLINE_S = int(os.environ.get("LAYERDIFF_JOB_DEADLINE_S", "3600"))
 # presumed lost with its worker.
 DEFAULT_TASK_TIMEOUT_S = float(os.environ.get("LAYERDIFF_TASK_TIMEOUT_S", "30"))
 STORE_GRACE_S = 20.0
-
-
-def _endpoint_started() -> bool:
-    from layerdiff.analyzer import store
-
-    return store._endpoint is not None
 
 
 class StoreLost(LayerdiffError):
@@ -243,7 +237,7 @@ class CeleryPool:
         node, k, nbytes = entry
         self._inflight_bytes -= nbytes
         if nbytes >= FLIGHT_MIN_BYTES:
-            tensor_endpoint().drop(f"layerdiff:job:{self.job_id}:{item_id}:")
+            drop_from_endpoint(f"layerdiff:job:{self.job_id}:{item_id}:")
         self._cv.notify_all()
         if node.future.done():
             return
@@ -287,8 +281,7 @@ class CeleryPool:
                 self._fail_all_locked(e)
             self._closed = True
         self._poller.join(timeout=max(0.0, self.deadline - time.monotonic()) + 5)
-        if _endpoint_started():
-            tensor_endpoint().drop(f"layerdiff:job:{self.job_id}:")
+        drop_from_endpoint(f"layerdiff:job:{self.job_id}:")
         try:
             self.store.drop_job(self.job_id)
         except redis.RedisError as e:  # the keys expire by themselves

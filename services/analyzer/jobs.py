@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.flight as flight
 
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.compare import SkipNode
@@ -325,10 +324,7 @@ class JobRunner:
         except (pa.ArrowException, KeyError) as e:
             if job.cancelled.is_set():
                 raise _Cancelled() from None
-            if isinstance(e, (pa.ArrowInvalid, KeyError, flight.FlightError)) and \
-                    not isinstance(e, (flight.FlightServerError, flight.FlightInternalError)):
-                raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
-            raise LayerdiffError(f"collector {job.spec.collector} failed: {flight_message(e)}") from None
+            raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
         if refs is None:
             refs = ref_future.result()  # surfaces reference errors even for an empty stream
         while pending:

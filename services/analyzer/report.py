@@ -22,6 +22,7 @@ from pathlib import Path
 from layerdiff import __version__
 from layerdiff.analyzer.compare import NodeOutcome
 from layerdiff.names import safe_filename
+from layerdiff.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
 from layerdiff.onnxgraph import TensorSite
 
 SEED_COLUMNS = ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_dim/data_shape", "ref_value",
@@ -68,8 +69,6 @@ class JobReport:
     concat_skip: list[tuple[str, str]] = field(default_factory=list)    # slices that did not splice
 
     def log_splice_failure(self, rec) -> None:
-        from layerdiff.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
-
         if rec.status == STATUS_CHECK_SKIP:
             self.check_skip.append((rec.name, rec.message))
         elif rec.status == STATUS_CONCAT_SKIP:

@@ -161,6 +161,12 @@ def tensor_endpoint() -> TensorEndpoint:
         return _endpoint
 
 
+def drop_from_endpoint(prefix: str) -> None:
+    """Forget held tensors under ``prefix``; nothing to do if no endpoint runs."""
+    if _endpoint is not None:
+        _endpoint.drop(prefix)
+
+
 _clients: dict[str, flight.FlightClient] = {}
 
 

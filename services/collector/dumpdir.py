@@ -423,7 +423,7 @@ class DumpDirectory:
             if isinstance(entry, dict) and self._format(entry) in ("npz", "h5"):
                 yield from self._archive_records(i, entry)
             else:
-                yield self._record(i, entry)
+                yield self.read_entry(i, entry)
 
     def _format(self, entry: dict) -> str:
         fmt = entry.get("format") or self.fmt
@@ -453,7 +453,8 @@ class DumpDirectory:
             else:
                 yield NodeRecord(name=name, op_type=entry.get("op_type") or "", order=order, array=value, node=name)
 
-    def _record(self, i: int, entry: object) -> NodeRecord:
+    def read_entry(self, i: int, entry: object) -> NodeRecord:
+        """One manifest entry as a record (an error record if it cannot be read)."""
         if not isinstance(entry, dict):
             return NodeRecord.error(f"<entry {i}>", f"manifest entry {i} is not an object")
         raw_name = entry.get("name")

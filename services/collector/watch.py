@@ -42,7 +42,7 @@ def watch_records(path: str, *, poll_s: float = 0.2, idle_s: float = 10.0, fmt: 
             if stable:
                 ready.append(p)
         for p in ready:
-            rec = reader._record(len(sent), {"name": p.stem, "file": p.name, "order": len(sent), "op_type": ""})
+            rec = reader.read_entry(len(sent), {"name": p.stem, "file": p.name, "order": len(sent), "op_type": ""})
             if rec.status != "ok":
                 continue    # most likely still being written: look again next poll, judge at the end
             sent.add(p.name)
@@ -61,7 +61,7 @@ def watch_records(path: str, *, poll_s: float = 0.2, idle_s: float = 10.0, fmt: 
             break
         time.sleep(poll_s)
     for name in sorted(set(sizes) - sent):
-        rec = reader._record(len(sent), {"name": Path(name).stem, "file": name, "order": len(sent), "op_type": ""})
+        rec = reader.read_entry(len(sent), {"name": Path(name).stem, "file": name, "order": len(sent), "op_type": ""})
         if rec.status != "ok":
             rec.message = f"{rec.message} (file still incomplete or broken when the watch ended)"
         yield rec
