@@ -117,6 +117,71 @@ def _cmd_convert(a) -> int:
     return 0
 
 
+def _add_dump(sub) -> None:
+    p = sub.add_parser("dump", help="run a model on the device and write a dump as an acl.json-style file asks",
+                       description="Run MODEL on the device the way the collector does and write the dump that "
+                                   "the configuration (the runtime's acl.json: dump_path, dump_list, dump_mode, "
+                                   "dump_op_switch, dump_debug) asks for.")
+    p.add_argument("model", help="ONNX model")
+    p.add_argument("--inputs", required=True, help=".npz of named model inputs")
+    p.add_argument("--config", required=True, help="dump configuration (acl.json)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"])
+    p.add_argument("--device-model", help="run this export as the device instead")
+    p.add_argument("--format", default="ascend", choices=["ascend", "npy", "npz", "onnx", "bin", "h5"],
+                   help="dump format (default ascend: vendor-named files under {time}/{device}/{model}/{index})")
+    p.set_defaults(func=_cmd_dump)
+
+
+def _cmd_dump(a) -> int:
+    from layerdiff.collector.dumpconfig import dump_live_run
+
+    res = dump_live_run(a.model, a.inputs, a.config, precision=a.precision, device=a.device,
+                        device_model=a.device_model, fmt=a.format)
+    print(f"wrote {res['records']} tensors ({res['mode']}, {res['format']}) into {res['dump_path']}")
+    if res["overflowing_nodes"]:
+        print(f"overflowing nodes: {', '.join(res['overflowing_nodes'])}")
+    return 0
+
+
+def _add_overflow(sub) -> None:
+    p = sub.add_parser("overflow", help="decode overflow records (Opdebug.Node_OpDebug.*) into their causes",
+                       description="Decode every overflow record in FILE or under DIR: the vendor's JSON "
+                                   "(model_id, stream_id, task_id, task_type, pc_start, para_base, kernel_code, "
+                                   "block_idx, status), then the causes behind each status, and the operator "
+                                   "dump files of the flagged tasks.")
+    p.add_argument("path", help="an overflow record file, or a dump directory")
+    p.add_argument("--json", action="store_true", help="one JSON document for all records, causes included")
+    p.set_defaults(func=_cmd_overflow)
+
+
+def _cmd_overflow(a) -> int:
+    import json
+
+    from layerdiff.collector.overflow import scan
+
+    found = scan(a.path)
+    if a.json:
+        print(json.dumps(found, indent=1))
+        return 0 if found["records"] else 1
+    for rec in found["records"]:
+        print(f"== {rec['file']}")
+        print(json.dumps(rec["record"], indent=1))
+        for flag in rec["flagged"]:
+            print(f"{flag['unit']}: stream {flag['stream_id']} task {flag['task_id']} status {flag['status']} "
+                  f"= 0x{flag['status']:08x}")
+            for c in flag["causes"]:
+                print(f"  {c}")
+            for op in flag["operators"]:
+                print(f"  operator dump: {op}")
+    for shown, reason in found["unreadable"]:
+        print(f"unreadable: {shown}: {reason}")
+    if not found["records"]:
+        print(f"no overflow records in {a.path}")
+        return 1
+    return 0
+
+
 def _add_worker(sub) -> None:
     p = sub.add_parser("worker", help="a Celery worker for the analyzer's per-node comparisons",
                        description="Start a Celery worker that compares nodes for any analyzer using the same "
@@ -159,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_service(sub, "analyzer")
     _add_worker(sub)
     _add_convert(sub)
+    _add_dump(sub)
+    _add_overflow(sub)
     return parser
 
 

@@ -42,17 +42,18 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from layerdiff.errors import LayerdiffError, NotFoundError
-from layerdiff.schema import (ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP,
-                              NodeRecord)
+from layerdiff.schema import (ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, STATUS_CHECK_SKIP,
+                              STATUS_CONCAT_SKIP, NodeRecord)
 
 MANIFEST = "manifest.json"
-FORMATS = ("npy", "npz", "onnx", "bin", "h5")
+FORMATS = ("npy", "npz", "onnx", "bin", "h5", "ascend")
 _EXTENSIONS = {".npy": "npy", ".npz": "npz", ".pb": "onnx", ".tensor": "onnx", ".bin": "bin", ".h5": "h5",
                ".hdf5": "h5"}
 
@@ -250,9 +251,10 @@ def read_npz(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[
                 yield key, LayerdiffError(f"unreadable member ({type(e).__name__}: {e})", file=member)
 
 
-def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[tuple[str, object]]:
-    """(node name, array or LayerdiffError) for every ``/op/seqid/output/N``
-    dataset, each checked (dtype, declared size) before it is read."""
+def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[tuple]:
+    """(node name, array or LayerdiffError, role, slot) for every
+    ``/op/seqid/{input,output}/N`` dataset (a call's inputs before its
+    outputs), each checked (dtype, declared size) before it is read."""
     import h5py
 
     shown = path.name
@@ -260,33 +262,44 @@ def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[t
         f = h5py.File(path, "r")
     except Exception as e:  # h5py raises OSError and others for non-HDF5 bytes
         raise LayerdiffError(f"is not an HDF5 file ({type(e).__name__}: {e})", file=shown) from e
+
+    def numbered(group):
+        return sorted(group.keys(), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
+
     with f:
         for op in f.keys():   # the file's own order (insertion order where it tracks it)
             group = f[op]
             if not isinstance(group, h5py.Group):
-                yield op, LayerdiffError("is not an /op/seqid group", file=shown, node=op)
+                yield op, LayerdiffError("is not an /op/seqid group", file=shown, node=op), ROLE_OUTPUT, 0
                 continue
-            seqids = sorted(group.keys(), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
-            for n_call, seq in enumerate(seqids):
-                outputs = group[seq].get("output") if isinstance(group[seq], h5py.Group) else None
-                if not isinstance(outputs, h5py.Group):
-                    yield f"{op}@{seq}", LayerdiffError("has no output group", file=shown, node=f"{op}/{seq}")
+            for n_call, seq in enumerate(numbered(group)):
+                call = group[seq]
+                base = op if n_call == 0 else f"{op}@{seq}"
+                sides = [(role, call.get(role)) for role in (ROLE_INPUT, ROLE_OUTPUT)] \
+                    if isinstance(call, h5py.Group) else []
+                sides = [(role, g) for role, g in sides if isinstance(g, h5py.Group)]
+                if not sides:
+                    yield base, LayerdiffError("has no input or output group", file=shown, node=f"{op}/{seq}"), \
+                        ROLE_OUTPUT, 0
                     continue
-                for idx in sorted(outputs.keys(), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0)):
-                    base = op if n_call == 0 else f"{op}@{seq}"
-                    name = base if idx == "0" else f"{base}:{idx}"
-                    where = f"{shown}:/{op}/{seq}/output/{idx}"
-                    try:
-                        ds = outputs[idx]
-                        if not isinstance(ds, h5py.Dataset):
-                            raise LayerdiffError("is not a dataset", file=where)
-                        dt = _plain_dtype(ds.dtype, where)
-                        _size_of(dt, ds.shape or (), max_bytes, where)
-                        yield name, np.asarray(ds[()], dtype=dt)
-                    except LayerdiffError as e:
-                        yield name, e
-                    except Exception as e:  # a damaged dataset: this node only
-                        yield name, LayerdiffError(f"unreadable dataset ({type(e).__name__}: {e})", file=where)
+                for role, members in sides:
+                    for idx in numbered(members):
+                        slot = int(idx) if idx.isdigit() else 0
+                        name = base if idx == "0" or role == ROLE_INPUT else f"{base}:{idx}"
+                        where = f"{shown}:/{op}/{seq}/{role}/{idx}"
+                        try:
+                            ds = members[idx]
+                            if not isinstance(ds, h5py.Dataset):
+                                raise LayerdiffError("is not a dataset", file=where)
+                            dt = _plain_dtype(ds.dtype, where)
+                            _size_of(dt, ds.shape or (), max_bytes, where)
+                            flag = ds.attrs.get("overflow", "")
+                            yield name, np.asarray(ds[()], dtype=dt), role, slot, flag if isinstance(flag, str) else ""
+                        except LayerdiffError as e:
+                            yield name, e, role, slot
+                        except Exception as e:  # a damaged dataset: this node only
+                            yield name, LayerdiffError(f"unreadable dataset ({type(e).__name__}: {e})",
+                                                       file=where), role, slot
 
 
 class SpliceError(LayerdiffError):
@@ -400,10 +413,20 @@ class DumpDirectory:
         self.max_tensor_bytes = max_tensor_bytes
         self.fmt = fmt
         self.default_concat_dim = default_concat_dim
+        self.ascend_files: list[Path] | None = None
         self.entries = entries if entries is not None else self._entries()
 
     def _entries(self) -> list[dict]:
         mpath = self.root / MANIFEST
+        if not mpath.exists() and self.fmt in ("", "ascend"):
+            # Vendor runtime dumps: {op_type}.{op_name}.{task_id}.{stream_id}.{timestamp}
+            # files, possibly under {time}/{device_id}/{model_id}/{data_index}.
+            from layerdiff.collector import ascend
+
+            files = ascend.dump_files(self.root)
+            if self.fmt == "ascend" or any(ascend.looks_like_dump(p) for p in files[:8]):
+                self.ascend_files = files
+                return []
         if not mpath.exists():
             files = sorted(p.name for p in self.root.iterdir() if p.is_file() and p.name != MANIFEST and
                            (_EXTENSIONS.get(p.suffix.lower()) == self.fmt if self.fmt else
@@ -419,6 +442,11 @@ class DumpDirectory:
         return nodes
 
     def records(self) -> Iterator[NodeRecord]:
+        if self.ascend_files is not None:
+            from layerdiff.collector import ascend
+
+            yield from ascend.records(self.root, self.ascend_files, self.max_tensor_bytes, check_node_name)
+            return
         for i, entry in enumerate(self.entries):
             if isinstance(entry, dict) and self._format(entry) in ("npz", "h5"):
                 yield from self._archive_records(i, entry)
@@ -441,17 +469,30 @@ class DumpDirectory:
         except LayerdiffError as e:
             yield NodeRecord.error(str(entry.get("name") or f"<entry {i}>"), str(e), order=order)
             return
-        for key, value in members:
+        # npz members carry no role of their own: the entry's "members" map says
+        # which are inputs; HDF5 datasets say it by their group.
+        placements = entry.get("members") if isinstance(entry.get("members"), dict) else {}
+        for key, value, *where in members:
+            placed = placements.get(key) if not where else None
             try:
                 name = check_node_name(key)
+                if isinstance(placed, dict):
+                    role, slot, node = _placement(placed, name)
+                elif where:
+                    role, slot = where[0], where[1]
+                    node = name
+                    placed = {"overflow": where[2]} if len(where) > 2 and where[2] else None
+                else:
+                    role, slot, node = ROLE_OUTPUT, 0, name
             except LayerdiffError as e:
                 yield NodeRecord.error(key.replace("\x00", "\\0") or f"<member of {path.name}>", str(e),
                                        order=order)
                 continue
             if isinstance(value, LayerdiffError):
-                yield NodeRecord.error(name, str(value), order=order, node=name)
+                yield NodeRecord.error(name, str(value), order=order, node=node, role=role, slot=slot)
             else:
-                yield NodeRecord(name=name, op_type=entry.get("op_type") or "", order=order, array=value, node=name)
+                yield _placed(NodeRecord(name=name, op_type=entry.get("op_type") or "", order=order, array=value),
+                              placed if isinstance(placed, dict) else {}, role, slot, node)
 
     def read_entry(self, i: int, entry: object) -> NodeRecord:
         """One manifest entry as a record (an error record if it cannot be read)."""
@@ -464,11 +505,14 @@ class DumpDirectory:
             op_type = str(op_type)
         if not isinstance(order, int) or isinstance(order, bool):
             order = i
+        role, slot = ROLE_OUTPUT, 0
         try:
             name = check_node_name(raw_name)
+            role, slot, node = _placement(entry, name)
             if "slices" in entry:
                 arr = splice(self.root, entry, name, self.default_concat_dim, self.max_tensor_bytes)
-                return NodeRecord(name=name, op_type=op_type, order=order, array=arr, node=name)
+                return _placed(NodeRecord(name=name, op_type=op_type, order=order, array=arr), entry, role, slot,
+                               node)
             path = resolve_inside(self.root, entry.get("file"), name)
             if not path.exists():
                 raise LayerdiffError(f"manifest names a missing file {entry.get('file')!r}", node=name, field="file")
@@ -487,8 +531,30 @@ class DumpDirectory:
         except LayerdiffError as e:
             shown = raw_name if isinstance(raw_name, str) and raw_name else f"<entry {i}>"
             return NodeRecord.error(shown.replace("\x00", "\\0"), str(e), op_type, order,
-                                    status=getattr(e, "status", "error"))
-        return NodeRecord(name=name, op_type=op_type, order=order, array=arr, node=name)
+                                    status=getattr(e, "status", "error"), role=role, slot=slot)
+        return _placed(NodeRecord(name=name, op_type=op_type, order=order, array=arr), entry, role, slot, node)
+
+
+def _placement(entry: dict, name: str) -> tuple[str, int, str]:
+    """(role, slot, node) of a manifest entry: an output of the node it names
+    unless it says ``"role": "input"`` (then ``slot`` is the input index and
+    ``node`` the consuming node)."""
+    role = entry.get("role", ROLE_OUTPUT)
+    if role not in (ROLE_OUTPUT, ROLE_INPUT):
+        raise LayerdiffError(f"role {role!r} is neither 'output' nor 'input'", node=name, field="role")
+    slot = entry.get("slot", 0)
+    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < 1 << 20:
+        raise LayerdiffError(f"slot {slot!r} is not an input/output index", node=name, field="slot")
+    node = entry.get("node", name)
+    node = check_node_name(node) if node != name else name
+    return role, slot, node
+
+
+def _placed(rec: NodeRecord, entry: dict, role: str, slot: int, node: str) -> NodeRecord:
+    rec.role, rec.slot, rec.node = role, slot, node
+    flag = entry.get("overflow")
+    rec.overflow = flag if isinstance(flag, str) else ""
+    return rec
 
 
 def write_tiled_dump(directory: str | Path, records: list[NodeRecord], *, tiles: int = 2, axis: int | None = None,
@@ -526,24 +592,45 @@ def write_tiled_dump(directory: str | Path, records: list[NodeRecord], *, tiles:
 
 
 def write_dump(directory: str | Path, records: list[NodeRecord], fmt: str = "npy") -> Path:
-    """Write records as a dump directory with a manifest, in any of FORMATS
-    (used to save what a live run produced, and by tests and demos)."""
+    """Write records (outputs, and inputs where a record's role says so) as a
+    dump directory in any of FORMATS, with a manifest where the format needs
+    one (used to save what a live run produced, and by tests and demos).
+    Returns the directory a reader should be given."""
     if fmt not in FORMATS:
         raise LayerdiffError(f"unknown dump format {fmt!r} (one of {', '.join(FORMATS)})", field="format")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     kept = [(i, r) for i, r in enumerate(records) if r.array is not None]
+    if fmt == "ascend":
+        return _write_ascend(root, kept)
     nodes: list[dict] = []
+
+    def placement(r: NodeRecord) -> dict:
+        d: dict = {}
+        if r.role == ROLE_INPUT:
+            d.update(role=ROLE_INPUT, slot=r.slot, node=r.node or r.name)
+        elif r.node and r.node != r.name:
+            d.update(node=r.node, slot=r.slot)
+        if r.overflow:
+            d["overflow"] = r.overflow
+        return d
+
     if fmt == "h5":
         import h5py
 
         with h5py.File(root / "dump.h5", "w", track_order=True) as f:
             for _, r in kept:
-                f.create_dataset(f"{r.name.replace('/', '_')}/0/output/0", data=r.array)
+                # grouped by operator, as the layout is: /op/seqid/{input,output}/N
+                node = (r.node or r.name).replace("/", "_")
+                ds = f.create_dataset(f"{node}/0/{r.role}/{r.slot}", data=r.array)
+                if r.overflow:
+                    ds.attrs["overflow"] = r.overflow
         nodes.append({"name": "dump", "file": "dump.h5", "format": "h5", "order": 0})
     elif fmt == "npz":
-        np.savez(root / "dump.npz", **{r.name: r.array for _, r in kept})
-        nodes.append({"name": "dump", "file": "dump.npz", "format": "npz", "order": 0})
+        keys = [r.name if r.role != ROLE_INPUT else f"{r.node or r.name}.input.{r.slot}" for _, r in kept]
+        np.savez(root / "dump.npz", **{k: r.array for k, (_, r) in zip(keys, kept)})
+        members = {k: placement(r) for k, (_, r) in zip(keys, kept) if placement(r)}
+        nodes.append({"name": "dump", "file": "dump.npz", "format": "npz", "order": 0, "members": members})
     elif fmt == "bin":
         offset = 0
         with open(root / "dump.bin", "wb") as f:
@@ -551,11 +638,11 @@ def write_dump(directory: str | Path, records: list[NodeRecord], fmt: str = "npy
                 pad = -offset % 64
                 f.write(b"\0" * pad)
                 offset += pad
-                arr = np.ascontiguousarray(r.array)
+                arr = np.require(r.array, requirements="C")  # keeps 0-d tensors 0-d
                 f.write(arr.tobytes())
                 nodes.append({"name": r.name, "op_type": r.op_type, "order": r.order if r.order >= 0 else i,
                               "file": "dump.bin", "format": "bin", "dtype": arr.dtype.name,
-                              "shape": list(arr.shape), "offset": offset})
+                              "shape": list(arr.shape), "offset": offset, **placement(r)})
                 offset += arr.nbytes
     else:
         from onnx import numpy_helper
@@ -568,6 +655,31 @@ def write_dump(directory: str | Path, records: list[NodeRecord], fmt: str = "npy
                 fname = f"{i:05d}.npy"
                 np.save(root / fname, r.array, allow_pickle=False)
             nodes.append({"name": r.name, "op_type": r.op_type, "order": r.order if r.order >= 0 else i,
-                          "file": fname})
+                          "file": fname, **placement(r)})
     (root / MANIFEST).write_text(json.dumps({"nodes": nodes}, indent=1), encoding="utf-8")
+    return root
+
+
+def _write_ascend(root: Path, kept: list[tuple[int, NodeRecord]]) -> Path:
+    """One vendor dump file per node ({time}/{device_id}/{model_id}/{data_index}
+    layout), and an overflow record for every node flagged as overflowing."""
+    from layerdiff.collector import ascend, overflow
+
+    leaf = ascend.leaf_dir(root)
+    leaf.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, list[NodeRecord]] = {}
+    for _, r in kept:
+        groups.setdefault(r.node or r.name, []).append(r)
+    base = int(time.time() * 1e6)
+    for task_id, (node, recs) in enumerate(groups.items(), start=1):
+        ins = sorted((r for r in recs if r.role == ROLE_INPUT), key=lambda r: r.slot)
+        outs = sorted((r for r in recs if r.role != ROLE_INPUT), key=lambda r: r.slot)
+        stamp = base + 2 * task_id
+        fname = ascend.file_name(recs[0].op_type, node, task_id, 0, stamp)
+        ascend.write_dump_file(leaf / fname, node, [r.array for r in ins], [r.array for r in outs], stamp)
+        if any(r.overflow for r in recs):
+            payload = overflow.encode_classic({"model_id": 1, "stream_id": 0, "task_id": task_id,
+                                               "status": 0x20})
+            ascend.write_op_debug_file(leaf / ascend.file_name("Opdebug", "Node_OpDebug", 10**6 + task_id, 0,
+                                                               stamp + 1), payload, stamp + 1)
     return root

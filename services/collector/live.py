@@ -20,12 +20,13 @@ from typing import Iterator
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
 from layerdiff.collector.devices import resolve_provider
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (check_inputs, estimate_output_bytes, expose_only, load_model, plan_segments,
                                  tensor_sites)
-from layerdiff.schema import NodeRecord
+from layerdiff.schema import ROLE_INPUT, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -119,22 +120,46 @@ class LiveRunner:
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the device model: {e}", field="device_model") from e
 
-    def records(self) -> Iterator[NodeRecord]:
-        """Every node output in execution order, computed segment by segment
-        (see layerdiff.onnxgraph.plan_segments) so that only about one segment
-        is resident at a time."""
+    def records(self, dump_mode: str = "output", nodes: set[str] | None = None) -> Iterator[NodeRecord]:
+        """Every node's outputs (``dump_mode`` "output"), inputs ("input") or
+        both ("all", inputs first), in execution order, for every node or the
+        ``nodes`` named; computed segment by segment (see
+        layerdiff.onnxgraph.plan_segments) so that only about one segment is
+        resident at a time. A float output holding Inf/NaN that none of its
+        inputs held is marked as an overflow, as the device's status register
+        would flag it."""
+        dump_mode = check_dump_mode(dump_mode)
+        want_in, want_out = dump_mode in ("input", "all"), dump_mode in ("output", "all")
+        graph = self.model.graph
         sites = tensor_sites(self.model)
         if self.original is not None:
             sites = [s for s in sites if s.tensor in self.original]
+        if nodes is not None:
+            sites = [s for s in sites if s.node in nodes or s.tensor in nodes]
         source = {s.tensor: self.view.get(s.tensor, s.tensor) for s in sites}
-        names = list(dict.fromkeys(source[s.tensor] for s in sites))
-        segments = plan_segments(names, estimate_output_bytes(self.model, self.feeds))
+        consts = {i.name: i for i in graph.initializer}
+        node_inputs = {s.node: [t for t in graph.node[s.order].input] for s in sites} if want_in else {}
+        producer = {t: i for i, n in enumerate(graph.node) for t in n.output}
+        # Tensors to compute, in execution order: what is sent as an output,
+        # and what dumped nodes read (outputs of other nodes).
+        uses: dict[str, int] = {}
+        for s in sites:
+            if want_out:
+                uses[source[s.tensor]] = uses.get(source[s.tensor], 0) + 1
+        for ins in node_inputs.values():
+            for t in ins:
+                if t and t in producer:
+                    uses[t] = uses.get(t, 0) + 1
+        names = sorted(uses, key=lambda t: producer.get(t, -1))
+        segments = plan_segments(names, estimate_output_bytes(self.model, self.feeds)) if names else []
         segment_of = {n: i for i, seg in enumerate(segments) for n in seg}
         values: dict[str, np.ndarray] = {}
+        finite: dict[str, bool] = {}
         computed = 0
-        for s in sites:
-            src = source[s.tensor]
-            while computed <= segment_of[src]:
+
+        def ensure(t: str) -> None:
+            nonlocal computed
+            while t in segment_of and computed <= segment_of[t]:
                 sess = self._session(segments[computed])
                 try:
                     out = sess.run(None, self.feeds)
@@ -143,8 +168,75 @@ class LiveRunner:
                 values.update(zip(segments[computed], out))
                 del sess, out
                 computed += 1
-            arr = values.pop(src, None)
-            if arr is None:
-                yield NodeRecord.error(s.tensor, "the device run produced no value", s.op_type, s.order, s.node)
+
+        def take(t: str) -> np.ndarray | None:
+            """The value of t for one use; forgotten after its last use."""
+            if t in consts:
+                return numpy_helper.to_array(consts[t])
+            if t in self.feeds:
+                return np.asarray(self.feeds[t])
+            ensure(t)
+            left = uses.get(t, 0) - 1
+            uses[t] = left
+            return values.pop(t, None) if left <= 0 else values.get(t)
+
+        def known_finite(t: str) -> bool:
+            """False when t held Inf/NaN, or when its value was never seen
+            (a node is named as the origin only when it provably is)."""
+            if t not in finite and (t in consts or t in self.feeds):
+                finite[t] = _all_finite(np.asarray(numpy_helper.to_array(consts[t]) if t in consts
+                                                   else self.feeds[t]))
+            return finite.get(t, False)
+
+        done_inputs: set[str] = set()
+        for s in sites:
+            if want_in and s.node not in done_inputs:
+                done_inputs.add(s.node)
+                for k, t in enumerate(node_inputs[s.node]):
+                    if not t:
+                        continue
+                    arr = take(t)
+                    if arr is None:
+                        yield NodeRecord.error(s.node, f"the device run produced no value for input {k} ({t!r})",
+                                               s.op_type, s.order, s.node, role=ROLE_INPUT, slot=k)
+                    else:
+                        yield NodeRecord(name=s.node, op_type=s.op_type, order=s.order, array=np.asarray(arr),
+                                         node=s.node, role=ROLE_INPUT, slot=k)
+            if not want_out:
                 continue
-            yield NodeRecord(name=s.tensor, op_type=s.op_type, order=s.order, array=np.asarray(arr), node=s.node)
+            src = source[s.tensor]
+            arr = take(src)
+            if arr is None:
+                yield NodeRecord.error(s.tensor, "the device run produced no value", s.op_type, s.order, s.node,
+                                       slot=s.output_index)
+                continue
+            arr = np.asarray(arr)
+            rec = NodeRecord(name=s.tensor, op_type=s.op_type, order=s.order, array=arr, node=s.node,
+                             slot=s.output_index)
+            finite[src] = _all_finite(arr)
+            if not finite[src] and all(known_finite(t) for t in graph.node[s.order].input if t):
+                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+                rec.overflow = (f"floating-point overflow: {bad} of {arr.size} values are Inf/NaN while every "
+                                f"input of the node is finite")
+            yield rec
+
+
+DUMP_MODES = ("output", "input", "all")
+
+
+def check_dump_mode(mode: str) -> str:
+    mode = (mode or "output").lower()
+    if mode not in DUMP_MODES:
+        raise LayerdiffError(f"unknown dump_mode {mode!r} (one of {', '.join(DUMP_MODES)})", field="dump_mode")
+    return mode
+
+
+def _all_finite(arr: np.ndarray) -> bool:
+    if arr.dtype.kind != "f" or arr.size == 0:
+        return True
+    # The sum is NaN/Inf exactly when an element is, or when finite
+    # values overflow it; only then is the exact elementwise test paid.
+    with np.errstate(all="ignore"):
+        if np.isfinite(arr.sum(dtype=np.float64)):
+            return True
+    return bool(np.isfinite(arr).all())

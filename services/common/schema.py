@@ -36,13 +36,19 @@ TENSOR_SCHEMA = pa.schema([
     pa.field("data", pa.binary()),
     pa.field("status", pa.string()),        # "ok", or why not: "error", "check_skip", "concat_skip"
     pa.field("message", pa.string()),       # why, for "error" rows; flags for "ok" rows
-    pa.field("node", pa.string()),          # the node that produced the tensor
+    pa.field("node", pa.string()),          # the node that produced (output) or consumed (input) the tensor
+    pa.field("role", pa.string()),          # "output" (a node's output) or "input" (what the node read)
+    pa.field("slot", pa.int32()),           # output index, or input index for inputs
+    pa.field("overflow", pa.string()),      # the device flagged this node as overflowing: why ("" = not flagged)
 ])
 
 STATUS_OK = "ok"
 STATUS_ERROR = "error"             # the node's data could not be read
 STATUS_CHECK_SKIP = "check_skip"   # a slice of a tiled node failed validation (check_skip.log)
 STATUS_CONCAT_SKIP = "concat_skip" # the slices do not splice into one tensor (concate_skip.log)
+
+ROLE_OUTPUT = "output"
+ROLE_INPUT = "input"
 
 # Only plain numeric dtypes ever cross the wire (no object arrays, no pickles).
 ALLOWED_DTYPES = frozenset({
@@ -65,12 +71,16 @@ class NodeRecord:
     status: str = STATUS_OK
     message: str = ""
     node: str = ""
+    role: str = ROLE_OUTPUT
+    slot: int = 0
+    overflow: str = ""
     extra: dict = field(default_factory=dict)
 
     @classmethod
     def error(cls, name: str, message: str, op_type: str = "", order: int = -1, node: str = "",
-              status: str = STATUS_ERROR) -> "NodeRecord":
-        return cls(name=name, op_type=op_type, order=order, status=status, message=message, node=node)
+              status: str = STATUS_ERROR, role: str = ROLE_OUTPUT, slot: int = 0) -> "NodeRecord":
+        return cls(name=name, op_type=op_type, order=order, status=status, message=message, node=node, role=role,
+                   slot=slot)
 
 
 # ----------------------------------------------------------------- encoding
@@ -85,7 +95,7 @@ class _Batcher:
     def add(self, rec: NodeRecord, dtype: str, shape: tuple, total: int, offset: int,
             view: memoryview | None) -> None:
         self.rows.append((rec.name, rec.op_type, rec.order, dtype, list(shape), total, offset,
-                          rec.status, rec.message, rec.node))
+                          rec.status, rec.message, rec.node, rec.role, rec.slot, rec.overflow))
         self.views.append(view if view is not None else memoryview(b""))
         if view is not None:
             self.nbytes += len(view)
@@ -109,6 +119,7 @@ class _Batcher:
             pa.array(cols[3], pa.string()), pa.array(cols[4], pa.list_(pa.int64())),
             pa.array(cols[5], pa.int64()), pa.array(cols[6], pa.int64()), data_arr,
             pa.array(cols[7], pa.string()), pa.array(cols[8], pa.string()), pa.array(cols[9], pa.string()),
+            pa.array(cols[10], pa.string()), pa.array(cols[11], pa.int32()), pa.array(cols[12], pa.string()),
         ], schema=TENSOR_SCHEMA)
         self.rows, self.views, self.nbytes = [], [], 0
         return batch
@@ -128,8 +139,8 @@ def encode_records(records: Iterable[NodeRecord], chunk_bytes: int = DEFAULT_CHU
             arr = rec.array if rec.array.flags.c_contiguous else np.ascontiguousarray(rec.array)
             dtype = arr.dtype.name
             if dtype not in ALLOWED_DTYPES:
-                b.add(NodeRecord.error(rec.name, f"dtype {dtype} cannot be sent", rec.op_type, rec.order, rec.node),
-                      "", (), 0, 0, None)
+                b.add(NodeRecord.error(rec.name, f"dtype {dtype} cannot be sent", rec.op_type, rec.order, rec.node,
+                                       role=rec.role, slot=rec.slot), "", (), 0, 0, None)
             else:
                 raw = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
                 total = arr.nbytes
@@ -206,6 +217,9 @@ class TensorAssembler:
         statuses = batch.column(8).to_pylist()
         messages = batch.column(9).to_pylist()
         nodes = batch.column(10).to_pylist()
+        roles = batch.column(11).to_pylist()
+        slots = batch.column(12).to_pylist()
+        overflows = batch.column(13).to_pylist()
         data = batch.column(7)
         bufs = data.buffers()
         doffs = np.frombuffer(bufs[1], dtype=np.int32)[data.offset:data.offset + n + 1] if bufs[1] is not None \
@@ -214,19 +228,24 @@ class TensorAssembler:
             np.zeros(0, np.uint8)
         for i in range(n):
             name = names[i] or ""
+            role = roles[i] if roles[i] in (ROLE_OUTPUT, ROLE_INPUT) else ROLE_OUTPUT
+            slot = slots[i] if slots[i] is not None and slots[i] >= 0 else 0
             if statuses[i] != STATUS_OK:
                 self._abandon(out)
-                out.append(NodeRecord.error(name, messages[i] or "no reason given", ops[i] or "",
-                                            orders[i] if orders[i] is not None else -1, nodes[i] or "",
-                                            status=statuses[i] or STATUS_ERROR))
+                rec = NodeRecord.error(name, messages[i] or "no reason given", ops[i] or "",
+                                       orders[i] if orders[i] is not None else -1, nodes[i] or "",
+                                       status=statuses[i] or STATUS_ERROR, role=role, slot=slot)
+                rec.overflow = overflows[i] or ""
+                out.append(rec)
                 continue
             piece = dbytes[doffs[i]:doffs[i + 1]]
             try:
                 rec = self._row(out, name, ops[i], orders[i], dtypes[i], shapes[i], totals[i], offs[i],
-                                messages[i], nodes[i], piece)
+                                messages[i], nodes[i], piece, (role, slot, overflows[i] or ""))
             except LayerdiffError as e:
                 self._cur = None
-                out.append(NodeRecord.error(name, str(e), ops[i] or "", orders[i] if orders[i] is not None else -1))
+                out.append(NodeRecord.error(name, str(e), ops[i] or "", orders[i] if orders[i] is not None else -1,
+                                            role=role, slot=slot))
                 continue
             if rec is not None:
                 out.append(rec)
@@ -236,10 +255,10 @@ class TensorAssembler:
         if self._cur is not None:
             rec, buf, filled = self._cur
             out.append(NodeRecord.error(rec.name, f"stream moved on after {filled} of {buf.size} bytes",
-                                        rec.op_type, rec.order, rec.node))
+                                        rec.op_type, rec.order, rec.node, role=rec.role, slot=rec.slot))
             self._cur = None
 
-    def _row(self, out, name, op_type, order, dtype, shape, total, offset, message, node, piece):
+    def _row(self, out, name, op_type, order, dtype, shape, total, offset, message, node, piece, where):
         if offset == 0:
             self._abandon(out)
             if dtype not in ALLOWED_DTYPES:
@@ -260,12 +279,14 @@ class TensorAssembler:
                 raise LayerdiffError(f"shape {shape} of {dtype} is {expected} bytes, total_bytes says {total}",
                                      node=name, field="total_bytes")
             rec = NodeRecord(name=name, op_type=op_type or "", order=order if order is not None else -1,
-                             message=message or "", node=node or "")
+                             message=message or "", node=node or "", role=where[0], slot=where[1],
+                             overflow=where[2])
             buf = self.pool.take(total) if self.pool is not None else np.empty(total, dtype=np.uint8)
             rec.extra = {"dtype": dtype, "shape": shape, "buffer": buf}
             self._cur = (rec, buf, 0)
         else:
-            if self._cur is None or self._cur[0].name != name or self._cur[2] != offset:
+            if self._cur is None or (self._cur[0].name, self._cur[0].role, self._cur[0].slot) != \
+                    (name, where[0], where[1]) or self._cur[2] != offset:
                 raise LayerdiffError(f"chunk at offset {offset} does not continue the tensor", node=name,
                                      field="offset")
         rec, buf, filled = self._cur

@@ -1,0 +1,1 @@
+"""Vendor file formats the collector reads (generated stubs; see generate.sh)."""
