@@ -29,7 +29,7 @@ from layerdiff.artifacts import ArtifactStore
 from layerdiff.errors import LayerdiffError, NotFoundError
 from layerdiff.onnxgraph import TensorSite, load_inputs
 from layerdiff.collector.service import CollectorClient, flight_message
-from layerdiff.schema import STATUS_OK, BufferPool, NodeRecord, TensorAssembler
+from layerdiff.schema import (ROLE_INPUT, STATUS_OK, BufferPool, NodeRecord, TensorAssembler, check_dump_mode)
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
         raise LayerdiffError("must be >= 0", field="diff_cnt")
     if o.max_cores < 0:
         raise LayerdiffError("must be >= 0", field="max_cores")
+    check_dump_mode(spec.dump_mode)
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
                     o.force_compare)
 
@@ -191,13 +192,17 @@ class JobRunner:
             if spec.device_model_artifact else ""
         return pb.CaptureRequest(job_id=job.id, live=pb.LiveSource(
             model_artifact=model, inputs_artifact=inputs, device_model_artifact=device_model,
-            precision=spec.precision or "fp32", device=spec.device or "cpu"))
+            precision=spec.precision or "fp32", device=spec.device or "cpu", dump_mode=spec.dump_mode or "output"))
 
     def _execute(self, job: Job, p: Prepared, started: float) -> dict:
         spec = job.spec
         total = len(p.reference.sites)
         job.emit(pb.REFERENCE, nodes_total=total)
-        reference = SegmentedReference(p.reference, p.feeds)
+        mode = check_dump_mode(spec.dump_mode)
+        # Node inputs read tensors that are also node outputs: such values are
+        # kept until every comparison that needs them has had them.
+        uses = {t: n + (mode == "all") for t, n in p.reference.input_uses().items()} if mode != "output" else None
+        reference = SegmentedReference(p.reference, p.feeds, uses)
         helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         # The first segment is computed while the collector starts producing.
         ref_future = helper.submit(reference.ensure, 0)
@@ -228,7 +233,7 @@ class JobRunner:
             "atol": p.tolerances.default.atol, "rtol": p.tolerances.default.rtol, "diff_cnt": p.diff_cnt,
             "op_config": bool(o.op_config_csv.strip()), "map_node_dict": dict(o.map_node_dict),
             "skip_keys": list(o.skip_keys), "exclude_node_list": list(o.exclude_node_list),
-            "force_compare": o.force_compare, "max_cores": p.max_cores or None,
+            "force_compare": o.force_compare, "max_cores": p.max_cores or None, "dump_mode": mode,
         }
         job_info = {
             "job_id": job.id, "model": p.reference.name, "device": spec.device or "cpu",
@@ -248,22 +253,26 @@ class JobRunner:
         assembler = TensorAssembler(pool=buffers)
         refs: SegmentedReference | None = None
         seen: set[str] = set()
-        pending: dict[Future, tuple[TensorSite, str, object]] = {}
+        seen_inputs: set[tuple] = set()
+        read_as_input: set[str] = set()
+        pending: dict[Future, tuple[TensorSite, NodeRecord, object]] = {}
         done = 0
         limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
 
         def finished(fut: Future) -> None:
             nonlocal done
-            site, dev_name, buffer = pending.pop(fut)
+            site, rec, buffer = pending.pop(fut)
             buffers.give(buffer)
             try:
                 outcome = fut.result()
             except SkipNode as e:
-                rep.skipped.append((site.tensor, str(e)))
+                rep.skipped.append((_shown(site, rec), str(e)))
                 passed = True
             else:
-                rep.rows.append(Row(site, dev_name, outcome))
+                rep.rows.append(Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow))
                 passed = outcome.metrics.passed
+            if rec.role == ROLE_INPUT:
+                return   # progress counts node outputs
             done += 1
             job.emit(nodes_done=done, nodes_total=total, node=site.tensor, node_passed=passed)
 
@@ -273,7 +282,11 @@ class JobRunner:
 
         def compare_later(rec: NodeRecord) -> bool:
             nonlocal refs, done
-            rep.device_names.append(rec.name)
+            rep.device_names.append(rec.name if rec.role != ROLE_INPUT else f"{rec.name} (input {rec.slot})")
+            if rec.overflow:
+                rep.note_overflow(rec.node or rec.name, rec.overflow)
+            if rec.role == ROLE_INPUT:
+                return compare_input(rec)
             decision = p.aligner.match(rec.name)
             site = decision.site
             if site is None:
@@ -301,13 +314,55 @@ class JobRunner:
                 rep.skipped.append((site.tensor, "the reference run produced no value"))
                 done += 1
                 return False
+            submit(site, rec, ref)
+            return True
+
+        def submit(site: TensorSite, rec: NodeRecord, ref) -> None:
             while len(pending) >= limit:
                 ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                 for f in ready:
                     finished(f)
             tol = p.tolerances.for_node(site.node, site.tensor)
             fut = executor.submit(ref, rec.array, tol, p.diff_cnt, p.force_compare)
-            pending[fut] = (site, rec.name, rec.extra.get("buffer"))
+            pending[fut] = (site, rec, rec.extra.get("buffer"))
+
+        def compare_input(rec: NodeRecord) -> bool:
+            """Input k of a node against the reference tensor that node reads."""
+            nonlocal refs
+            node = rec.node or rec.name
+            decision = p.aligner.match(node)
+            if decision.site is None:
+                rep.invalid_out.append((f"{node} (input {rec.slot})", rec.message if rec.status != STATUS_OK
+                                        else "not a node of the reference model"))
+                return False
+            owner = decision.site
+            ins = p.reference.node_inputs.get(owner.node, [])
+            shown = f"{owner.node} (input {rec.slot})"
+            if rec.slot >= len(ins) or not ins[rec.slot]:
+                rep.invalid_out.append((shown, f"the reference node has {len(ins)} inputs"))
+                return False
+            site = TensorSite(ins[rec.slot], owner.node, owner.op_type, owner.order, rec.slot)
+            key = ("input", owner.node, rec.slot)
+            if key in seen_inputs:
+                rep.skipped.append((shown, "duplicate device input"))
+                return False
+            seen_inputs.add(key)
+            if rec.status != STATUS_OK:
+                rep.skipped.append((shown, f"device tensor unusable: {rec.message}"))
+                rep.log_splice_failure(rec)
+                return False
+            if decision.skip_reason:
+                rep.skipped.append((shown, decision.skip_reason))
+                return False
+            if refs is None:
+                refs = ref_future.result()
+            ref = refs.value_of(site.tensor)
+            if ref is None:
+                rep.skipped.append((shown, f"the reference value of {site.tensor!r} was already released: "
+                                           "give the job dump_mode input or all"))
+                return False
+            read_as_input.add(site.tensor)
+            submit(site, rec, ref)
             return True
 
         try:
@@ -332,7 +387,7 @@ class JobRunner:
             for f in ready:
                 finished(f)
         for s in p.reference.sites:
-            if s.tensor in seen:
+            if s.tensor in seen or s.tensor in read_as_input:
                 continue
             reason = p.aligner.skip_reason_for(s)
             if reason:
@@ -343,3 +398,7 @@ class JobRunner:
 
 class _Cancelled(Exception):
     pass
+
+
+def _shown(site: TensorSite, rec: NodeRecord) -> str:
+    return f"{site.node} (input {rec.slot})" if rec.role == ROLE_INPUT else site.tensor

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (TensorSite, check_inputs, consumer_map, estimate_output_bytes, expose_all_outputs,
@@ -25,6 +26,25 @@ class OnnxReference:
         self.model = load_model(model_bytes, name)
         self.sites: list[TensorSite] = tensor_sites(self.model)
         self.consumers = consumer_map(self.model)
+        # node name -> the tensors it reads, for comparing a node's inputs
+        self.node_inputs: dict[str, list[str]] = {}
+        for s in self.sites:
+            self.node_inputs.setdefault(s.node, list(self.model.graph.node[s.order].input))
+        self._constants = {i.name: i for i in self.model.graph.initializer}
+
+    def constant(self, tensor: str) -> np.ndarray | None:
+        """The value of an initializer (a weight), None for computed tensors."""
+        init = self._constants.get(tensor)
+        return None if init is None else numpy_helper.to_array(init)
+
+    def input_uses(self) -> dict[str, int]:
+        """How many node inputs read each computed tensor."""
+        uses: dict[str, int] = {}
+        for ins in self.node_inputs.values():
+            for t in ins:
+                if t and t not in self._constants:
+                    uses[t] = uses.get(t, 0) + 1
+        return uses
 
     def check_inputs(self, feeds: dict[str, np.ndarray], inputs_name: str) -> dict[str, np.ndarray]:
         return check_inputs(self.model, feeds, inputs_name)
@@ -72,15 +92,18 @@ class OnnxReference:
 
 class SegmentedReference:
     """Reference values computed one segment at a time, on demand; each value
-    is handed out once (``pop``) and then forgotten."""
+    is handed out as many times as it has uses (``pop``; once by default, more
+    where node inputs read it too) and then forgotten."""
 
-    def __init__(self, reference: OnnxReference, feeds: dict[str, np.ndarray], **limits) -> None:
+    def __init__(self, reference: OnnxReference, feeds: dict[str, np.ndarray], uses: dict[str, int] | None = None,
+                 **limits) -> None:
         self.reference = reference
         self.feeds = feeds
         self.segments = reference.plan(feeds, **limits)
         self.segment_of = {t: i for i, seg in enumerate(self.segments) for t in seg}
         self.computed = 0
         self.values: dict[str, np.ndarray] = {}
+        self.uses = dict(uses or {})
         self._lock = threading.Lock()
 
     def ensure(self, upto: int) -> "SegmentedReference":
@@ -95,4 +118,17 @@ class SegmentedReference:
         if i is None:
             return None
         self.ensure(i)
-        return self.values.pop(tensor, None)
+        with self._lock:
+            left = self.uses.pop(tensor, 1) - 1
+            if left > 0:
+                self.uses[tensor] = left
+                return self.values.get(tensor)
+            return self.values.pop(tensor, None)
+
+    def value_of(self, tensor: str) -> np.ndarray | None:
+        """Any tensor a node reads: a model input, a weight or a node output
+        (one use of it)."""
+        if tensor in self.feeds:
+            return np.asarray(self.feeds[tensor])
+        const = self.reference.constant(tensor)
+        return const if const is not None else self.pop(tensor)

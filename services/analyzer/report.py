@@ -5,7 +5,8 @@
 - ``{op_name}.csv``: for each failing node, its worst elements (at most
   ``diff_cnt``; index, std_value, npu_value, abs_diff, relative_diff);
 - ``compare_skip.log``, ``invalid_out_nodename.log``,
-  ``dump_memory_nodename.log``: a node and a reason per line;
+  ``dump_memory_nodename.log``, ``overflow_nodename.log``: a node and a
+  reason per line;
 - ``op_config.csv``: a template with every node and NA tolerances;
 - ``node_runtime.json``, ``consumer_map.json``: node order and graph edges;
 - ``summary.json``: everything a machine needs (first failing node, counts,
@@ -30,7 +31,7 @@ SEED_COLUMNS = ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_di
 EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", "atol", "rtol",
                  "max_abs_diff", "mean_abs_diff", "cosine", "mse", "rmse", "pearson", "sqnr_db", "rel_euclidean",
                  "kl_div", "rel_err_lt_0.001", "rel_err_lt_0.005", "ref_nan", "ref_inf", "npu_nan", "npu_inf",
-                 "fp16_overflow", "npu_fp16_overflow", "note"]
+                 "fp16_overflow", "npu_fp16_overflow", "note", "role", "overflow"]
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
 CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 
@@ -45,13 +46,25 @@ def g6(v: float) -> str:
 
 @dataclass
 class Row:
+    """One comparison: a node output, or (role "input") the tensor a node
+    read, in which case ``site.output_index`` is the input index."""
     site: TensorSite
     device_name: str
     outcome: NodeOutcome
+    role: str = "output"
+    overflow: str = ""
 
     @property
     def failed(self) -> bool:
         return not self.outcome.metrics.passed
+
+    @property
+    def is_input(self) -> bool:
+        return self.role == "input"
+
+    @property
+    def label(self) -> str:
+        return f"{self.site.node}.input.{self.site.output_index}" if self.is_input else self.site.tensor
 
     @property
     def is_constant(self) -> bool:
@@ -67,6 +80,10 @@ class JobReport:
     device_names: list[str] = field(default_factory=list)
     check_skip: list[tuple[str, str]] = field(default_factory=list)     # tiled slices that failed validation
     concat_skip: list[tuple[str, str]] = field(default_factory=list)    # slices that did not splice
+    overflow: dict[str, str] = field(default_factory=dict)              # node -> why the device flagged it
+
+    def note_overflow(self, node: str, why: str) -> None:
+        self.overflow.setdefault(node, why)
 
     def log_splice_failure(self, rec) -> None:
         if rec.status == STATUS_CHECK_SKIP:
@@ -75,21 +92,24 @@ class JobReport:
             self.concat_skip.append((rec.name, rec.message))
 
     def ordered(self) -> list[Row]:
-        return sorted(self.rows, key=lambda r: (r.site.order, r.site.output_index))
+        # a node's inputs come before its outputs, as it reads them first
+        return sorted(self.rows, key=lambda r: (r.site.order, not r.is_input, r.site.output_index))
 
     def first_failing(self) -> Row | None:
         """The first failing computation in execution order. Constants are
         parameters, not computations: a constant that differs (a weight that
-        overflows FP16, a quantized weight) is reported on its own."""
-        return next((r for r in self.ordered() if r.failed and not r.is_constant), None)
+        overflows FP16, a quantized weight) is reported on its own, and so
+        are node inputs, which a node inherits rather than computes."""
+        return next((r for r in self.ordered() if r.failed and not r.is_constant and not r.is_input), None)
 
 
 def _seed_cells(r: Row) -> list[str]:
     m = r.outcome.metrics
     idx = "(" + ",".join(str(i) for i in m.first_mismatch_index) + ")"
     shape = "(" + ",".join(str(i) for i in m.shape) + ")"
+    name = f"{r.site.node}.input.{r.site.output_index}" if r.is_input else r.site.node
     return [
-        f"{r.site.node}(atol={m.atol:g},rtol={m.rtol:g})",
+        f"{name}(atol={m.atol:g},rtol={m.rtol:g})",
         f"{m.dev_nan}/{m.dev_inf}",
         f"{m.errors}/{m.total}",
         f"{m.first_mismatch_offset}/{idx}/{shape}",
@@ -105,7 +125,7 @@ def _extra_cells(i: int, r: Row) -> list[str]:
             g6(m.atol), g6(m.rtol), g6(m.max_abs_diff), g6(m.mean_abs_diff), g6(m.cosine), g6(m.mse), g6(m.rmse),
             g6(m.pearson), g6(m.sqnr_db), g6(m.rel_euclidean), g6(m.kl_div), g6(m.rel_err_lt_0_001),
             g6(m.rel_err_lt_0_005), str(m.ref_nan), str(m.ref_inf), str(m.dev_nan), str(m.dev_inf),
-            str(m.fp16_overflow), str(m.dev_fp16_overflow), r.outcome.note]
+            str(m.fp16_overflow), str(m.dev_fp16_overflow), r.outcome.note, r.role, r.overflow]
 
 
 def _json_num(v):
@@ -117,7 +137,10 @@ def _json_num(v):
 def node_summary(r: Row) -> dict:
     d = {k: _json_num(v) for k, v in r.outcome.metrics.as_dict().items()}
     d.update(node=r.site.node, tensor=r.site.tensor, op_type=r.site.op_type, order=r.site.order,
-             device_name=r.device_name, passed=not r.failed, constant=r.is_constant, note=r.outcome.note)
+             device_name=r.device_name, passed=not r.failed, constant=r.is_constant, note=r.outcome.note,
+             role=r.role, overflow=r.overflow or None)
+    if r.is_input:
+        d["input_index"] = r.site.output_index
     return d
 
 
@@ -135,8 +158,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     for r in rows:
         if not r.failed:
             continue
-        fname = safe_filename(r.site.tensor if r.site.output_index else r.site.node, taken) + ".csv"
-        detail_files[r.site.tensor] = fname
+        fname = safe_filename(r.label if r.is_input or r.site.output_index else r.site.node, taken) + ".csv"
+        detail_files[r.label] = fname
         with open(out / fname, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
             w.writerow(DETAIL_COLUMNS)
@@ -147,6 +170,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
     _write_log(out / "check_skip.log", rep.check_skip)
     _write_log(out / "concate_skip.log", rep.concat_skip)
+    _write_log(out / "overflow_nodename.log", list(rep.overflow.items()))
     (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
                                                   encoding="utf-8")
     with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:
@@ -161,7 +185,9 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     (out / "consumer_map.json").write_text(json.dumps(consumers, indent=1), encoding="utf-8")
 
     first = rep.first_failing()
-    failed = [r for r in rows if r.failed]
+    inputs = [r for r in rows if r.is_input]
+    rows_out = [r for r in rows if not r.is_input]
+    failed = [r for r in rows_out if r.failed]
     failed_constants = [r for r in failed if r.is_constant]
     summary = {
         "tool": "layerdiff",
@@ -171,10 +197,13 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "first_failing_node": node_summary(first) if first else None,
         "counts": {
             "reference_tensors": len(all_sites),
-            "compared": len(rows),
+            "compared": len(rows_out),
             "failed": len(failed) - len(failed_constants),
             "failed_constants": len(failed_constants),
-            "passed": len(rows) - len(failed),
+            "passed": len(rows_out) - len(failed),
+            "inputs_compared": len(inputs),
+            "inputs_failed": sum(r.failed for r in inputs),
+            "overflowing_nodes": len(rep.overflow),
             "skipped": len(rep.skipped),
             "not_dumped": len(rep.not_dumped),
             "invalid_out": len(rep.invalid_out),
@@ -182,6 +211,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         },
         "failing_nodes": [r.site.tensor for r in failed if not r.is_constant],
         "failing_constants": [node_summary(r) for r in failed_constants],
+        "failing_inputs": [r.label for r in inputs if r.failed],
+        "overflow_nodes": [{"node": n, "why": why} for n, why in rep.overflow.items()],
         "detail_files": detail_files,
         "nodes": [node_summary(r) for r in rows],
     }

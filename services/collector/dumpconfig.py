@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerdiff.collector.live import check_dump_mode
 from layerdiff.errors import LayerdiffError
+from layerdiff.schema import check_dump_mode
 
 _KNOWN = {"dump_path", "dump_list", "dump_mode", "dump_op_switch", "dump_debug"}
 

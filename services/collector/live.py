@@ -26,7 +26,7 @@ from layerdiff.collector.devices import resolve_provider
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (check_inputs, estimate_output_bytes, expose_only, load_model, plan_segments,
                                  tensor_sites)
-from layerdiff.schema import ROLE_INPUT, NodeRecord
+from layerdiff.schema import ROLE_INPUT, NodeRecord, check_dump_mode
 
 log = logging.getLogger(__name__)
 
@@ -219,16 +219,6 @@ class LiveRunner:
                 rec.overflow = (f"floating-point overflow: {bad} of {arr.size} values are Inf/NaN while every "
                                 f"input of the node is finite")
             yield rec
-
-
-DUMP_MODES = ("output", "input", "all")
-
-
-def check_dump_mode(mode: str) -> str:
-    mode = (mode or "output").lower()
-    if mode not in DUMP_MODES:
-        raise LayerdiffError(f"unknown dump_mode {mode!r} (one of {', '.join(DUMP_MODES)})", field="dump_mode")
-    return mode
 
 
 def _all_finite(arr: np.ndarray) -> bool:

@@ -75,7 +75,7 @@ class CollectorFlight(flight.FlightServerBase):
                                 model_name=self.store.name(live.model_artifact),
                                 device_model_name=self.store.name(live.device_model_artifact)
                                 if live.device_model_artifact else "device.onnx")
-            return runner.records()
+            return runner.records(live.dump_mode or "output")
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
 
     def do_get(self, context, ticket):

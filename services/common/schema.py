@@ -49,6 +49,15 @@ STATUS_CONCAT_SKIP = "concat_skip" # the slices do not splice into one tensor (c
 
 ROLE_OUTPUT = "output"
 ROLE_INPUT = "input"
+# Which tensors of each node a capture carries (the runtime's dump_mode).
+DUMP_MODES = ("output", "input", "all")
+
+
+def check_dump_mode(mode: str) -> str:
+    mode = (mode or "output").lower()
+    if mode not in DUMP_MODES:
+        raise LayerdiffError(f"unknown dump_mode {mode!r} (one of {', '.join(DUMP_MODES)})", field="dump_mode")
+    return mode
 
 # Only plain numeric dtypes ever cross the wire (no object arrays, no pickles).
 ALLOWED_DTYPES = frozenset({
