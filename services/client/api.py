@@ -156,7 +156,7 @@ def _progress_bar(enabled):
 
 def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: str = "fp32",
         device_model=None, dump: str | None = None, dump_format: str = "", default_concat_dim: int = 0,
-        watch: bool = False,
+        watch: bool = False, dump_mode: str = "output",
         analyzer: str | None = None,
         collector: str | None = None,
         atol: float | None = None, rtol: float | None = None, diff_cnt: int | None = None, op_config=None,
@@ -196,7 +196,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
             inputs_artifact=client.upload(inputs_data, inputs_name),
             device_model_artifact=client.upload(device_model_bytes, device_model_name) if device_model_bytes else "",
             collector=collector, device=device, precision=precision, dump_path=dump or "", dump_format=dump_format,
-            default_concat_dim=default_concat_dim, watch=watch, options=options,
+            default_concat_dim=default_concat_dim, watch=watch, dump_mode=dump_mode or "output", options=options,
             model_name=model_name)
         try:
             job_id = client.submit(spec)
@@ -253,7 +253,12 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
         overflow = f", {k['fp16_overflow']} beyond the FP16 range" if k.get("fp16_overflow") else ""
         lines.append(f"constants (weights) that differ on the device: {len(constants)}, first {k['node']} "
                      f"(tensor {k['tensor']}): {k['errors']}/{k['total']} outside tolerance{overflow}")
-    failing = [n for n in summary.get("nodes", []) if not n["passed"] and not n.get("constant")]
+    if c.get("inputs_compared"):
+        lines.append(f"node inputs: {c['inputs_compared']} compared, {c['inputs_failed']} failed")
+    for o in (summary.get("overflow_nodes") or [])[:top]:
+        lines.append(f"OVERFLOW flagged by the device at {o['node']}: {o['why']}")
+    failing = [n for n in summary.get("nodes", []) if not n["passed"] and not n.get("constant")
+               and n.get("role") != "input"]
     if failing:
         lines.append(f"first {min(top, len(failing))} failing nodes in execution order:")
         lines.append(f"  {'#':>5}  {'node':40.40}  {'op':14.14}  {'errors/total':>16}  {'max_abs_err':>11}  "

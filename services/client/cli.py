@@ -27,8 +27,11 @@ def _add_run(sub) -> None:
     p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
     p.add_argument("--device-model", help="a second ONNX file (optimized/quantized/converted export) run as device")
     p.add_argument("--dump", help="read this dump directory on the collector host instead of a live run")
-    p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin", "h5"],
-                   help="the dump's format (default: per manifest entry or file extension)")
+    p.add_argument("--dump-format", "--dump_format", default="",
+                   choices=["", "npy", "npz", "onnx", "bin", "h5", "ascend"],
+                   help="the dump's format (default: detected, per manifest entry or file extension)")
+    p.add_argument("--dump-mode", "--dump_mode", default="output", choices=["output", "input", "all"],
+                   help="node tensors to compare: outputs, the inputs each node read, or both (default output)")
     p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
                    help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1 (default 0)")
     p.add_argument("--watch", action="store_true",
@@ -57,6 +60,7 @@ def _cmd_run(a) -> int:
 
     result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,
                  dump=a.dump, dump_format=a.dump_format, default_concat_dim=a.default_concat_dim, watch=a.watch,
+                 dump_mode=a.dump_mode,
                  analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
                  diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict, skip_keys=a.skip_keys,
                  exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
@@ -103,7 +107,8 @@ def _add_convert(sub) -> None:
     p.add_argument("dump", help="dump directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--txt", action="store_true", help="also write each tensor flattened as text")
-    p.add_argument("--dump-format", "--dump_format", default="", choices=["", "npy", "npz", "onnx", "bin", "h5"])
+    p.add_argument("--dump-format", "--dump_format", default="",
+                   choices=["", "npy", "npz", "onnx", "bin", "h5", "ascend"])
     p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
                    help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1")
     p.set_defaults(func=_cmd_convert)

@@ -262,7 +262,10 @@ def records(root: Path, files: list[Path], max_bytes: int = DEFAULT_MAX_TENSOR_B
         shown = str(p.relative_to(root))
         try:
             header, tensors = read_dump_file(p, max_bytes, shown)
-            node = check_name(header.op_name or name.op_name)
+            try:
+                node = check_name(header.op_name or name.op_name)
+            except LayerdiffError as e:
+                raise LayerdiffError(str(e), file=shown, field="op_name") from None
         except LayerdiffError as e:
             yield NodeRecord.error(name.op_name, str(e), name.op_type, order)
             order += 1

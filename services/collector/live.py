@@ -24,8 +24,8 @@ from onnx import numpy_helper
 
 from layerdiff.collector.devices import resolve_provider
 from layerdiff.errors import LayerdiffError
-from layerdiff.onnxgraph import (check_inputs, estimate_output_bytes, expose_only, load_model, plan_segments,
-                                 tensor_sites)
+from layerdiff.onnxgraph import (TensorSite, check_inputs, estimate_output_bytes, expose_only, load_model,
+                                 plan_segments, tensor_sites)
 from layerdiff.schema import ROLE_INPUT, NodeRecord, check_dump_mode
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ class LiveRunner:
             self.original: set[str] | None = None     # send everything the device model has
             self.view: dict[str, str] = dequantized_views(self.model)
         else:
-            self.original = {s.tensor for s in tensor_sites(ref)}
+            self.original_sites = {s.tensor: s for s in tensor_sites(ref)}
+            self.original = set(self.original_sites)
             if precision == "fp16":
                 self.model = to_fp16(ref)
             elif precision == "int8":
@@ -120,6 +121,18 @@ class LiveRunner:
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the device model: {e}", field="device_model") from e
 
+    def _as_original(self, site: TensorSite) -> TensorSite:
+        """A converted model can hand an original tensor to a node of its own
+        (FP16 conversion casts graph outputs back to FP32): attribute it to
+        the original node, which the converted graph still holds."""
+        orig = self.original_sites[site.tensor]
+        if orig.node == site.node:
+            return site
+        index = next((i for i, n in enumerate(self.model.graph.node) if n.name == orig.node), None)
+        if index is None:
+            return site
+        return TensorSite(site.tensor, orig.node, orig.op_type, index, orig.output_index)
+
     def records(self, dump_mode: str = "output", nodes: set[str] | None = None) -> Iterator[NodeRecord]:
         """Every node's outputs (``dump_mode`` "output"), inputs ("input") or
         both ("all", inputs first), in execution order, for every node or the
@@ -133,7 +146,7 @@ class LiveRunner:
         graph = self.model.graph
         sites = tensor_sites(self.model)
         if self.original is not None:
-            sites = [s for s in sites if s.tensor in self.original]
+            sites = [self._as_original(s) for s in sites if s.tensor in self.original]
         if nodes is not None:
             sites = [s for s in sites if s.node in nodes or s.tensor in nodes]
         source = {s.tensor: self.view.get(s.tensor, s.tensor) for s in sites}
