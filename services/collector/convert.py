@@ -12,7 +12,7 @@ import numpy as np
 
 from layerdiff.collector.dumpdir import MANIFEST, DumpDirectory
 from layerdiff.names import safe_filename
-from layerdiff.schema import STATUS_OK
+from layerdiff.schema import ROLE_INPUT, STATUS_OK
 
 
 def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = "", default_concat_dim: int = 0) -> dict:
@@ -24,10 +24,18 @@ def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = 
         if rec.status != STATUS_OK or rec.array is None:
             skipped.append((rec.name, rec.message))
             continue
-        stem = safe_filename(rec.name, taken)
+        # the vendor's converter names a node's tensors {op}.input.N / {op}.output.N
+        stem = safe_filename(f"{rec.node or rec.name}.input.{rec.slot}" if rec.role == ROLE_INPUT else rec.name,
+                             taken)
         np.save(out / f"{stem}.npy", rec.array, allow_pickle=False)
         side = {"name": rec.name, "op_type": rec.op_type, "order": rec.order, "dtype": rec.array.dtype.name,
                 "shape": list(rec.array.shape), "file": f"{stem}.npy"}
+        if rec.role == ROLE_INPUT:
+            side.update(role=ROLE_INPUT, slot=rec.slot, node=rec.node or rec.name)
+        elif rec.node and rec.node != rec.name:
+            side.update(node=rec.node, slot=rec.slot)
+        if rec.overflow:
+            side["overflow"] = rec.overflow
         (out / f"{stem}.json").write_text(json.dumps(side), encoding="utf-8")
         if txt:
             np.savetxt(out / f"{stem}.txt", rec.array.reshape(-1), fmt="%.9g" if rec.array.dtype.kind == "f" else "%d")
