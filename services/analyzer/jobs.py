@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.compare import SkipNode
+from layerdiff.analyzer.diagnose import NodeExaminer
 from layerdiff.analyzer.pool import LocalPool
 from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
 from layerdiff.analyzer.report import JobReport, Row, write_report
@@ -75,6 +76,10 @@ class Prepared:
     diff_cnt: int
     max_cores: int
     force_compare: bool
+    quantized: bool = False
+
+    def examiner(self) -> NodeExaminer:
+        return NodeExaminer(self.reference, self.feeds, self.quantized)
 
 
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
@@ -100,8 +105,22 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     if o.max_cores < 0:
         raise LayerdiffError("must be >= 0", field="max_cores")
     check_dump_mode(spec.dump_mode)
+    quantized = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
+        store.read(spec.device_model_artifact, "device_model_artifact")))
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
-                    o.force_compare)
+                    o.force_compare, quantized)
+
+
+def _is_quantized(model_bytes: bytes) -> bool:
+    """A fixed-point build: the device model quantizes somewhere."""
+    import onnx
+
+    try:
+        model = onnx.load_model_from_string(model_bytes)
+    except Exception:
+        return False
+    return any(n.op_type in ("QuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
+               for n in model.graph.node)
 
 
 class JobRunner:
@@ -245,7 +264,7 @@ class JobRunner:
         }
         return write_report(job.report_dir, rep, parameters=parameters, job=job_info,
                             node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
-                            all_sites=p.reference.sites)
+                            all_sites=p.reference.sites, node_inputs=p.reference.node_inputs)
 
     def _consume(self, job: Job, p: Prepared, call, ref_future: Future, executor, rep: JobReport,
                  total: int) -> None:
@@ -255,22 +274,44 @@ class JobRunner:
         seen: set[str] = set()
         seen_inputs: set[tuple] = set()
         read_as_input: set[str] = set()
-        pending: dict[Future, tuple[TensorSite, NodeRecord, object]] = {}
+        pending: dict[Future, tuple] = {}
         done = 0
         limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
+        examiner = p.examiner()
+        # A receive buffer goes back to the pool only when neither a pending
+        # comparison nor the examiner (device values kept for isolated
+        # re-runs) still reads it.
+        cached: set[int] = set()
+        in_flight: dict[int, int] = {}
+
+        def recycle(buf) -> None:
+            if buf is not None and id(buf) not in cached and not in_flight.get(id(buf)):
+                buffers.give(buf)
+
+        def uncache(bufs) -> None:
+            for b in bufs:
+                cached.discard(id(b))
+                recycle(b)
 
         def finished(fut: Future) -> None:
             nonlocal done
-            site, rec, buffer = pending.pop(fut)
-            buffers.give(buffer)
+            site, rec, buffer, ref, tol = pending.pop(fut)
+            in_flight[id(buffer)] -= 1
             try:
                 outcome = fut.result()
             except SkipNode as e:
                 rep.skipped.append((_shown(site, rec), str(e)))
                 passed = True
             else:
-                rep.rows.append(Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow))
+                row = Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow,
+                          constants_read=p.reference.constants_read(site.node))
+                if not outcome.metrics.passed and rec.role != ROLE_INPUT:
+                    examiner.examine(row, ref, rec.array, tol, p.force_compare)
+                rep.rows.append(row)
                 passed = outcome.metrics.passed
+            if rec.role != ROLE_INPUT:
+                uncache(examiner.output_done(site.node))
+            recycle(buffer)
             if rec.role == ROLE_INPUT:
                 return   # progress counts node outputs
             done += 1
@@ -278,7 +319,7 @@ class JobRunner:
 
         def handle(rec: NodeRecord) -> None:
             if not compare_later(rec):
-                buffers.give(rec.extra.get("buffer"))
+                recycle(rec.extra.get("buffer"))
 
         def compare_later(rec: NodeRecord) -> bool:
             nonlocal refs, done
@@ -314,6 +355,9 @@ class JobRunner:
                 rep.skipped.append((site.tensor, "the reference run produced no value"))
                 done += 1
                 return False
+            examiner.note_range(site.tensor, ref)
+            if examiner.keep_output(site.tensor, rec.array, rec.extra.get("buffer")):
+                cached.add(id(rec.extra.get("buffer")))
             submit(site, rec, ref)
             return True
 
@@ -324,7 +368,9 @@ class JobRunner:
                     finished(f)
             tol = p.tolerances.for_node(site.node, site.tensor)
             fut = executor.submit(ref, rec.array, tol, p.diff_cnt, p.force_compare)
-            pending[fut] = (site, rec, rec.extra.get("buffer"))
+            buf = rec.extra.get("buffer")
+            in_flight[id(buf)] = in_flight.get(id(buf), 0) + 1
+            pending[fut] = (site, rec, buf, ref, tol)
 
         def compare_input(rec: NodeRecord) -> bool:
             """Input k of a node against the reference tensor that node reads."""
@@ -362,6 +408,8 @@ class JobRunner:
                                            "give the job dump_mode input or all"))
                 return False
             read_as_input.add(site.tensor)
+            if examiner.keep_input(owner.node, rec.slot, rec.array, rec.extra.get("buffer")):
+                cached.add(id(rec.extra.get("buffer")))
             submit(site, rec, ref)
             return True
 
@@ -386,6 +434,9 @@ class JobRunner:
             ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
             for f in ready:
                 finished(f)
+        uncache(examiner.release())
+        rep.input_ranges = examiner.input_ranges
+        rep.quantized = examiner.quantized
         for s in p.reference.sites:
             if s.tensor in seen or s.tensor in read_as_input:
                 continue

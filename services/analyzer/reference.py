@@ -37,6 +37,10 @@ class OnnxReference:
         init = self._constants.get(tensor)
         return None if init is None else numpy_helper.to_array(init)
 
+    def constants_read(self, node: str) -> frozenset:
+        """The weights (initializers) a node reads."""
+        return frozenset(t for t in self.node_inputs.get(node, []) if t in self._constants)
+
     def input_uses(self) -> dict[str, int]:
         """How many node inputs read each computed tensor."""
         uses: dict[str, int] = {}

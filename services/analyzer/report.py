@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerdiff import __version__
+from layerdiff.analyzer import diagnose
 from layerdiff.analyzer.compare import NodeOutcome
 from layerdiff.names import safe_filename
 from layerdiff.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
@@ -31,7 +32,7 @@ SEED_COLUMNS = ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_di
 EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", "atol", "rtol",
                  "max_abs_diff", "mean_abs_diff", "cosine", "mse", "rmse", "pearson", "sqnr_db", "rel_euclidean",
                  "kl_div", "rel_err_lt_0.001", "rel_err_lt_0.005", "ref_nan", "ref_inf", "npu_nan", "npu_inf",
-                 "fp16_overflow", "npu_fp16_overflow", "note", "role", "overflow"]
+                 "fp16_overflow", "npu_fp16_overflow", "note", "role", "overflow", "verdict", "cause", "evidence"]
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
 CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 
@@ -53,6 +54,13 @@ class Row:
     outcome: NodeOutcome
     role: str = "output"
     overflow: str = ""
+    # evidence gathered while the tensors were at hand (failing nodes only)
+    isolated: object = None          # metrics of the device against the node re-run alone on its device inputs
+    isolation_note: str = ""         # why there is no isolated re-run
+    layout: str = ""
+    uneven: str = ""
+    constants_read: frozenset = frozenset()
+    finding: object = None           # diagnose.Finding, set when the report is written
 
     @property
     def failed(self) -> bool:
@@ -81,6 +89,8 @@ class JobReport:
     check_skip: list[tuple[str, str]] = field(default_factory=list)     # tiled slices that failed validation
     concat_skip: list[tuple[str, str]] = field(default_factory=list)    # slices that did not splice
     overflow: dict[str, str] = field(default_factory=dict)              # node -> why the device flagged it
+    input_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # reference min/max of op inputs
+    quantized: bool = False
 
     def note_overflow(self, node: str, why: str) -> None:
         self.overflow.setdefault(node, why)
@@ -125,7 +135,9 @@ def _extra_cells(i: int, r: Row) -> list[str]:
             g6(m.atol), g6(m.rtol), g6(m.max_abs_diff), g6(m.mean_abs_diff), g6(m.cosine), g6(m.mse), g6(m.rmse),
             g6(m.pearson), g6(m.sqnr_db), g6(m.rel_euclidean), g6(m.kl_div), g6(m.rel_err_lt_0_001),
             g6(m.rel_err_lt_0_005), str(m.ref_nan), str(m.ref_inf), str(m.dev_nan), str(m.dev_inf),
-            str(m.fp16_overflow), str(m.dev_fp16_overflow), r.outcome.note, r.role, r.overflow]
+            str(m.fp16_overflow), str(m.dev_fp16_overflow), r.outcome.note, r.role, r.overflow,
+            r.finding.verdict if r.finding else "", r.finding.cause if r.finding else "",
+            " | ".join(r.finding.evidence) if r.finding else ""]
 
 
 def _json_num(v):
@@ -141,13 +153,37 @@ def node_summary(r: Row) -> dict:
              role=r.role, overflow=r.overflow or None)
     if r.is_input:
         d["input_index"] = r.site.output_index
+    d.update(verdict=r.finding.verdict if r.finding else None, cause=r.finding.cause if r.finding else "",
+             evidence=list(r.finding.evidence) if r.finding else [])
+    if r.isolated is not None:
+        d["isolated"] = {k: _json_num(getattr(r.isolated, k)) for k in ("errors", "total", "cosine",
+                                                                          "mean_rel_err", "max_abs_diff")}
     return d
 
 
+def _read_rows(rows: list[Row], node_inputs: dict[str, list[str]]) -> dict[str, list[Row]]:
+    """node -> the rows of what it read: its own input rows where the device
+    sent them, else the output rows of the tensors it reads."""
+    by_tensor = {r.site.tensor: r for r in rows if not r.is_input}
+    own: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.is_input:
+            own.setdefault(r.site.node, []).append(r)
+    out = {}
+    for node, ins in node_inputs.items():
+        out[node] = own.get(node) or [by_tensor[t] for t in ins if t in by_tensor]
+    return out
+
+
 def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node_runtime: list[dict],
-                 consumers: dict[str, list[str]], all_sites: list[TensorSite]) -> dict:
+                 consumers: dict[str, list[str]], all_sites: list[TensorSite],
+                 node_inputs: dict[str, list[str]] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows = rep.ordered()
+    findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}))
+    for r in rows:
+        r.finding = findings.get(id(r))
+    nan_overflow = diagnose.nan_and_overflow(rows)
     taken: set[str] = set()
     detail_files: dict[str, str] = {}
     with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
@@ -185,6 +221,11 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     (out / "consumer_map.json").write_text(json.dumps(consumers, indent=1), encoding="utf-8")
 
     first = rep.first_failing()
+    first_comp = next((r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION), None)
+    diagnosis = {"headline": diagnose.headline(first_comp, first, nan_overflow), **nan_overflow}
+    verdicts = [{"node": r.site.node, "tensor": r.site.tensor, "op_type": r.site.op_type, "order": r.site.order,
+                 "verdict": r.finding.verdict, "cause": r.finding.cause, "evidence": list(r.finding.evidence)}
+                for r in rows if r.finding]
     inputs = [r for r in rows if r.is_input]
     rows_out = [r for r in rows if not r.is_input]
     failed = [r for r in rows_out if r.failed]
@@ -194,6 +235,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "version": __version__,
         **job,
         "parameters": parameters,
+        "diagnosis": diagnosis,
+        "first_computation_error": node_summary(first_comp) if first_comp else None,
         "first_failing_node": node_summary(first) if first else None,
         "counts": {
             "reference_tensors": len(all_sites),
@@ -213,6 +256,9 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "failing_constants": [node_summary(r) for r in failed_constants],
         "failing_inputs": [r.label for r in inputs if r.failed],
         "overflow_nodes": [{"node": n, "why": why} for n, why in rep.overflow.items()],
+        "verdicts": verdicts,
+        "quantization": diagnose.quantization_advice(all_sites, node_inputs or {}, rows, rep.input_ranges,
+                                                     rep.quantized),
         "detail_files": detail_files,
         "nodes": [node_summary(r) for r in rows],
     }

@@ -233,6 +233,16 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     """Human summary; the first failing node comes first."""
     c = summary["counts"]
     lines = []
+    diagnosis = summary.get("diagnosis") or {}
+    if diagnosis.get("headline"):
+        lines.append(f"VERDICT: {diagnosis['headline']}")
+    comp = summary.get("first_computation_error")
+    if comp:
+        lines.append(f"FIRST COMPUTATION ERROR: {comp['node']} ({comp['op_type']}, execution #{comp['order']}): "
+                     + "; ".join(comp.get("evidence") or []))
+    for key in ("nan", "overflow"):
+        if diagnosis.get(key):
+            lines.append(f"{key.upper()}: {diagnosis[key]['text']}")
     first = summary.get("first_failing_node")
     if first:
         lines.append(f"FIRST FAILING NODE: {first['node']} ({first['op_type']}, execution #{first['order']}, "
@@ -262,11 +272,11 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     if failing:
         lines.append(f"first {min(top, len(failing))} failing nodes in execution order:")
         lines.append(f"  {'#':>5}  {'node':40.40}  {'op':14.14}  {'errors/total':>16}  {'max_abs_err':>11}  "
-                     f"{'cosine':>9}")
+                     f"{'cosine':>9}  verdict")
         for n in failing[:top]:
             lines.append(f"  {n['order']:>5}  {n['node']:40.40}  {n['op_type']:14.14}  "
                          f"{str(n['errors']) + '/' + str(n['total']):>16}  {_f(n['max_abs_err']):>11}  "
-                         f"{_f(n['cosine']):>9}")
+                         f"{_f(n['cosine']):>9}  {n.get('verdict') or ''}")
     lines.append(f"reports: {out}")
     return "\n".join(lines)
 

@@ -1,0 +1,487 @@
+"""Why a node fails: a verdict for every failing node, with its evidence.
+
+- **computation error**: the node itself computes wrongly on the device (a
+  broken kernel, a wrong weight, a layout mix-up, an overflow).
+- **accumulated precision error**: the node computes faithfully; the error
+  came in through its inputs (reduced precision compounding along the graph).
+
+The strongest evidence is the *isolated* error: the reference node re-run
+alone (FP32 CPU, reference weights) on the device's own inputs for it (from an
+``input``/``all`` dump, or the device outputs of its producers). If the
+device output agrees with that, the node did its job and inherited the error;
+if not, the node's own computation is wrong. Without the device inputs the
+vendor's rules decide: mean relative error jumping from < 0.1 on its inputs
+to > 1 on its output; Pearson falling from > 0.9 to < 0.1; an error
+concentrated on part of an axis; every input within tolerance while the
+output is not.
+
+NaN and Inf get their own reasoning: NaN on both sides is a model or input
+problem (named where the reference first has it); NaN/Inf on the device only
+is an FP16 overflow, named at the first node whose reference leaves the FP16
+range (|x| > 65504).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from layerdiff.analyzer import metrics as M
+
+COMPUTATION = "computation error"
+ACCUMULATED = "accumulated precision error"
+FP16_MAX = 65504.0
+# Advice for fixed-point builds (the vendor's rules of thumb).
+QUANT_RANGE_LIMIT = 30.0
+QUANT_RMSE_LIMIT = 0.5
+QUANT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "QLinearConv", "ConvInteger"})
+
+
+# --------------------------------------------------------------- isolation
+
+class DeviceValues:
+    """Device tensors kept for the isolated re-run of failing nodes: a node
+    output until every node that reads it has been compared, a node input
+    until its node has. Bounded: past ``cap_bytes`` nothing more is kept and
+    the nodes concerned fall back to the vendor's rules."""
+
+    def __init__(self, node_inputs: dict[str, list[str]], cap_bytes: int = 1 << 30) -> None:
+        self.node_inputs = node_inputs
+        self.readers: dict[str, int] = {}
+        for ins in node_inputs.values():
+            for t in set(ins):
+                if t:
+                    self.readers[t] = self.readers.get(t, 0) + 1
+        self.cap = cap_bytes
+        self.used = 0
+        self.outputs: dict[str, tuple[np.ndarray, object]] = {}
+        self.inputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
+
+    def _fits(self, arr: np.ndarray) -> bool:
+        if self.used + arr.nbytes > self.cap:
+            return False
+        self.used += arr.nbytes
+        return True
+
+    def keep_output(self, tensor: str, arr: np.ndarray, buffer: object) -> bool:
+        """True when kept (the caller must not recycle the buffer)."""
+        if self.readers.get(tensor, 0) <= 0 or tensor in self.outputs or not self._fits(arr):
+            return False
+        self.outputs[tensor] = (arr, buffer)
+        return True
+
+    def keep_input(self, node: str, slot: int, arr: np.ndarray, buffer: object) -> bool:
+        if (node, slot) in self.inputs or not self._fits(arr):
+            return False
+        self.inputs[(node, slot)] = (arr, buffer)
+        return True
+
+    def inputs_of(self, node: str) -> dict[int, np.ndarray]:
+        """slot -> device value, for every slot whose value is known."""
+        out = {}
+        for k, t in enumerate(self.node_inputs.get(node, [])):
+            if (node, k) in self.inputs:
+                out[k] = self.inputs[(node, k)][0]
+            elif t in self.outputs:
+                out[k] = self.outputs[t][0]
+        return out
+
+    def node_done(self, node: str) -> list:
+        """The node has been compared: forget what only it needed; returns
+        the buffers to recycle."""
+        freed = []
+        for k, t in enumerate(self.node_inputs.get(node, [])):
+            held = self.inputs.pop((node, k), None)
+            if held is not None:
+                self.used -= held[0].nbytes
+                freed.append(held[1])
+        for t in set(self.node_inputs.get(node, [])):
+            if not t or t not in self.readers:
+                continue
+            self.readers[t] -= 1
+            if self.readers[t] <= 0:
+                held = self.outputs.pop(t, None)
+                if held is not None:
+                    self.used -= held[0].nbytes
+                    freed.append(held[1])
+        return freed
+
+    def release(self) -> list:
+        freed = [b for _, b in self.outputs.values()] + [b for _, b in self.inputs.values()]
+        self.outputs.clear()
+        self.inputs.clear()
+        self.used = 0
+        return freed
+
+
+class IsolationUnavailable(Exception):
+    pass
+
+
+def run_isolated(model: onnx.ModelProto, node_index: int, device_inputs: dict[int, np.ndarray],
+                 feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Outputs of reference node ``node_index`` computed alone in FP32 on the
+    CPU, reading the device's values for its activations and the reference's
+    own weights (so a wrong device weight shows as the node's own error)."""
+    node = model.graph.node[node_index]
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        raise IsolationUnavailable("the node holds subgraphs")
+    inits = {i.name: i for i in model.graph.initializer}
+    graph_inputs, values, used_inits = [], {}, []
+    for k, t in enumerate(node.input):
+        if not t:
+            continue
+        if t in inits:
+            if t not in {i.name for i in used_inits}:
+                used_inits.append(inits[t])
+            continue
+        if t in values:
+            continue
+        v = feeds.get(t) if t in feeds else device_inputs.get(k)
+        if v is None:
+            raise IsolationUnavailable(f"the device value of input {k} ({t!r}) is not available")
+        v = np.asarray(v)
+        if v.dtype == np.float16:      # the reference computes in FP32
+            v = v.astype(np.float32)
+        values[t] = v
+        graph_inputs.append(onnx.helper.make_tensor_value_info(
+            t, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
+    outputs = [onnx.ValueInfoProto(name=o) for o in node.output if o]
+    graph = onnx.helper.make_graph([node], "isolated", graph_inputs, outputs, initializer=used_inits)
+    m = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
+    m.ir_version = model.ir_version
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    try:
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return [np.asarray(v) for v in sess.run(None, values)]
+    except Exception as e:  # an op that needs more context than one node
+        raise IsolationUnavailable(f"the node cannot run alone ({type(e).__name__})") from None
+
+
+# --------------------------------------------------------------- tensor evidence
+
+def _rel_mean_err(ref: np.ndarray, dev: np.ndarray) -> float:
+    r = np.nan_to_num(ref.astype(np.float64, copy=False))
+    d = np.nan_to_num(dev.astype(np.float64, copy=False))
+    scale = float(np.sqrt(np.mean(r * r))) or 1.0
+    return float(np.mean(np.abs(d - r))) / scale
+
+
+def uneven_axis(ref: np.ndarray, dev: np.ndarray, names: str = "") -> str:
+    """A sentence when the error sits on one part of an axis (the vendor's
+    example: only the second half of H is wrong), else ''."""
+    if ref.shape != dev.shape or ref.ndim == 0 or ref.size < 8:
+        return ""
+    r = np.nan_to_num(ref.astype(np.float32, copy=False))
+    d = np.nan_to_num(dev.astype(np.float32, copy=False))
+    err = np.abs(d - r)
+    scale = float(np.sqrt(np.mean(r.astype(np.float64) ** 2))) or 1.0
+    labels = names if len(names) == ref.ndim else ""
+    best = ""
+    best_ratio = 0.0
+    for ax, size in enumerate(ref.shape):
+        if size < 2:
+            continue
+        half = size // 2
+        a = float(np.take(err, range(half), axis=ax).mean()) / scale
+        b = float(np.take(err, range(half, size), axis=ax).mean()) / scale
+        hi, lo = max(a, b), min(a, b)
+        if hi < 0.05:
+            continue
+        ratio = hi / max(lo, 1e-12)
+        if ratio >= 10 and ratio > best_ratio:
+            where = "second" if b > a else "first"
+            name = f" ({labels[ax]})" if labels else ""
+            best = (f"error concentrated in the {where} half of axis {ax}{name}: mean |d-r|/rms "
+                    f"{hi:.3g} there against {lo:.3g} in the other half")
+            best_ratio = ratio
+    return best
+
+
+def layout_match(ref: np.ndarray, dev: np.ndarray) -> str:
+    """A sentence when the device tensor is the reference in another layout
+    (two axes swapped, or NHWC data read as NCHW), else ''."""
+    if ref.shape != dev.shape or ref.ndim < 2 or ref.size < 4:
+        return ""
+    r = np.nan_to_num(ref.astype(np.float32, copy=False))
+    d = np.nan_to_num(dev.astype(np.float32, copy=False))
+    if _rel_mean_err(r, d) < 0.05:
+        return ""
+    candidates = []
+    for i in range(ref.ndim):
+        for j in range(i + 1, ref.ndim):
+            if ref.shape[i] == ref.shape[j] and ref.shape[i] > 1:
+                candidates.append((f"axes {i} and {j} swapped", np.swapaxes(r, i, j)))
+    if ref.ndim == 4:
+        n, c, h, w = ref.shape
+        candidates.append(("NHWC data read as NCHW", r.transpose(0, 2, 3, 1).reshape(ref.shape)))
+        candidates.append(("NCHW data read as NHWC", r.reshape(n, h, w, c).transpose(0, 3, 1, 2)
+                           .reshape(ref.shape) if c and h and w else r))
+    for label, cand in candidates:
+        if _rel_mean_err(cand, d) < 0.01:
+            return f"layout: the device output is the expected output with {label}"
+    return ""
+
+
+# --------------------------------------------------------------- verdicts
+
+@dataclass
+class Finding:
+    verdict: str = ""
+    cause: str = ""
+    evidence: list[str] = field(default_factory=list)
+
+
+def _f(v) -> str:
+    return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
+
+
+def _mean_rel(m: M.NodeMetrics) -> float:
+    return m.mean_rel_err if m.total else 0.0
+
+
+def decide(rows: list, producer_rows: dict[str, list]) -> dict[int, Finding]:
+    """Findings for the failing output rows (by id(row)); ``producer_rows``
+    maps a node to the rows of the tensors it reads (its input rows where
+    the dump had them, else its producers' output rows)."""
+    out: dict[int, Finding] = {}
+    for row in rows:
+        if row.is_input or not row.failed or row.is_constant:
+            continue
+        m = row.outcome.metrics
+        f = Finding()
+        ins = producer_rows.get(row.site.node, [])
+        in_metrics = [r.outcome.metrics for r in ins]
+        bad_weights = [r for r in ins if r.is_input and r.failed and r.site.tensor in row.constants_read]
+        dev_bad = m.dev_nan + m.dev_inf
+        ref_bad = m.ref_nan + m.ref_inf
+        inputs_bad = any(x.dev_nan + x.dev_inf > 0 for x in in_metrics)
+        if dev_bad and not ref_bad and not inputs_bad:
+            f.verdict, f.cause = COMPUTATION, "overflow"
+            f.evidence.append(f"{dev_bad} Inf/NaN values appear on the device here while every input it read was "
+                              "finite and the reference has none")
+            if m.dev_fp16_overflow or m.fp16_overflow:
+                f.evidence.append(f"{m.fp16_overflow} reference values here lie beyond the FP16 range (65504)")
+        elif row.isolated is not None:
+            iso = row.isolated
+            own = iso.errors / iso.total if iso.total else 0.0
+            full = m.errors / m.total if m.total else 0.0
+            # A wrong computation changes the result grossly: the cosine
+            # drops, or some elements are off by the size of the values
+            # themselves. Rounding in the node's own reduced precision (FP16,
+            # a quantized layer) does neither: that is precision loss.
+            gross = (not math.isnan(iso.cosine) and iso.cosine < 0.999) or (
+                own >= 0.01 and own > 0.5 * full and iso.max_abs_diff > 0.5 * (m.ref_rms or 1.0))
+            if not gross:
+                f.verdict = ACCUMULATED
+                if own > 0.5 * full:
+                    f.evidence.append(f"re-run alone on its device inputs, {iso.errors} of its {m.errors} errors "
+                                      f"remain, all small (cosine {_f(iso.cosine)}, largest difference "
+                                      f"{_f(iso.max_abs_diff)}): the node's own reduced-precision arithmetic adds "
+                                      "to the loss, it computes correctly")
+                else:
+                    f.evidence.append(f"re-run alone on its device inputs, the reference agrees with the device "
+                                      f"({iso.errors}/{iso.total} outside tolerance, cosine {_f(iso.cosine)}): "
+                                      f"most of the error ({m.errors}/{m.total}) came in through its inputs")
+            else:
+                f.verdict = COMPUTATION
+                f.evidence.append(f"re-run alone on its device inputs, the reference still disagrees with the "
+                                  f"device: {iso.errors}/{iso.total} outside tolerance, cosine {_f(iso.cosine)}, "
+                                  f"mean relative error {_f(iso.mean_rel_err)}")
+        else:
+            in_rel = max((_mean_rel(x) for x in in_metrics), default=0.0)
+            in_pearson = min((x.pearson for x in in_metrics if not math.isnan(x.pearson)), default=1.0)
+            if in_metrics and in_rel < 0.1 and _mean_rel(m) > 1:
+                f.verdict = COMPUTATION
+                f.evidence.append(f"mean relative error jumps from {_f(in_rel)} on its inputs to "
+                                  f"{_f(_mean_rel(m))} on its output")
+            elif in_metrics and in_pearson > 0.9 and not math.isnan(m.pearson) and m.pearson < 0.1:
+                f.verdict = COMPUTATION
+                f.evidence.append(f"Pearson correlation falls from {_f(in_pearson)} on its inputs to "
+                                  f"{_f(m.pearson)} on its output")
+            elif row.uneven:
+                f.verdict = COMPUTATION
+            elif ins and all(not r.failed for r in ins):
+                f.verdict = COMPUTATION
+                f.evidence.append("every input it read is within tolerance, its output is not")
+            else:
+                f.verdict = ACCUMULATED
+                f.evidence.append(f"its inputs already differ (mean relative error up to {_f(in_rel)}); no "
+                                  "sharp change at this node")
+            if row.isolation_note:
+                f.evidence.append(f"no isolated re-run: {row.isolation_note}")
+        if row.layout:
+            f.cause = f.cause or "layout"
+            f.evidence.append(row.layout)
+        if row.uneven:
+            f.evidence.append(row.uneven)
+        if bad_weights and f.verdict == COMPUTATION:
+            f.cause = f.cause or "weight"
+            f.evidence.append("its weights differ on the device: " + ", ".join(
+                f"input {r.site.output_index} ({r.site.tensor}, {r.outcome.metrics.errors}/"
+                f"{r.outcome.metrics.total} outside tolerance)" for r in bad_weights))
+        if f.verdict == COMPUTATION and not f.cause:
+            f.cause = "range" if m.fp16_overflow else "kernel"
+        if m.fp16_overflow and "range" not in f.cause and f.cause != "overflow":
+            f.evidence.append(f"{m.fp16_overflow} reference values lie beyond the FP16 range (65504)")
+        if row.overflow:
+            f.evidence.append(f"the device flagged an overflow here: {row.overflow}")
+        out[id(row)] = f
+    return out
+
+
+def nan_and_overflow(rows: list) -> dict:
+    """The NaN and overflow reasoning over the rows in execution order."""
+    nan = overflow = None
+    for r in rows:
+        if r.is_input:
+            continue
+        m = r.outcome.metrics
+        if nan is None and m.ref_nan:
+            where = "both" if m.dev_nan else "reference"
+            nan = {"node": r.site.node, "where": where,
+                   "text": f"NaN first appears at {r.site.node} in the reference"
+                           + (" and on the device" if m.dev_nan else "")
+                           + ": the model or its input is at fault (an invalid parameter, an Inf weight, or an "
+                             "input outside the domain of an op such as Log or Sqrt), not the device"}
+        if nan is None and (m.dev_nan or m.dev_inf) and not (m.ref_nan or m.ref_inf):
+            nan = {"node": r.site.node, "where": "device",
+                   "text": f"NaN/Inf first appears at {r.site.node} on the device only, while the reference is "
+                           "finite"}
+    first_bad_device = next((r for r in rows if not r.is_input and
+                             (r.outcome.metrics.dev_nan or r.outcome.metrics.dev_inf) and
+                             not (r.outcome.metrics.ref_nan or r.outcome.metrics.ref_inf)), None)
+    if first_bad_device is not None:
+        beyond = next((r for r in rows if not r.is_input and not r.is_constant and r.outcome.metrics.fp16_overflow
+                       and r.site.order <= first_bad_device.site.order), None)
+        culprit = beyond or first_bad_device
+        overflow = {"node": culprit.site.node,
+                    "text": (f"FP16 overflow: {culprit.site.node} is the first node whose reference exceeds 65504 "
+                             f"({culprit.outcome.metrics.fp16_overflow} values); the device shows Inf/NaN from "
+                             f"{first_bad_device.site.node} on") if beyond else
+                            (f"Inf/NaN on the device only, from {first_bad_device.site.node} on; no reference value "
+                             "exceeds 65504 before it (a division by a tiny number, or an intermediate value "
+                             "inside the kernel)")}
+    return {"nan": nan, "overflow": overflow}
+
+
+def quantization_advice(sites: list, node_inputs: dict[str, list[str]], rows: list,
+                        input_ranges: dict[str, tuple[float, float]], quantized: bool) -> list[dict]:
+    """For fixed-point builds: for every quantized op of the reference graph,
+    the range of its input (reference values, or a tensor_min_max file) and
+    the RMSE of its output, with the vendor's advice (range > 30 or RMSE
+    > 0.5: run that op's input in INT16). Ops the device fused away are
+    listed too; their RMSE is then unknown."""
+    if not quantized:
+        return []
+    rmse_of = {r.site.node: r.outcome.metrics.rmse for r in rows if not r.is_input and r.site.output_index == 0}
+    out, seen = [], set()
+    for site in sites:
+        if site.op_type not in QUANT_OPS or site.node in seen:
+            continue
+        seen.add(site.node)
+        first = next(iter(node_inputs.get(site.node, [])), "")
+        lo, hi = input_ranges.get(first, (math.nan, math.nan))
+        rng = hi - lo
+        rmse = rmse_of.get(site.node, math.nan)
+        reasons = []
+        if rng > QUANT_RANGE_LIMIT:
+            reasons.append(f"input range {rng:.3g} > {QUANT_RANGE_LIMIT:g}")
+        if rmse > QUANT_RMSE_LIMIT:
+            reasons.append(f"RMSE {rmse:.3g} > {QUANT_RMSE_LIMIT:g}")
+        out.append({"node": site.node, "input": first, "min": _num(lo), "max": _num(hi), "range": _num(rng),
+                    "rmse": _num(rmse),
+                    "advice": ("run this node's input in INT16 (" + "; ".join(reasons) + ")") if reasons else ""})
+    return out
+
+
+def _num(v: float):
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
+def headline(first_comp, first_fail, diagnosis: dict) -> str:
+    if first_comp is not None:
+        text = (f"Computation error at {first_comp.site.node} ({first_comp.site.op_type}, execution "
+                f"#{first_comp.site.order})")
+        if first_comp.finding.cause:
+            text += f", cause: {first_comp.finding.cause}"
+        return text
+    if diagnosis.get("nan") and diagnosis["nan"]["where"] in ("both", "reference"):
+        return diagnosis["nan"]["text"]
+    if first_fail is not None:
+        return (f"Accumulated precision error: no node computes wrongly on its own; the error builds up from "
+                f"{first_fail.site.node} on")
+    return "Every compared node is within tolerance"
+
+
+# --------------------------------------------------------------- during a job
+
+class NodeExaminer:
+    """What a job gathers while nodes stream in: device values for isolated
+    re-runs, and for each failing node its isolated error, layout and axis
+    evidence; input ranges of quantized ops."""
+
+    def __init__(self, reference, feeds: dict[str, np.ndarray], quantized: bool,
+                 cap_bytes: int = 1 << 30) -> None:
+        self.reference = reference
+        self.feeds = feeds
+        self.quantized = quantized
+        self.values = DeviceValues(reference.node_inputs, cap_bytes)
+        self.outputs_left: dict[str, int] = {}
+        for s in reference.sites:
+            self.outputs_left[s.node] = self.outputs_left.get(s.node, 0) + 1
+        self.quant_inputs = {ins[0] for node, ins in reference.node_inputs.items()
+                             if ins and self._op_of(node) in QUANT_OPS} if quantized else set()
+        self.input_ranges: dict[str, tuple[float, float]] = {}
+        for t in self.quant_inputs & set(feeds):
+            self.note_range(t, feeds[t])
+
+    def _op_of(self, node: str) -> str:
+        s = next((s for s in self.reference.sites if s.node == node), None)
+        return s.op_type if s else ""
+
+    def note_range(self, tensor: str, ref: np.ndarray) -> None:
+        if tensor in self.quant_inputs and tensor not in self.input_ranges and ref.size:
+            r = ref.astype(np.float64, copy=False)
+            self.input_ranges[tensor] = (float(np.nanmin(r)), float(np.nanmax(r)))
+
+    def keep_output(self, tensor: str, arr: np.ndarray, buffer) -> bool:
+        return self.values.keep_output(tensor, arr, buffer)
+
+    def keep_input(self, node: str, slot: int, arr: np.ndarray, buffer) -> bool:
+        return self.values.keep_input(node, slot, arr, buffer)
+
+    def examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool) -> None:
+        """Fill the row's evidence (a failing output row)."""
+        from layerdiff.analyzer.compare import SkipNode, compare_node, reconcile
+
+        site = row.site
+        try:
+            dev_aligned, _ = reconcile(ref, dev, force_compare)
+        except SkipNode:
+            return
+        row.uneven = uneven_axis(ref, dev_aligned, "NCHW" if ref.ndim == 4 else "")
+        row.layout = layout_match(ref, dev_aligned)
+        try:
+            outs = run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
+            iso = outs[site.output_index]
+            row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
+            if not row.layout:
+                row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
+        except (IsolationUnavailable, SkipNode, IndexError) as e:
+            row.isolation_note = str(e) or type(e).__name__
+
+    def output_done(self, node: str) -> list:
+        """One output row of the node is finished; once all are, what it
+        read is forgotten (returns the buffers to recycle)."""
+        left = self.outputs_left.get(node, 1) - 1
+        self.outputs_left[node] = left
+        return self.values.node_done(node) if left <= 0 else []
+
+    def release(self) -> list:
+        return self.values.release()

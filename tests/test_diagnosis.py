@@ -1,0 +1,150 @@
+"""Verdicts on planted faults in real models, over the real services: the
+right node, the right verdict, the right cause, and the evidence a user
+reads in the report."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from layerdiff.analyzer import diagnose
+from layerdiff.client.api import format_summary, run
+
+from conftest import small_cnn
+from test_ascend import overflowing_model
+
+
+def _rows(out):
+    with open(out / "cpu_vs_npu.csv", newline="", encoding="utf-8") as f:
+        return {r["node"] + ("" if r["role"] == "output" else f".input{r['tensor']}"): r for r in csv.DictReader(f)}
+
+
+def _go(services, tmp_path, model, inputs, **kw):
+    collector, analyzer = services
+    mpath, ipath = tmp_path / "model.onnx", tmp_path / "inputs.npz"
+    onnx.save_model(model, str(mpath))
+    np.savez(ipath, **inputs)
+    for key in ("device_model",):
+        if isinstance(kw.get(key), onnx.ModelProto):
+            p = tmp_path / "device.onnx"
+            onnx.save_model(kw[key], str(p))
+            kw[key] = p
+    out = tmp_path / "out"
+    res = run(mpath, ipath, out=out, analyzer=analyzer.address, collector=collector.address, progress=False, **kw)
+    return res.summary, out
+
+
+CNN_INPUT = {"input": np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)}
+
+
+def test_wrong_weight_is_a_computation_error_at_that_conv(services, tmp_path):
+    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=small_cnn(bug_in="conv2"),
+                 dump_mode="all")
+    first = s["first_computation_error"]
+    assert first["node"] == "conv2" and first["verdict"] == diagnose.COMPUTATION and first["cause"] == "weight"
+    assert any("re-run alone on its device inputs" in e for e in first["evidence"])
+    assert any("conv2.weight" in e for e in first["evidence"])
+    by = {v["node"]: v for v in s["verdicts"]}
+    # everything downstream inherits the error and computes correctly itself
+    for node in ("relu2", "residual/add", "conv3", "pool", "fc"):
+        assert by[node]["verdict"] == diagnose.ACCUMULATED, (node, by[node])
+    assert s["diagnosis"]["headline"].startswith("Computation error at conv2")
+    rows = _rows(out)
+    assert rows["conv2"]["verdict"] == "computation error" and "conv2.weight" in rows["conv2"]["evidence"]
+    assert rows["conv3"]["verdict"] == "accumulated precision error"
+    text = format_summary(s, out)
+    assert text.splitlines()[0].startswith("VERDICT: Computation error at conv2")
+    assert text.splitlines()[1].startswith("FIRST COMPUTATION ERROR: conv2")
+
+
+def test_wrong_weight_without_device_inputs_uses_the_producers_outputs(services, tmp_path):
+    s, _ = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=small_cnn(bug_in="conv2"))
+    first = s["first_computation_error"]
+    assert first["node"] == "conv2" and first["isolated"]["cosine"] < 0.99
+    assert {v["node"]: v["verdict"] for v in s["verdicts"]}["conv3"] == diagnose.ACCUMULATED
+
+
+def _transposed_conv3() -> onnx.ModelProto:
+    """The device writes conv3's output with H and W swapped."""
+    m = small_cnn()
+    nodes = list(m.graph.node)
+    i = next(k for k, n in enumerate(nodes) if n.name == "conv3")
+    nodes[i].output[0] = "conv3_raw"
+    nodes.insert(i + 1, helper.make_node("Transpose", ["conv3_raw"], ["conv3_out"], name="conv3_layout",
+                                         perm=[0, 1, 3, 2]))
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return m
+
+
+def test_transposed_layout_in_one_node(services, tmp_path):
+    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=_transposed_conv3())
+    first = s["first_computation_error"]
+    assert first["node"] == "conv3" and first["cause"] == "layout"
+    assert any("axes 2 and 3 swapped" in e for e in first["evidence"])
+    assert s["first_failing_node"]["node"] == "conv3"
+
+
+def test_activation_saturating_in_fp16(services, tmp_path):
+    inputs = {"input": (np.random.default_rng(1).random((1, 3, 8, 8)) * 4).astype(np.float32)}
+    s, out = _go(services, tmp_path, overflowing_model(), inputs, precision="fp16")
+    first = s["first_computation_error"]
+    assert first["node"] == "boost" and first["cause"] == "overflow"
+    assert s["diagnosis"]["overflow"]["node"] == "boost"
+    assert "first node whose reference exceeds 65504" in s["diagnosis"]["overflow"]["text"]
+    # the live FP16 run flags the overflow itself, shown beside the node
+    assert [o["node"] for o in s["overflow_nodes"]] == ["boost"]
+    assert any("the device flagged an overflow here" in e for e in first["evidence"])
+    assert {v["node"]: v["verdict"] for v in s["verdicts"]}.get("relu") in (diagnose.ACCUMULATED, None)
+
+
+def _nan_model() -> onnx.ModelProto:
+    """conv1 -> log (of values that go negative: NaN in any precision) -> relu -> conv2."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array((rng.standard_normal((4, 3, 3, 3)) * 0.4).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array((rng.standard_normal((4, 4, 3, 3)) * 0.2).astype(np.float32), "w2")
+    nodes = [helper.make_node("Conv", ["input", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Log", ["c1"], ["l"], name="log"),
+             helper.make_node("Relu", ["l"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["output"], name="conv2", pads=[1, 1, 1, 1])]
+    g = helper.make_graph(nodes, "nan", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          initializer=[w1, w2])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_nan_on_both_sides_is_a_model_or_input_problem(services, tmp_path):
+    inputs = {"input": np.random.default_rng(2).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    s, out = _go(services, tmp_path, _nan_model(), inputs, precision="fp16")
+    nan = s["diagnosis"]["nan"]
+    assert nan["node"] == "log" and nan["where"] == "both"
+    assert "model or its input is at fault" in nan["text"]
+    assert s["first_computation_error"] is None
+    assert "NaN first appears at log" in s["diagnosis"]["headline"]
+
+
+def test_uneven_error_along_an_axis_is_found():
+    ref = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    dev = ref.copy()
+    dev[:, :, 4:, :] += 1.0                 # only the second half of H is wrong
+    text = diagnose.uneven_axis(ref, dev, "NCHW")
+    assert "second half of axis 2 (H)" in text
+    assert diagnose.uneven_axis(ref, ref + 0.001, "NCHW") == ""
+
+
+def test_int8_build_gets_range_advice(services, tmp_path):
+    """A fixed-point build: per quantized-op input range from the reference,
+    INT16 advice where the range exceeds 30."""
+    m = small_cnn()
+    inputs = {"input": (np.random.default_rng(1).standard_normal((1, 3, 16, 16)) * 40).astype(np.float32)}
+    s, _ = _go(services, tmp_path, m, inputs, precision="int8")
+    advice = {a["node"]: a for a in s["quantization"]}
+    assert advice["conv1"]["input"] == "input" and advice["conv1"]["range"] > 30
+    assert "INT16" in advice["conv1"]["advice"]
+    json.dumps(s["quantization"])
