@@ -315,3 +315,18 @@ def test_live_capture_streams_node_inputs_when_asked(services, cnn_files, tmp_pa
     failing_inputs = set(s["failing_inputs"])
     assert "conv2.input.1" in failing_inputs and "conv2.input.0" not in failing_inputs
     assert s["counts"]["inputs_compared"] == 18 and s["parameters"]["dump_mode"] == "all"
+
+
+def test_hostile_op_names_never_leave_the_dump_directory(tmp_path):
+    from layerdiff.collector.dumpdir import write_dump
+    from layerdiff.schema import NodeRecord
+
+    arr = np.ones((2, 2), np.float32)
+    names = ["../../escape", "a/b\\c d", "nul\x00here", "x" * 400]
+    write_dump(tmp_path / "d", [NodeRecord(name=n, node=n, op_type="Relu", array=arr) for n in names], "ascend")
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(written) == 4 and all((tmp_path / "d") in p.parents for p in written)
+    recs = {r.name: r for r in DumpDirectory(str(tmp_path / "d")).records()}
+    assert recs["a/b\\c d"].status == "ok" and recs["x" * 400].status == "ok"
+    bad = [r for r in recs.values() if r.status != "ok"]
+    assert len(bad) == 2 and all("'op_name'" in r.message for r in bad)

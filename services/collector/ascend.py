@@ -32,7 +32,7 @@ from layerdiff.schema import DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 _NAME = re.compile(r"^(?P<op_type>[^.]+)\.(?P<op_name>[^.]+)\.(?P<task_id>\d+)(?:\.(?P<stream_id>\d+))?"
                    r"\.(?P<timestamp>\d+)$")
-_SANITIZE = re.compile(r"[./\\ ]")
+_SANITIZE = re.compile(r"[./\\ \x00-\x1f]")
 
 # OutputDataType -> numpy dtype name (bfloat16 is widened to float32 on read)
 DTYPES = {1: "float32", 2: "float16", 3: "int8", 4: "uint8", 5: "int16", 6: "uint16", 7: "int32", 8: "int64",
@@ -332,4 +332,11 @@ def leaf_dir(dump_path: str | Path, when: float | None = None, device_id: int = 
 
 
 def file_name(op_type: str, op_name: str, task_id: int, stream_id: int, timestamp: int) -> str:
-    return f"{sanitize(op_type) or 'Op'}.{sanitize(op_name) or 'op'}.{task_id}.{stream_id}.{timestamp}"
+    """The runtime's file name; an op name too long for a file name is cut
+    and made unique with a digest (the header keeps the full name)."""
+    import hashlib
+
+    name = sanitize(op_name) or "op"
+    if len(name.encode()) > 160:
+        name = name.encode()[:120].decode(errors="ignore") + "_" + hashlib.sha256(op_name.encode()).hexdigest()[:16]
+    return f"{sanitize(op_type)[:40] or 'Op'}.{name}.{task_id}.{stream_id}.{timestamp}"
