@@ -148,3 +148,18 @@ def test_int8_build_gets_range_advice(services, tmp_path):
     assert advice["conv1"]["input"] == "input" and advice["conv1"]["range"] > 30
     assert "INT16" in advice["conv1"]["advice"]
     json.dumps(s["quantization"])
+
+
+def test_calibrator_ranges_replace_the_reference_ranges(services, tmp_path):
+    collector, analyzer = services
+    inputs = {"input": (np.random.default_rng(1).standard_normal((1, 3, 16, 16)) * 40).astype(np.float32)}
+    mpath, ipath, mm = tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "tensor_min_max.txt"
+    onnx.save_model(small_cnn(), str(mpath))
+    np.savez(ipath, **inputs)
+    mm.write_text("input -1.5 1.5\nrelu1_out: 0, 45\nthis line is not a range\n")
+    res = run(mpath, ipath, out=tmp_path / "out", precision="int8", min_max=mm, analyzer=analyzer.address,
+              collector=collector.address, progress=False)
+    advice = {a["node"]: a for a in res.summary["quantization"]}
+    assert advice["conv1"]["range"] == 3.0 and "input range" not in advice["conv1"]["advice"]
+    assert advice["conv2"]["range"] == 45.0 and "INT16" in advice["conv2"]["advice"]
+    assert "tensor_min_max.txt:3: not 'name min max'" in (tmp_path / "out" / "min_max_skip.log").read_text()

@@ -427,7 +427,7 @@ class NodeExaminer:
     evidence; input ranges of quantized ops."""
 
     def __init__(self, reference, feeds: dict[str, np.ndarray], quantized: bool,
-                 cap_bytes: int = 1 << 30) -> None:
+                 cap_bytes: int = 1 << 30, given_ranges: dict[str, tuple[float, float]] | None = None) -> None:
         self.reference = reference
         self.feeds = feeds
         self.quantized = quantized
@@ -437,7 +437,8 @@ class NodeExaminer:
             self.outputs_left[s.node] = self.outputs_left.get(s.node, 0) + 1
         self.quant_inputs = {ins[0] for node, ins in reference.node_inputs.items()
                              if ins and self._op_of(node) in QUANT_OPS} if quantized else set()
-        self.input_ranges: dict[str, tuple[float, float]] = {}
+        # ranges a calibrator recorded win over the reference's own values
+        self.input_ranges: dict[str, tuple[float, float]] = dict(given_ranges or {})
         for t in self.quant_inputs & set(feeds):
             self.note_range(t, feeds[t])
 

@@ -22,6 +22,7 @@ import pyarrow as pa
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.compare import SkipNode
 from layerdiff.analyzer.diagnose import NodeExaminer
+from layerdiff.analyzer.minmax import parse_min_max
 from layerdiff.analyzer.pool import LocalPool
 from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
 from layerdiff.analyzer.report import JobReport, Row, write_report
@@ -77,9 +78,14 @@ class Prepared:
     max_cores: int
     force_compare: bool
     quantized: bool = False
+    show_graph: bool = False
+    max_bins: int = 128
+    min_bins: int = 1
+    given_ranges: dict = field(default_factory=dict)     # from a tensor_min_max.txt
+    range_skips: list = field(default_factory=list)      # its lines that did not parse
 
     def examiner(self) -> NodeExaminer:
-        return NodeExaminer(self.reference, self.feeds, self.quantized)
+        return NodeExaminer(self.reference, self.feeds, self.quantized, given_ranges=self.given_ranges)
 
 
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
@@ -105,10 +111,17 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     if o.max_cores < 0:
         raise LayerdiffError("must be >= 0", field="max_cores")
     check_dump_mode(spec.dump_mode)
+    max_bins = o.max_bins or 128
+    min_bins = o.min_bins or 1
+    if max_bins < 1 or max_bins > 4096:
+        raise LayerdiffError(f"must be in [1, 4096], got {max_bins}", field="max_bins")
+    if not 1 <= min_bins <= max_bins:
+        raise LayerdiffError(f"must be in [1, max_bins={max_bins}], got {min_bins}", field="min_bins")
+    given_ranges, range_skips = parse_min_max(o.min_max_text) if o.min_max_text.strip() else ({}, [])
     quantized = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
         store.read(spec.device_model_artifact, "device_model_artifact")))
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
-                    o.force_compare, quantized)
+                    o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips)
 
 
 def _is_quantized(model_bytes: bytes) -> bool:
@@ -307,6 +320,8 @@ class JobRunner:
                           constants_read=p.reference.constants_read(site.node))
                 if not outcome.metrics.passed and rec.role != ROLE_INPUT:
                     examiner.examine(row, ref, rec.array, tol, p.force_compare)
+                if not outcome.metrics.passed and p.show_graph:
+                    draw(row, ref, rec.array)
                 rep.rows.append(row)
                 passed = outcome.metrics.passed
             if rec.role != ROLE_INPUT:
@@ -316,6 +331,23 @@ class JobRunner:
                 return   # progress counts node outputs
             done += 1
             job.emit(nodes_done=done, nodes_total=total, node=site.tensor, node_passed=passed)
+
+        plot_names: set[str] = set()
+
+        def draw(row: Row, ref, dev) -> None:
+            from layerdiff.analyzer.compare import reconcile
+            from layerdiff.analyzer.plots import node_plots
+            from layerdiff.names import safe_filename
+
+            try:
+                dev, _ = reconcile(ref, dev, True)
+                stem = safe_filename(row.label if row.is_input or row.site.output_index else row.site.node,
+                                     plot_names)
+                rep.plots[row.label] = node_plots(job.report_dir, stem, ref, dev, max_bins=p.max_bins,
+                                                  min_bins=p.min_bins)
+            except Exception as e:  # a plot is an extra: the comparison stands without it
+                log.warning("no plots for %s: %s", row.label, e)
+                rep.skipped.append((row.label, f"plots not drawn: {e}"))
 
         def handle(rec: NodeRecord) -> None:
             if not compare_later(rec):
@@ -437,6 +469,7 @@ class JobRunner:
         uncache(examiner.release())
         rep.input_ranges = examiner.input_ranges
         rep.quantized = examiner.quantized
+        rep.range_skips = list(p.range_skips)
         for s in p.reference.sites:
             if s.tensor in seen or s.tensor in read_as_input:
                 continue

@@ -91,6 +91,8 @@ class JobReport:
     overflow: dict[str, str] = field(default_factory=dict)              # node -> why the device flagged it
     input_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # reference min/max of op inputs
     quantized: bool = False
+    range_skips: list[tuple[str, str]] = field(default_factory=list)    # tensor_min_max.txt lines not read
+    plots: dict[str, dict] = field(default_factory=dict)                # row label -> plot files
 
     def note_overflow(self, node: str, why: str) -> None:
         self.overflow.setdefault(node, why)
@@ -207,6 +209,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     _write_log(out / "check_skip.log", rep.check_skip)
     _write_log(out / "concate_skip.log", rep.concat_skip)
     _write_log(out / "overflow_nodename.log", list(rep.overflow.items()))
+    if rep.range_skips:
+        _write_log(out / "min_max_skip.log", rep.range_skips)
     (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
                                                   encoding="utf-8")
     with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:
@@ -257,6 +261,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "failing_inputs": [r.label for r in inputs if r.failed],
         "overflow_nodes": [{"node": n, "why": why} for n, why in rep.overflow.items()],
         "verdicts": verdicts,
+        "plots": rep.plots,
         "quantization": diagnose.quantization_advice(all_sites, node_inputs or {}, rows, rep.input_ranges,
                                                      rep.quantized),
         "detail_files": detail_files,

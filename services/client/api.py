@@ -161,15 +161,18 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
         collector: str | None = None,
         atol: float | None = None, rtol: float | None = None, diff_cnt: int | None = None, op_config=None,
         map_node_dict=None, skip_keys=None, exclude_node_list=None, force_compare: bool = False,
-        max_cores: int | None = None, progress: bool | Callable[[pb.JobEvent], None] = True,
+        max_cores: int | None = None, show_graph: bool = False, max_bins: int | None = None,
+        min_bins: int | None = None, min_max=None, progress: bool | Callable[[pb.JobEvent], None] = True,
         timeout: float | None = None) -> RunResult:
     """Compare every node of ``model`` on the device against its FP32 CPU
     reference and fetch the reports into ``out``.
 
     ``inputs``: an .npz path or a dict of arrays. ``device_model``: a second
     ONNX file run as the device. ``dump``: a dump directory on the collector's
-    host, read instead of a live run. Defaults: atol 0.005, rtol 0.2,
-    diff_cnt 128, max_cores = CPU count. Raises LayerdiffError on bad input
+    host, read instead of a live run. ``show_graph``: plots for the failing
+    nodes (``max_bins``/``min_bins`` for their histograms); ``min_max``: a
+    tensor_min_max.txt giving the input ranges for the INT8 advice.
+    Defaults: atol 0.005, rtol 0.2, diff_cnt 128, max_cores = CPU count. Raises LayerdiffError on bad input
     and when the job fails.
     """
     from layerdiff.analyzer.service import AnalyzerServer
@@ -190,7 +193,8 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
             atol=atol or 0.0, has_atol=atol is not None, rtol=rtol or 0.0, has_rtol=rtol is not None,
             diff_cnt=diff_cnt or 0, op_config_csv=_text_arg(op_config), map_node_dict=parse_map_node_dict(map_node_dict),
             skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
-            force_compare=force_compare, max_cores=max_cores or 0)
+            force_compare=force_compare, max_cores=max_cores or 0, show_graph=show_graph, max_bins=max_bins or 0,
+            min_bins=min_bins or 0, min_max_text=_text_arg(min_max))
         spec = pb.JobSpec(
             model_artifact=client.upload(model_bytes, model_name),
             inputs_artifact=client.upload(inputs_data, inputs_name),

@@ -51,6 +51,13 @@ def _add_run(sub) -> None:
     p.add_argument("--force-compare", "--force_compare", nargs="?", const=True, default=False, type=_bool,
                    help="compare nodes whose shape differs but size matches")
     p.add_argument("--max-cores", "--max_cores", type=int, help="comparison workers (default: CPU count)")
+    p.add_argument("--show-graph", "--show_graph", nargs="?", const=True, default=False, type=_bool,
+                   help="plots for every failing node: {op}_diff.png, {op}_diff_hist.png, {op}_hist.png")
+    p.add_argument("--max-bins", "--max_bins", type=int, help="histogram bins at most (default 128)")
+    p.add_argument("--min-bins", "--min_bins", type=int, help="histogram bins at least (default 1)")
+    p.add_argument("--min-max", "--tensor-min-max", help="tensor_min_max.txt: input ranges for the INT8 advice")
+    p.add_argument("--listing", action="store_true",
+                   help="also print every compared node as index.name OP_TYPE MSE COS RMSE")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_run)
 
@@ -64,6 +71,7 @@ def _cmd_run(a) -> int:
                  analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
                  diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict, skip_keys=a.skip_keys,
                  exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
+                 show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins, min_max=a.min_max,
                  progress=not a.no_progress)
     print(format_summary(result.summary, result.out))
     return 0
