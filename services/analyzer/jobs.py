@@ -23,6 +23,7 @@ from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.compare import SkipNode
 from layerdiff.analyzer.diagnose import NodeExaminer
 from layerdiff.analyzer.minmax import parse_min_max
+from layerdiff.analyzer.perf import PerfSettings, check_perf_options
 from layerdiff.analyzer.pool import LocalPool
 from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
 from layerdiff.analyzer.report import JobReport, Row, write_report
@@ -83,6 +84,7 @@ class Prepared:
     min_bins: int = 1
     given_ranges: dict = field(default_factory=dict)     # from a tensor_min_max.txt
     range_skips: list = field(default_factory=list)      # its lines that did not parse
+    perf: PerfSettings = field(default_factory=PerfSettings)
 
     def examiner(self) -> NodeExaminer:
         return NodeExaminer(self.reference, self.feeds, self.quantized, given_ranges=self.given_ranges)
@@ -121,7 +123,8 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     quantized = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
         store.read(spec.device_model_artifact, "device_model_artifact")))
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
-                    o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips)
+                    o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips,
+                    perf=check_perf_options(spec.perf))
 
 
 def _is_quantized(model_bytes: bytes) -> bool:
@@ -229,6 +232,15 @@ class JobRunner:
     def _execute(self, job: Job, p: Prepared, started: float) -> dict:
         spec = job.spec
         total = len(p.reference.sites)
+        # Timed first, before the reference runs, so that nothing of this job
+        # loads the host while the device is being timed.
+        perf = self._capture_perf(job, p) if p.perf.enabled else None
+        if p.perf.only:
+            from layerdiff.analyzer.perf import write_perf_only
+
+            job.emit(pb.REPORTING, nodes_total=total)
+            return write_perf_only(job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
+                                   job=self._job_info(job, p, started), parameters=self._parameters(job, p))
         job.emit(pb.REFERENCE, nodes_total=total)
         mode = check_dump_mode(spec.dump_mode)
         # Node inputs read tensors that are also node outputs: such values are
@@ -260,14 +272,30 @@ class JobRunner:
         if job.cancelled.is_set():
             raise _Cancelled()
         job.emit(pb.REPORTING, nodes_done=total, nodes_total=total)
-        o = spec.options
-        parameters = {
+        job_info = self._job_info(job, p, started)
+        sections = None
+        if perf is not None:
+            from layerdiff.analyzer.perf import write_perf_sections
+
+            sections = write_perf_sections(job.report_dir, perf, p.aligner, p.reference.sites, p.perf, rep,
+                                           job_info)
+        return write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
+                            node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
+                            all_sites=p.reference.sites, node_inputs=p.reference.node_inputs, sections=sections)
+
+    def _parameters(self, job: Job, p: Prepared) -> dict:
+        o = job.spec.options
+        return {
             "atol": p.tolerances.default.atol, "rtol": p.tolerances.default.rtol, "diff_cnt": p.diff_cnt,
             "op_config": bool(o.op_config_csv.strip()), "map_node_dict": dict(o.map_node_dict),
             "skip_keys": list(o.skip_keys), "exclude_node_list": list(o.exclude_node_list),
-            "force_compare": o.force_compare, "max_cores": p.max_cores or None, "dump_mode": mode,
+            "force_compare": o.force_compare, "max_cores": p.max_cores or None,
+            "dump_mode": check_dump_mode(job.spec.dump_mode),
         }
-        job_info = {
+
+    def _job_info(self, job: Job, p: Prepared, started: float) -> dict:
+        spec = job.spec
+        return {
             "job_id": job.id, "model": p.reference.name, "device": spec.device or "cpu",
             "precision": spec.precision or "fp32",
             "source": "dump" if spec.dump_path else ("device_model" if spec.device_model_artifact else "live"),
@@ -275,9 +303,35 @@ class JobRunner:
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "elapsed_s": round(time.time() - started, 3),
         }
-        return write_report(job.report_dir, rep, parameters=parameters, job=job_info,
-                            node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
-                            all_sites=p.reference.sites, node_inputs=p.reference.node_inputs)
+
+    def _capture_perf(self, job: Job, p: Prepared):
+        """The collector's performance stream for this job's source: the
+        dump's counter files, or the device model profiled on the collector."""
+        from layerdiff.analyzer.perf import receive
+
+        job.emit(pb.COMPARING, nodes_total=len(p.reference.sites), message="capturing performance data")
+        collector = CollectorClient(job.spec.collector)
+        try:
+            collector.wait_ready()
+            if job.cancelled.is_set():
+                raise _Cancelled()
+            request = self._capture_request(job, collector)
+            request.stream = pb.CAPTURE_STREAM_PERF
+            request.perf.CopyFrom(pb.PerfCapture(runs=p.perf.runs, graph_optimization=p.perf.graph_optimization))
+            job.call = collector.capture(request)
+            if job.cancelled.is_set():
+                job.call.cancel()
+            try:
+                data = receive(job.call)
+            except (pa.ArrowException, KeyError) as e:
+                if job.cancelled.is_set():
+                    raise _Cancelled() from None
+                raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
+        finally:
+            collector.close()
+        if job.cancelled.is_set():
+            raise _Cancelled()
+        return data
 
     def _consume(self, job: Job, p: Prepared, call, ref_future: Future, executor, rep: JobReport,
                  total: int) -> None:

@@ -163,7 +163,9 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
         map_node_dict=None, skip_keys=None, exclude_node_list=None, force_compare: bool = False,
         max_cores: int | None = None, show_graph: bool = False, max_bins: int | None = None,
         min_bins: int | None = None, min_max=None, progress: bool | Callable[[pb.JobEvent], None] = True,
-        timeout: float | None = None) -> RunResult:
+        timeout: float | None = None, perf_mode="accuracy", perf_all_nodes: bool = True,
+        perf_runs: int | None = None, clock_mhz: float | None = None,
+        perf_graph_optimization: str = "") -> RunResult:
     """Compare every node of ``model`` on the device against its FP32 CPU
     reference and fetch the reports into ``out``.
 
@@ -174,10 +176,18 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     tensor_min_max.txt giving the input ranges for the INT8 advice.
     Defaults: atol 0.005, rtol 0.2, diff_cnt 128, max_cores = CPU count. Raises LayerdiffError on bad input
     and when the job fails.
+
+    ``perf_mode``: ``accuracy`` (default), ``perf`` or ``both`` (DUMP_OP_PERF
+    0 / 1 / 2): performance records from the dump's counter files or a
+    profiled live run, into op_perf.csv, perf/, op_summary.csv,
+    op_statistic.csv, timeline.json and summary.json.
     """
+    from layerdiff.analyzer.perf import parse_mode
     from layerdiff.analyzer.service import AnalyzerServer
     from layerdiff.collector.service import CollectorServer
 
+    perf = pb.PerfOptions(mode=parse_mode(perf_mode), hide_span_nodes=not perf_all_nodes, runs=perf_runs or 0,
+                          clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")
     model_bytes, model_name = _read(model, "model")
     inputs_data, inputs_name = _inputs_bytes(inputs)
     device_model_bytes, device_model_name = _read(device_model, "device_model") if device_model else (None, "")
@@ -201,7 +211,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
             device_model_artifact=client.upload(device_model_bytes, device_model_name) if device_model_bytes else "",
             collector=collector, device=device, precision=precision, dump_path=dump or "", dump_format=dump_format,
             default_concat_dim=default_concat_dim, watch=watch, dump_mode=dump_mode or "output", options=options,
-            model_name=model_name)
+            model_name=model_name, perf=perf)
         try:
             job_id = client.submit(spec)
         except grpc.RpcError as e:
@@ -237,6 +247,9 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     """Human summary; the first failing node comes first."""
     c = summary["counts"]
     lines = []
+    perf = summary.get("perf")
+    if perf and perf.get("perf_mode") == "perf":
+        return "\n".join(_perf_lines(summary, top) + [f"reports: {out}"])
     diagnosis = summary.get("diagnosis") or {}
     if diagnosis.get("headline"):
         lines.append(f"VERDICT: {diagnosis['headline']}")
@@ -281,8 +294,30 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
             lines.append(f"  {n['order']:>5}  {n['node']:40.40}  {n['op_type']:14.14}  "
                          f"{str(n['errors']) + '/' + str(n['total']):>16}  {_f(n['max_abs_err']):>11}  "
                          f"{_f(n['cosine']):>9}  {n.get('verdict') or ''}")
+    if perf:
+        lines.extend(_perf_lines(summary, top))
     lines.append(f"reports: {out}")
     return "\n".join(lines)
+
+
+def _perf_lines(summary: dict, top: int) -> list[str]:
+    p = summary["perf"]
+    lines = [f"performance ({p['perf_mode']}): {p['nodes']} nodes, {p['records']} node runs, node time per run "
+             f"{_f(p['node_time_us'])} us (time from {p['time_from']}); {p['skipped_rows']} rows skipped, "
+             f"{p['hidden_nodes']} nodes left out (perf_skip.log)"]
+    wrong = p.get("slow_and_wrong") or []
+    if wrong:
+        lines.append(f"SLOW AND WRONG: {', '.join(wrong)} (among the slowest nodes and failing)")
+    if p["slowest"]:
+        lines.append(f"slowest {min(top, len(p['slowest']))} nodes:")
+        lines.append(f"  {'node':40.40}  {'op':14.14}  {'mean_us':>10}  {'share':>7}  {'accuracy':8}  bound")
+        for n in p["slowest"][:top]:
+            acc = n.get("accuracy")
+            verdict = "" if acc is None else ("pass" if acc["passed"] else "FAIL")
+            share = f"{n['share_pct']:.1f}%" if n["share_pct"] is not None else "-"
+            lines.append(f"  {n['name']:40.40}  {n['op_type']:14.14}  {_f(n['mean_us']):>10}  {share:>7}  "
+                         f"{verdict:8}  {n['bound'] or ''}")
+    return lines
 
 
 def _f(v) -> str:

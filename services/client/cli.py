@@ -59,7 +59,25 @@ def _add_run(sub) -> None:
     p.add_argument("--listing", action="store_true",
                    help="also print every compared node as index.name OP_TYPE MSE COS RMSE")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_perf_options(p)
     p.set_defaults(func=_cmd_run)
+
+
+def _add_perf_options(p) -> None:
+    import os
+
+    g = p.add_argument_group("performance data (DUMP_OP_PERF)")
+    g.add_argument("--perf-mode", "--perf_mode", default=os.environ.get("DUMP_OP_PERF") or "accuracy",
+                   choices=["accuracy", "perf", "both", "0", "1", "2"],
+                   help="accuracy only (0, default), performance only (1) or both (2); default from DUMP_OP_PERF")
+    g.add_argument("--perf-all-nodes", "--perf_all_nodes", nargs="?", const=True, default=True, type=_bool,
+                   help="False: leave out nodes whose name contains _span (default True)")
+    g.add_argument("--perf-runs", "--perf_runs", type=int, help="live: profiled runs after one warm-up (default 5)")
+    g.add_argument("--clock-mhz", "--clock_mhz", type=float,
+                   help="counters without a duration: time = mcu_cycle / clock (default 1000 MHz)")
+    g.add_argument("--perf-graph-optimization", default="", choices=["", "all", "extended", "basic", "none"],
+                   help="live: onnxruntime graph optimization of the profiled run (default extended: fused nodes "
+                        "keep their first node's name; all: as deployed, x86 layout nodes renamed)")
 
 
 def _cmd_run(a) -> int:
@@ -72,7 +90,8 @@ def _cmd_run(a) -> int:
                  diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict, skip_keys=a.skip_keys,
                  exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
                  show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins, min_max=a.min_max,
-                 progress=not a.no_progress)
+                 progress=not a.no_progress, perf_mode=a.perf_mode, perf_all_nodes=a.perf_all_nodes,
+                 perf_runs=a.perf_runs, clock_mhz=a.clock_mhz, perf_graph_optimization=a.perf_graph_optimization)
     print(format_summary(result.summary, result.out))
     return 0
 
@@ -224,6 +243,34 @@ def _cmd_worker(a) -> int:
     return 0
 
 
+def _add_perf_diff(sub) -> None:
+    p = sub.add_parser("perf-diff", help="compare the performance of two runs against a baseline",
+                       description="List the nodes whose time or counters changed between BASE and NEW beyond "
+                                   "--threshold, flag more pld bytes (repeated moves) and more L1/IMB conflict "
+                                   "cycles (bank conflicts), and show NEW's top nodes by mcu_cycle (or time) with "
+                                   "a data-bound / compute-bound hint. Exit status 1 when a node changed.")
+    p.add_argument("base", help="baseline: a report directory, a dump directory or an op_perf.csv")
+    p.add_argument("new", help="the run to check, same kinds")
+    p.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")
+    p.add_argument("--min-us", type=float, default=1.0, help="time changes smaller than this are noise (default 1)")
+    p.add_argument("--top", type=int, default=5, help="top nodes of NEW to show (default 5)")
+    p.add_argument("--json", help="also write the result as JSON to this file")
+    p.set_defaults(func=_cmd_perf_diff)
+
+
+def _cmd_perf_diff(a) -> int:
+    import json
+
+    from layerdiff.analyzer.perfdiff import format_diff, perf_diff
+
+    d = perf_diff(a.base, a.new, threshold=a.threshold, min_us=a.min_us, top=a.top)
+    print(format_diff(d))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(d, f, indent=1)
+    return 1 if d["changed"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from layerdiff import __version__
 
@@ -239,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_dump(sub)
     _add_overflow(sub)
+    _add_perf_diff(sub)
     return parser
 
 

@@ -3,7 +3,9 @@ move from the mapped dump file or the runtime's buffer onto the wire without
 a Python-side copy.
 
 - ``DoGet(Ticket = layerdiff.v1.CaptureRequest bytes)``: the tensor stream,
-  record batches of ``layerdiff.schema.TENSOR_SCHEMA``.
+  record batches of ``layerdiff.schema.TENSOR_SCHEMA``; with
+  ``stream = CAPTURE_STREAM_PERF`` the performance stream of the same source,
+  record batches of ``layerdiff.perfschema.PERF_SCHEMA``.
 - ``DoPut(descriptor path ["artifact", NAME])``: upload one file as batches of
   one binary column; the reply's metadata is a ``layerdiff.v1.ArtifactRef``.
 - ``DoAction("health")``: a ``layerdiff.v1.HealthReply``.
@@ -27,11 +29,14 @@ from layerdiff import __version__
 from layerdiff.artifacts import ArtifactStore
 from layerdiff.collector.dumpdir import DumpDirectory
 from layerdiff.collector.live import LiveRunner
+from layerdiff.collector.perfcounters import dump_perf_records
+from layerdiff.collector.profile import profile_model
 from layerdiff.collector.watch import watch_records
 from layerdiff.memory import release_freed_tensors_to_system
 from layerdiff.errors import LayerdiffError, NotFoundError, UnavailableError
 from layerdiff.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from layerdiff.onnxgraph import load_inputs
+from layerdiff.perfschema import PERF_SCHEMA, PerfRecord, encode_perf
 from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, encode_records
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -64,18 +69,31 @@ class CollectorFlight(flight.FlightServerBase):
                                      idle_s=d.idle_timeout_s or 10.0)
             return DumpDirectory(d.path, fmt=d.format, default_concat_dim=d.default_concat_dim).records()
         if kind == "live":
-            live = request.live
-            model = self.store.read(live.model_artifact, "model_artifact")
-            feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
-                                self.store.name(live.inputs_artifact))
-            device_model = self.store.read(live.device_model_artifact, "device_model_artifact") \
-                if live.device_model_artifact else None
-            runner = LiveRunner(model, feeds, precision=live.precision or "fp32", device=live.device or "cpu",
-                                device_model_bytes=device_model,
-                                model_name=self.store.name(live.model_artifact),
-                                device_model_name=self.store.name(live.device_model_artifact)
-                                if live.device_model_artifact else "device.onnx")
-            return runner.records(live.dump_mode or "output")
+            return self._live_runner(request.live).records(request.live.dump_mode or "output")
+        raise LayerdiffError("capture request names no source (live or dump)", field="source")
+
+    def _live_runner(self, live: pb.LiveSource) -> LiveRunner:
+        model = self.store.read(live.model_artifact, "model_artifact")
+        feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
+                            self.store.name(live.inputs_artifact))
+        device_model = self.store.read(live.device_model_artifact, "device_model_artifact") \
+            if live.device_model_artifact else None
+        return LiveRunner(model, feeds, precision=live.precision or "fp32", device=live.device or "cpu",
+                          device_model_bytes=device_model,
+                          model_name=self.store.name(live.model_artifact),
+                          device_model_name=self.store.name(live.device_model_artifact)
+                          if live.device_model_artifact else "device.onnx")
+
+    def perf_source(self, request: pb.CaptureRequest) -> Iterator[PerfRecord]:
+        """Performance records: the dump's counter files, or the device model
+        run whole under onnxruntime's profiler."""
+        kind = request.WhichOneof("source")
+        if kind == "dump":
+            return dump_perf_records(request.dump.path)
+        if kind == "live":
+            runner = self._live_runner(request.live)
+            return profile_model(runner.model, runner.feeds, runner.providers, runs=request.perf.runs,
+                                 graph_optimization=request.perf.graph_optimization)
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
 
     def do_get(self, context, ticket):
@@ -83,6 +101,8 @@ class CollectorFlight(flight.FlightServerBase):
             request = pb.CaptureRequest.FromString(ticket.ticket)
         except Exception as e:
             raise pa.ArrowInvalid(f"ticket is not a layerdiff.v1.CaptureRequest: {e}") from None
+        if request.stream == pb.CAPTURE_STREAM_PERF:
+            return self._perf_stream(request)
         chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES // 2)
         try:
             records = self.source(request)
@@ -102,6 +122,24 @@ class CollectorFlight(flight.FlightServerBase):
                 raise _to_flight_error(e) from None
 
         return flight.GeneratorStream(TENSOR_SCHEMA, stream())
+
+    def _perf_stream(self, request: pb.CaptureRequest):
+        try:
+            records = self.perf_source(request)
+            first = next(records, None)   # set-up errors become the call's status, as for tensors
+        except Exception as e:
+            log.warning("perf capture %s refused: %s", request.job_id, e)
+            raise _to_flight_error(e) from None
+
+        def stream():
+            try:
+                if first is not None:
+                    yield from encode_perf(_chain(first, records))
+            except Exception as e:
+                log.exception("perf capture %s failed", request.job_id)
+                raise _to_flight_error(e) from None
+
+        return flight.GeneratorStream(PERF_SCHEMA, stream())
 
     # ------------------------------------------------------------ artifacts
     def do_put(self, context, descriptor, reader, writer):
