@@ -480,7 +480,10 @@ def timeline(t: PerfTable, acc: dict[str, AccuracyOfNode], title: str) -> dict:
             args.update(accuracy="pass" if a.passed else "fail", max_abs_err=_jnum(a.max_abs_err),
                         cosine=_jnum(a.cosine))
         cat = (n.op_type or "node") + (",accuracy_fail" if a is not None and not a.passed else "")
-        events.append({"name": n.name, "cat": cat, "ph": "X", "ts": round(ts, 3), "dur": round(dur, 3),
+        # Rounded ends, not rounded durations: slices laid end to end then
+        # share their boundary exactly instead of overlapping by a rounding.
+        start, end = round(ts, 3), round(ts + dur, 3)
+        events.append({"name": n.name, "cat": cat, "ph": "X", "ts": start, "dur": round(end - start, 3),
                        "pid": pid, "tid": tid, "args": args})
         span = spans.setdefault(r.run, [ts, ts + dur])
         span[0], span[1] = min(span[0], ts), max(span[1], ts + dur)

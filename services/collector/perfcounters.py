@@ -108,16 +108,32 @@ def read_counter_file(path: Path, shown: str, *, default_name: str | None = None
     """Records of one counter file; ``default_name`` names the node of a
     per-node file without a ``name`` column."""
     try:
-        f = open(path, newline="", encoding="utf-8-sig")
+        f = open(path, "rb")
     except OSError as e:
         yield PerfRecord.error("", f"cannot be read: {e.strerror}", shown)
         return
+    bad_lines: list[tuple[int, str]] = []
+
+    def lines():
+        # Decoded line by line, so that one line in another encoding costs
+        # that row only, not the rest of the file.
+        for no, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad_lines.append((no, f"line is not UTF-8 ({e.reason} at byte {e.start})"))
+                text = "\n"
+            yield text.lstrip("\ufeff") if no == 1 else text
+
     with f:
-        reader = csv.reader(f)
+        reader = csv.reader(lines())
         try:
             header = next(reader, None)
-        except (csv.Error, UnicodeDecodeError) as e:
+        except csv.Error as e:
             yield PerfRecord.error("", f"unreadable header: {e}", shown)
+            return
+        if bad_lines:
+            yield PerfRecord.error("", f"header {bad_lines[0][1]}", shown)
             return
         if not header:
             yield PerfRecord.error("", "empty file, no header row", shown)
@@ -136,11 +152,16 @@ def read_counter_file(path: Path, shown: str, *, default_name: str | None = None
             try:
                 cells = next(reader)
             except StopIteration:
-                break
-            except (csv.Error, UnicodeDecodeError) as e:
+                cells = None
+            except csv.Error as e:
                 yield PerfRecord.error("", f"unreadable at line {reader.line_num}: {e}; the rest of the file "
                                            "is left out", f"{shown}:{reader.line_num}")
                 return
+            for no, why in bad_lines:
+                yield PerfRecord.error("", why, f"{shown}:{no}")
+            bad_lines.clear()
+            if cells is None:
+                break
             where = f"{shown}:{reader.line_num}"
             if not cells or all(not c.strip() for c in cells):
                 continue
