@@ -27,22 +27,22 @@ import csv
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from layerdiff.analyzer.align import Aligner
+from layerdiff.collector.profile import DEFAULT_GRAPH_OPTIMIZATION, DEFAULT_RUNS, MAX_RUNS, check_graph_optimization
 from layerdiff.errors import LayerdiffError
 from layerdiff.names import safe_filename
 from layerdiff.perfschema import COUNTER_COLUMNS, PerfRecord, decode_perf
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 DEFAULT_CLOCK_MHZ = 1000.0
-DEFAULT_RUNS = 5
 SPAN_MARK = "_span"
 SLOW_RANK = 10            # "slow": among the slowest tenth of the nodes, at most this many
 MODES = {"accuracy": pb.PERF_MODE_ACCURACY, "perf": pb.PERF_MODE_PERF, "both": pb.PERF_MODE_BOTH,
          "0": pb.PERF_MODE_ACCURACY, "1": pb.PERF_MODE_PERF, "2": pb.PERF_MODE_BOTH}
 MODE_NAMES = {pb.PERF_MODE_ACCURACY: "accuracy", pb.PERF_MODE_PERF: "perf", pb.PERF_MODE_BOTH: "both"}
-GRAPH_OPTIMIZATIONS = ("all", "extended", "basic", "none")
 TIME_COLUMNS = ["total_us", "mean_us", "min_us", "max_us", "share_pct"]
 
 
@@ -62,7 +62,7 @@ class PerfSettings:
     hide_span_nodes: bool = False
     runs: int = DEFAULT_RUNS
     clock_mhz: float = DEFAULT_CLOCK_MHZ
-    graph_optimization: str = "extended"
+    graph_optimization: str = DEFAULT_GRAPH_OPTIMIZATION
 
     @property
     def enabled(self) -> bool:
@@ -83,16 +83,12 @@ def check_perf_options(o: pb.PerfOptions) -> PerfSettings:
     if o.mode not in MODE_NAMES:
         raise LayerdiffError(f"unknown perf mode {o.mode}", field="perf_mode")
     runs = o.runs or DEFAULT_RUNS
-    if runs < 1 or runs > 1000:
-        raise LayerdiffError("must be between 1 and 1000", field="perf_runs")
+    if runs < 1 or runs > MAX_RUNS:
+        raise LayerdiffError(f"must be between 1 and {MAX_RUNS}", field="perf_runs")
     clock = o.clock_mhz or DEFAULT_CLOCK_MHZ
     if not math.isfinite(clock) or clock <= 0:
         raise LayerdiffError("must be a positive frequency in MHz", field="clock_mhz")
-    level = (o.graph_optimization or "extended").lower()
-    if level not in GRAPH_OPTIMIZATIONS:
-        raise LayerdiffError(f"unknown graph optimization {level!r} (one of {', '.join(GRAPH_OPTIMIZATIONS)})",
-                             field="graph_optimization")
-    return PerfSettings(o.mode, o.hide_span_nodes, runs, clock, level)
+    return PerfSettings(o.mode, o.hide_span_nodes, runs, clock, check_graph_optimization(o.graph_optimization))
 
 
 # ------------------------------------------------------------------ receive
@@ -165,8 +161,13 @@ class PerfTable:
     time_from: str                     # "measured", "mcu_cycle at N MHz", "measured and ...", "none"
     settings: PerfSettings
 
+    @cached_property
+    def node_time_us(self) -> float:
+        """Summed mean time of the nodes: one run of the network, node by node."""
+        return sum(x.mean_us for x in self.nodes if x.mean_us is not None)
+
     def share_pct(self, n: NodePerf) -> float | None:
-        total = sum(x.mean_us for x in self.nodes if x.mean_us is not None)
+        total = self.node_time_us
         return 100.0 * n.mean_us / total if n.mean_us is not None and total > 0 else None
 
     def timed_nodes(self) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import logging
 import math
 import tempfile
 from pathlib import Path
@@ -36,7 +35,6 @@ import onnxruntime as ort
 from layerdiff.errors import LayerdiffError
 from layerdiff.perfschema import PerfRecord, shapes_json
 
-log = logging.getLogger(__name__)
 
 DEFAULT_RUNS = 5
 MAX_RUNS = 1000
@@ -93,7 +91,7 @@ def profile_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], provider
 
 # ----------------------------------------------------------------- parsing
 
-def _events(text: str, shown: str) -> tuple[list, str]:
+def _events(text: str) -> tuple[list, str]:
     """The trace's events and, when the text is cut short or broken, why
     reading stopped. Accepts the JSON array form and the object form
     ``{"traceEvents": [...]}``."""
@@ -160,7 +158,7 @@ def parse_profile(path: Path | str, shown: str, *, skip_runs: int = 0) -> Iterat
     except (OSError, UnicodeDecodeError) as e:
         yield PerfRecord.error("", f"cannot be read: {getattr(e, 'strerror', None) or e}", shown)
         return
-    events, broken = _events(text, shown)
+    events, broken = _events(text)
     windows: list[tuple[float, float]] = []
     nodes: list[tuple[int, dict, float, float]] = []
     for k, ev in enumerate(events):
