@@ -52,6 +52,18 @@ class _RowError(Exception):
 def parse_counter(text: str, column: str) -> int | None:
     """A counter cell: an unsigned integer (``1500``, ``1.5e3``, ``0x5dc``);
     empty or NA = not measured."""
+    try:
+        v = int(text)       # the common case, first: a file has tens of counters per row
+    except ValueError:
+        return _parse_counter_other(text, column)
+    if v < 0:
+        raise _RowError(f"negative count {v}", column)
+    if v > COUNTER_MAX:
+        raise _RowError(f"{text.strip()} overflows a 64-bit counter (a wrapped register?)", column)
+    return v
+
+
+def _parse_counter_other(text: str, column: str) -> int | None:
     t = text.strip()
     if t.lower() in _ABSENT:
         return None
@@ -146,6 +158,8 @@ def read_counter_file(path: Path, shown: str, *, default_name: str | None = None
         if "name" not in header and default_name is None:
             yield PerfRecord.error("", "no 'name' column in the header", shown)
             return
+        counter_cols = [h for h in header if h in COUNTER_SET]
+        extra_cols = [h for h in header if h and h not in COUNTER_SET and h not in _IDENTITY]
         runs_seen: dict[str, int] = {}
         order_of: dict[str, int] = {}
         while True:
@@ -174,7 +188,7 @@ def read_counter_file(path: Path, shown: str, *, default_name: str | None = None
                 yield PerfRecord.error("", "row has no node name", where)
                 continue
             try:
-                rec = _record(row, name, where)
+                rec = _record(row, name, where, counter_cols, extra_cols)
             except _RowError as e:
                 yield PerfRecord.error(name, str(e), where)
                 continue
@@ -186,24 +200,21 @@ def read_counter_file(path: Path, shown: str, *, default_name: str | None = None
             yield rec
 
 
-def _record(row: dict[str, str], name: str, where: str) -> PerfRecord:
+def _record(row: dict[str, str], name: str, where: str, counter_cols: list[str], extra_cols: list[str]
+            ) -> PerfRecord:
     counters: dict[str, int] = {}
-    extra: dict[str, str] = {}
-    for col, text in row.items():
-        if col in COUNTER_SET:
-            v = parse_counter(text, col)
-            if v is not None:
-                counters[col] = v
-        elif col not in _IDENTITY and col:
-            extra[col] = text
+    for col in counter_cols:
+        v = parse_counter(row[col], col)
+        if v is not None:
+            counters[col] = v
     order = _index(row.get("order", ""), "order")
     run = _index(row.get("run", ""), "run")
     stream = (row.get("stream_id") if "stream_id" in row else row.get("stream", "")) or ""
     return PerfRecord(name=name, op_type=row.get("op_type", "").strip(), order=-1 if order is None else order,
                       run=-1 if run is None else run, stream=stream.strip(),
                       provider=row.get("provider", "").strip(), start_us=_time(row.get("start_us", ""), "start_us"),
-                      dur_us=_time(row.get("dur_us", ""), "dur_us"), counters=counters, extra=extra,
-                      source=where)
+                      dur_us=_time(row.get("dur_us", ""), "dur_us"), counters=counters,
+                      extra={col: row[col] for col in extra_cols}, source=where)
 
 
 def dump_perf_records(path: str) -> Iterator[PerfRecord]:
