@@ -371,9 +371,10 @@ def test_bad_perf_options_fail_the_submit(services, cnn_files):
                 inputs_artifact=client.upload(inputs.read_bytes(), "inputs.npz"), collector=collector.address)
     for perf, field in ((pb.PerfOptions(mode=pb.PERF_MODE_PERF, runs=5000), "perf_runs"),
                         (pb.PerfOptions(mode=pb.PERF_MODE_BOTH, graph_optimization="fast"), "graph_optimization"),
-                        (pb.PerfOptions(mode=pb.PERF_MODE_PERF, clock_mhz=-1), "clock_mhz")):
+                        (pb.PerfOptions(mode=pb.PERF_MODE_PERF, clock_mhz=-1), "clock_mhz"),
+                        (pb.PerfOptions(mode=pb.PERF_MODE_PERF), "watch")):
         with pytest.raises(grpc.RpcError) as ei:
-            client.submit(pb.JobSpec(perf=perf, **base))
+            client.submit(pb.JobSpec(perf=perf, watch=field == "watch", dump_path=str(model.parent), **base))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in ei.value.details()
     # a dump with no performance data: the job fails and says where it looked
     job = client.submit(pb.JobSpec(perf=pb.PerfOptions(mode=pb.PERF_MODE_PERF), dump_path=str(model.parent),
@@ -448,3 +449,37 @@ def test_perf_diff_flags_the_planted_regressions_and_nothing_else(services, cnn_
     same = subprocess.run([sys.executable, "-m", "layerdiff.client.cli", "perf-diff", str(base_dir), str(base_dir)],
                           capture_output=True, text=True, timeout=120)
     assert same.returncode == 0 and "0 changed" in same.stdout
+
+
+def test_watched_dump_counters_are_read_when_the_runtime_is_done(services, cnn_files, tmp_path):
+    """With --watch the runtime writes its counters last, after the tensors:
+    the job reads them once the watch has ended."""
+    import threading
+    import time
+
+    from layerdiff.collector.live import LiveRunner
+
+    collector, analyzer = services
+    model, inputs, device = cnn_files
+    records = list(LiveRunner(model.read_bytes(), dict(np.load(inputs)),
+                              device_model_bytes=device.read_bytes()).records())
+    dump = tmp_path / "dump"
+    dump.mkdir()
+
+    def runtime():
+        for r in records:
+            np.save(dump / f"{r.name}.npy", r.array, allow_pickle=False)
+            time.sleep(0.1)
+        _write_counter_csv(dump / "op_perf.csv", [{"name": r.node, "mcu_cycle": 1000 * (i + 1)}
+                                                  for i, r in enumerate(records)], ["name", "mcu_cycle"])
+        (dump / "manifest.json").write_text(json.dumps({"nodes": [{"name": r.name, "file": f"{r.name}.npy"}
+                                                                  for r in records]}))
+
+    writer = threading.Thread(target=runtime, daemon=True)
+    writer.start()
+    res = run(model, inputs, dump=str(dump), watch=True, out=tmp_path / "out", analyzer=analyzer.address,
+              collector=collector.address, progress=False, perf_mode="both")
+    writer.join()
+    assert res.first_failing_node == "conv2" and res.summary["perf"]["nodes"] == 9
+    view = {v["node"]: v for v in res.summary["node_view"]}
+    assert view["conv2"]["perf"]["mcu_cycle"] == 3000 and view["conv2"]["accuracy"]["passed"] is False

@@ -122,9 +122,13 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     given_ranges, range_skips = parse_min_max(o.min_max_text) if o.min_max_text.strip() else ({}, [])
     quantized = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
         store.read(spec.device_model_artifact, "device_model_artifact")))
+    perf = check_perf_options(spec.perf)
+    if perf.only and spec.watch:
+        raise LayerdiffError("watch streams tensors while the runtime writes them; a performance-only job reads "
+                             "the counter files once: run it when the runtime has finished", field="watch")
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
                     o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips,
-                    perf=check_perf_options(spec.perf))
+                    perf=perf)
 
 
 def _is_quantized(model_bytes: bytes) -> bool:
@@ -203,7 +207,8 @@ class JobRunner:
             first = summary["first_failing_node"]
             first_name = first["node"] if first else ""
             job.emit(pb.DONE, nodes_done=total, nodes_total=total, first_failing_node=first_name,
-                     message=f"first failing node: {first_name}" if first else "all compared nodes pass")
+                     message=f"first failing node: {first_name}" if first else
+                     ("performance only: no node compared" if p.perf.only else "all compared nodes pass"))
         except _Cancelled:
             job.emit(pb.CANCELLED, message="cancelled")
         except LayerdiffError as e:
@@ -233,8 +238,9 @@ class JobRunner:
         spec = job.spec
         total = len(p.reference.sites)
         # Timed first, before the reference runs, so that nothing of this job
-        # loads the host while the device is being timed.
-        perf = self._capture_perf(job, p) if p.perf.enabled else None
+        # loads the host while the device is being timed; a watched dump's
+        # counter files are read once the runtime has finished writing it.
+        perf = self._capture_perf(job, p) if p.perf.enabled and not spec.watch else None
         if p.perf.only:
             from layerdiff.analyzer.perf import write_perf_only
 
@@ -271,6 +277,8 @@ class JobRunner:
             collector.close()
         if job.cancelled.is_set():
             raise _Cancelled()
+        if p.perf.enabled and perf is None:
+            perf = self._capture_perf(job, p)
         job.emit(pb.REPORTING, nodes_done=total, nodes_total=total)
         job_info = self._job_info(job, p, started)
         sections = None

@@ -39,6 +39,9 @@ from layerdiff.v1 import layerdiff_pb2 as pb
 
 DEFAULT_CLOCK_MHZ = 1000.0
 SPAN_MARK = "_span"
+# A job keeps its performance records in memory until the reports are
+# written (a few hundred bytes each); beyond this many the rest is left out.
+MAX_RECORDS = 2_000_000
 SLOW_RANK = 10            # "slow": among the slowest tenth of the nodes, at most this many
 MODES = {"accuracy": pb.PERF_MODE_ACCURACY, "perf": pb.PERF_MODE_PERF, "both": pb.PERF_MODE_BOTH,
          "0": pb.PERF_MODE_ACCURACY, "1": pb.PERF_MODE_PERF, "2": pb.PERF_MODE_BOTH}
@@ -99,14 +102,19 @@ class PerfData:
     errors: list[tuple[str, str]] = field(default_factory=list)     # (where, why)
 
 
-def receive(call) -> PerfData:
-    """Read a performance stream (a Flight reader) to its end."""
+def receive(call, max_records: int = MAX_RECORDS) -> PerfData:
+    """Read a performance stream (a Flight reader) to its end, or to
+    ``max_records`` records: the rest is left out with a reason."""
     data = PerfData()
     for chunk in call:
         try:
             records = decode_perf(chunk.data)
         except ValueError as e:
             raise LayerdiffError(f"performance stream: {e}", field="stream") from None
+        if len(data.records) + len(records) > max_records:
+            call.cancel()
+            data.errors.append(("collector", f"more than {max_records} performance records; the rest is left out"))
+            break
         for r in records:
             if r.ok:
                 data.records.append(r)
