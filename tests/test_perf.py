@@ -129,7 +129,7 @@ def test_accuracy_and_time_side_by_side(services, cnn_files, tmp_path):
     model, inputs, device = cnn_files
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "layerdiff.client.cli", "run", str(model), "--inputs", str(inputs),
-                           "--device-model", str(device), "--perf-mode", "2", "--perf-runs", "3",
+                           "--device-model", str(device), "--perf-mode", "2", "--perf-runs", "3", "--dump-mode", "all",
                            "--analyzer", analyzer.address, "--collector", collector.address, "--out", str(out),
                            "--no-progress"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -138,6 +138,8 @@ def test_accuracy_and_time_side_by_side(services, cnn_files, tmp_path):
     assert summary["first_failing_node"]["node"] == "conv2" and summary["perf"]["perf_mode"] == "both"
     view = {v["node"]: v for v in summary["node_view"]}
     assert view["conv2"]["accuracy"]["passed"] is False and view["conv2"]["accuracy"]["first_failing"]
+    # the node's verdict is what it computed; the inputs it read are reported on their own
+    assert summary["counts"]["inputs_compared"] > 0 and view["conv2"]["accuracy"]["tensors"] == ["conv2_out"]
     assert view["conv2"]["perf"]["runs"] == 3 and view["conv2"]["perf"]["mean_us"] > 0
     assert view["conv1"]["accuracy"]["passed"] and view["conv1"]["perf"]["device_op_type"] == "FusedConv"
     # relu1 ran fused into conv1: compared, but never timed on its own

@@ -379,12 +379,18 @@ class AccuracyOfNode:
     max_abs_err: float | None
     cosine: float | None
     first_failing: bool = False
+    overflow: str = ""                 # why the device flagged the node, if it did
 
 
-def accuracy_by_node(rows: list, first_failing_tensor: str | None) -> dict[str, AccuracyOfNode]:
-    """Reference node -> its compared outputs folded into one verdict."""
+def accuracy_by_node(rows: list, first_failing_tensor: str | None,
+                     overflow: dict[str, str] | None = None) -> dict[str, AccuracyOfNode]:
+    """Reference node -> its compared outputs folded into one verdict. A
+    node's inputs are what it inherited, not what it computed: they do not
+    make its verdict."""
     out: dict[str, AccuracyOfNode] = {}
     for r in rows:
+        if r.is_input:
+            continue
         m = r.outcome.metrics
         a = out.get(r.site.node)
         if a is None:
@@ -395,6 +401,7 @@ def accuracy_by_node(rows: list, first_failing_tensor: str | None) -> dict[str, 
         a.cosine = _fmin(a.cosine, m.cosine)
         if r.site.tensor == first_failing_tensor:
             a.first_failing = True
+        a.overflow = (overflow or {}).get(r.site.node, "")
     return out
 
 
@@ -563,19 +570,21 @@ def _view_entry(name, op_type, order, a: AccuracyOfNode | None, n: NodePerf | No
     accuracy = None
     if a is not None:
         accuracy = {"passed": a.passed, "constant": a.constant, "first_failing": a.first_failing,
-                    "tensors": a.tensors, "max_abs_err": _jnum(a.max_abs_err), "cosine": _jnum(a.cosine)}
+                    "tensors": a.tensors, "max_abs_err": _jnum(a.max_abs_err), "cosine": _jnum(a.cosine),
+                    "overflow": a.overflow or None}
     slow = perf is not None and perf["slow_rank"] is not None and perf["slow_rank"] <= slow_cut(t)
     return {"node": name, "op_type": op_type, "order": order, "accuracy": accuracy, "perf": perf,
             "slow_and_wrong": bool(slow and a is not None and not a.passed and not a.constant)}
 
 
 def write_perf_report(out: Path, t: PerfTable, rows: list, first_failing_tensor: str | None,
-                      reference_order: dict[str, tuple[int, str]], title: str) -> dict:
+                      reference_order: dict[str, tuple[int, str]], title: str,
+                      overflow: dict[str, str] | None = None) -> dict:
     """Every performance file; returns the sections summary.json gains:
     ``perf`` (settings, counts, time source, slowest nodes, op statistic,
     files) and ``node_view`` (accuracy and time per node, side by side)."""
     out.mkdir(parents=True, exist_ok=True)
-    acc = accuracy_by_node(rows, first_failing_tensor)
+    acc = accuracy_by_node(rows, first_failing_tensor, overflow)
     files = write_tables(out, t)
     write_op_summary(out, t, acc)
     stats = op_statistic(t)
@@ -629,7 +638,7 @@ def write_perf_sections(out: Path, data: PerfData, aligner: Aligner, sites, sett
     table = build_table(data, aligner, settings)
     first = rep.first_failing()
     return write_perf_report(out, table, rep.ordered(), first.site.tensor if first else None,
-                             _reference_order(sites), _title(job))
+                             _reference_order(sites), _title(job), rep.overflow)
 
 
 def write_perf_only(out: Path, data: PerfData, aligner: Aligner, sites, settings: PerfSettings, *, job: dict,
@@ -644,8 +653,10 @@ def write_perf_only(out: Path, data: PerfData, aligner: Aligner, sites, settings
         "tool": "layerdiff", "version": __version__, **job, "parameters": parameters,
         "first_failing_node": None,
         "counts": {"reference_tensors": len(sites), "compared": 0, "failed": 0, "failed_constants": 0,
-                   "passed": 0, "skipped": 0, "not_dumped": 0, "invalid_out": 0, "device_tensors": 0},
-        "failing_nodes": [], "failing_constants": [], "detail_files": {}, "nodes": [],
+                   "passed": 0, "skipped": 0, "not_dumped": 0, "invalid_out": 0, "device_tensors": 0,
+                   "inputs_compared": 0, "inputs_failed": 0, "overflowing_nodes": 0},
+        "failing_nodes": [], "failing_constants": [], "failing_inputs": [], "overflow_nodes": [], "detail_files": {},
+        "nodes": [],
         **sections,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")
