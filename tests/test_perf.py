@@ -96,6 +96,8 @@ def test_live_profile_times_every_executed_node(services, cnn_files, tmp_path):
     assert json.loads(by["conv1"]["input_shapes"])[0] == ["float", [1, 3, 16, 16]]
     assert json.loads(by["conv3"]["output_shapes"]) == [["float", [1, 16, 16, 16]]]
     assert abs(sum(float(r["share_pct"]) for r in rows) - 100.0) < 0.01
+    waits = {r["name"]: r["wait_us"] for r in _csv(out / "op_summary.csv")}
+    assert waits["conv1"] == "" and all(float(waits[n]) >= 0 for n in names[1:])   # idle before each node
     for r in rows:
         per_run = _csv(out / "perf" / f"{r['name'].replace('/', '_')}.csv")
         assert [p["run"] for p in per_run] == ["0", "1", "2", "3"]

@@ -427,12 +427,30 @@ def _jnum(v):
     return v
 
 
+def wait_us(t: PerfTable) -> dict[str, float]:
+    """Per node, the mean time its stream sat idle before it started (the
+    gap after the previous node on the same stream in the same run), where
+    the source gives start times."""
+    by_track: dict[tuple[str, int], list[tuple[float, float, str]]] = {}
+    for n in t.nodes:
+        for r, dur in zip(n.runs, n.times):
+            if r.start_us is not None and dur is not None:
+                by_track.setdefault((r.stream, r.run), []).append((r.start_us, dur, n.name))
+    gaps: dict[str, list[float]] = {}
+    for slices in by_track.values():
+        slices.sort()
+        for (s0, d0, _), (s1, _, name) in zip(slices, slices[1:]):
+            gaps.setdefault(name, []).append(max(0.0, s1 - (s0 + d0)))
+    return {k: sum(v) / len(v) for k, v in gaps.items()}
+
+
 def write_op_summary(out: Path, t: PerfTable, acc: dict[str, AccuracyOfNode]) -> None:
     ranks = t.slow_ranks()
+    waits = wait_us(t)
     with open(out / "op_summary.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["order", "name", "op_type", "provider", "stream", "runs"] + TIME_COLUMNS
-                   + ["slow_rank", "mcu_cycle", "bound", "input_shapes", "output_shapes",
+                   + ["wait_us", "slow_rank", "mcu_cycle", "bound", "input_shapes", "output_shapes",
                       "reference_node", "accuracy", "max_abs_err", "cosine"])
         for n in t.nodes:
             i = _identity(n, None)
@@ -441,7 +459,8 @@ def write_op_summary(out: Path, t: PerfTable, acc: dict[str, AccuracyOfNode]) ->
             hint = bound_hint(n.counter_mean)
             w.writerow([n.order, n.name, n.op_type, i["provider"], i["stream"], len(n.runs),
                         _us(n.total_us), _us(n.mean_us), _us(min(kt) if kt else None),
-                        _us(max(kt) if kt else None), _us(t.share_pct(n)), ranks.get(n.name, ""),
+                        _us(max(kt) if kt else None), _us(t.share_pct(n)), _us(waits.get(n.name)),
+                        ranks.get(n.name, ""),
                         _num(n.counter_mean("mcu_cycle")), hint["bound"] if hint else "",
                         i["input_shapes"], i["output_shapes"], n.reference_node or "",
                         "" if a is None else ("pass" if a.passed else "fail"),

@@ -75,7 +75,7 @@ def _add_perf_options(p) -> None:
     g.add_argument("--perf-runs", "--perf_runs", type=int, help="live: profiled runs after one warm-up (default 5)")
     g.add_argument("--clock-mhz", "--clock_mhz", type=float,
                    help="counters without a duration: time = mcu_cycle / clock (default 1000 MHz)")
-    g.add_argument("--perf-graph-optimization", default="", choices=["", "all", "extended", "basic", "none"],
+    g.add_argument("--perf-graph-optimization", default="", choices=["all", "extended", "basic", "none"],
                    help="live: onnxruntime graph optimization of the profiled run (default extended: fused nodes "
                         "keep their first node's name; all: as deployed, x86 layout nodes renamed)")
 
