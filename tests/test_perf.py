@@ -455,6 +455,19 @@ def test_perf_diff_flags_the_planted_regressions_and_nothing_else(services, cnn_
     assert same.returncode == 0 and "0 changed" in same.stdout
 
 
+def test_perf_diff_faster_is_listed_but_not_a_regression(tmp_path):
+    from layerdiff.analyzer.perfdiff import perf_diff
+
+    _write_counter_csv(tmp_path / "a.csv", [{"name": "n", "mcu_cycle": 1000, "dur_us": 10}],
+                       ["name", "mcu_cycle", "dur_us"])
+    _write_counter_csv(tmp_path / "b.csv", [{"name": "n", "mcu_cycle": 500, "dur_us": 5},
+                                            {"name": "m", "mcu_cycle": 5, "dur_us": "oops"}],
+                       ["name", "mcu_cycle", "dur_us"])
+    d = perf_diff(tmp_path / "a.csv", tmp_path / "b.csv")
+    assert [(c["node"], c["verdict"]) for c in d["changed"]] == [("n", "faster")] and not d["regressed"]
+    assert d["only_in_new"] == ["m"] and "'oops'" in d["skipped"][0]["why"]
+
+
 def test_watched_dump_counters_are_read_when_the_runtime_is_done(services, cnn_files, tmp_path):
     """With --watch the runtime writes its counters last, after the tensors:
     the job reads them once the watch has ended."""

@@ -195,6 +195,7 @@ def perf_diff(base_path, new_path, *, threshold: float = 0.10, min_us: float = 1
         "only_in_new": sorted(set(new.nodes) - set(base.nodes)),
         "top_by": by, "top": tops,
         "skipped": [{"where": w, "why": y} for w, y in base.skipped + new.skipped],
+        "regressed": any(ch["direction"] == "up" for c in changed for ch in c["changes"]),
     }
 
 
@@ -206,9 +207,10 @@ def _v(v) -> str:
 
 def format_diff(d: dict) -> str:
     slower = sum(1 for c in d["changed"] if c["verdict"] == "slower")
+    faster = sum(1 for c in d["changed"] if c["verdict"] == "faster")
     lines = [f"perf-diff {d['base']} -> {d['new']}: {d['compared']} nodes compared, {len(d['changed'])} changed "
-             f"beyond {100 * d['threshold']:g}% ({slower} slower), {len(d['only_in_base'])} only in base, "
-             f"{len(d['only_in_new'])} only in new"]
+             f"beyond {100 * d['threshold']:g}% ({slower} slower, {faster} faster), {len(d['only_in_base'])} only "
+             f"in base, {len(d['only_in_new'])} only in new"]
     if d["changed"]:
         lines.append(f"  {'node':32.32}  {'metric':20.20}  {'base':>14}  {'new':>14}  {'change':>9}")
         for c in d["changed"]:

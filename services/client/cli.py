@@ -248,7 +248,7 @@ def _add_perf_diff(sub) -> None:
                        description="List the nodes whose time or counters changed between BASE and NEW beyond "
                                    "--threshold, flag more pld bytes (repeated moves) and more L1/IMB conflict "
                                    "cycles (bank conflicts), and show NEW's top nodes by mcu_cycle (or time) with "
-                                   "a data-bound / compute-bound hint. Exit status 1 when a node changed.")
+                                   "a data-bound / compute-bound hint. Exit status 1 when a time or a counter grew.")
     p.add_argument("base", help="baseline: a report directory, a dump directory or an op_perf.csv")
     p.add_argument("new", help="the run to check, same kinds")
     p.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")
@@ -268,7 +268,7 @@ def _cmd_perf_diff(a) -> int:
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(d, f, indent=1)
-    return 1 if d["changed"] else 0
+    return 1 if d["regressed"] else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
