@@ -66,6 +66,10 @@ def check_trace_events(doc) -> dict[int, list[dict]]:
     return tracks
 
 
+def _track_names(doc) -> dict[int, str]:
+    return {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+
+
 def _optimized_nodes(model: onnx.ModelProto, level) -> list[str]:
     """The nodes onnxruntime executes at this optimization level."""
     import tempfile
@@ -110,10 +114,13 @@ def test_live_profile_times_every_executed_node(services, cnn_files, tmp_path):
     assert res.summary["perf"]["perf_mode"] == "perf" and res.summary["counts"]["compared"] == 0
     assert res.summary["perf"]["time_from"] == "measured"
 
-    tracks = check_trace_events(json.loads((out / "timeline.json").read_text()))
-    slices = [e for tid, evs in tracks.items() if tid != 0 for e in evs]
-    assert len(slices) == 4 * len(names) and {e["name"] for e in slices} == set(names)
-    assert [e["name"] for e in tracks[0]] == ["run 0", "run 1", "run 2", "run 3"]
+    doc = json.loads((out / "timeline.json").read_text())
+    tracks = check_trace_events(doc)
+    by_name = {_track_names(doc)[tid]: evs for tid, evs in tracks.items()}
+    assert [e["name"] for e in by_name.pop("runs")] == ["run 0", "run 1", "run 2", "run 3"]
+    [thread] = by_name       # onnxruntime's sequential executor: one thread
+    assert thread.startswith("thread ") and len(by_name[thread]) == 4 * len(names)
+    assert {e["name"] for e in by_name[thread]} == set(names)
 
     # The default level fuses as onnxruntime does: the timed nodes are the
     # nodes of the optimized graph, named after the first node they fuse.
@@ -216,8 +223,7 @@ def test_vendor_counter_file_reads_back_exactly(services, cnn_files, tmp_path):
     # one track per stream; counters ride along on each slice
     doc = json.loads((out / "timeline.json").read_text())
     tracks = check_trace_events(doc)
-    track_names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
-    on = {track_names[tid]: {e["name"] for e in evs} for tid, evs in tracks.items()}
+    on = {_track_names(doc)[tid]: {e["name"] for e in evs} for tid, evs in tracks.items()}
     assert on == {"0": {"conv1", "relu1", "fc"}, "1": {"conv2", "fused_span_3"}}
     first_conv2 = next(e for evs in tracks.values() for e in evs if e["name"] == "conv2" and e["args"]["run"] == 0)
     assert first_conv2["args"]["mcu_cycle"] == rows[2]["mcu_cycle"]
@@ -500,3 +506,17 @@ def test_watched_dump_counters_are_read_when_the_runtime_is_done(services, cnn_f
     assert res.first_failing_node == "conv2" and res.summary["perf"]["nodes"] == 9
     view = {v["node"]: v for v in res.summary["node_view"]}
     assert view["conv2"]["perf"]["mcu_cycle"] == 3000 and view["conv2"]["accuracy"]["passed"] is False
+
+
+def test_timeline_keeps_overlapping_slices_apart():
+    """A source whose start times overlap on one stream: the slice that would
+    partly overlap goes to a second lane, never moved, never mis-nested."""
+    from layerdiff.analyzer.perf import PerfData, PerfSettings, build_table, timeline
+
+    recs = [PerfRecord("a", start_us=0.0, dur_us=10.0, stream="s0"), PerfRecord("b", start_us=5.0, dur_us=10.0,
+                                                                                 stream="s0"),
+            PerfRecord("c", start_us=15.0, dur_us=1.0, stream="s0")]
+    doc = timeline(build_table(PerfData(recs), None, PerfSettings()), {}, "t")
+    tracks = check_trace_events(doc)
+    lanes = {_track_names(doc)[tid]: [(e["name"], e["ts"]) for e in evs] for tid, evs in tracks.items()}
+    assert lanes == {"runs": [("run 0", 0.0)], "s0": [("a", 0.0), ("c", 15.0)], "s0 (overlap 1)": [("b", 5.0)]}
