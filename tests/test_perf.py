@@ -156,6 +156,7 @@ def test_accuracy_and_time_side_by_side(services, cnn_files, tmp_path):
     assert [v["node"] for v in summary["node_view"]] == [n.name for n in onnx.load(str(model)).graph.node]
     summary_rows = {r["name"]: r for r in _csv(out / "op_summary.csv")}
     assert summary_rows["conv2"]["accuracy"] == "fail" and float(summary_rows["conv2"]["mean_us"]) > 0
+    assert summary_rows["conv2"]["verdict"] == view["conv2"]["accuracy"]["verdict"] == "computation error"
     assert summary_rows["conv1"]["accuracy"] == "pass"
     assert (out / "cpu_vs_npu.csv").exists() and (out / "conv2.csv").exists()
     tracks = check_trace_events(json.loads((out / "timeline.json").read_text()))

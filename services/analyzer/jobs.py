@@ -285,7 +285,8 @@ class JobRunner:
         if perf is not None:
             from layerdiff.analyzer.perf import write_perf_sections
 
-            sections = write_perf_sections(job.report_dir, perf, p.aligner, p.reference.sites, p.perf, rep,
+            def sections():
+                return write_perf_sections(job.report_dir, perf, p.aligner, p.reference.sites, p.perf, rep,
                                            job_info)
         return write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
                             node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,

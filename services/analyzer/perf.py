@@ -380,6 +380,7 @@ class AccuracyOfNode:
     cosine: float | None
     first_failing: bool = False
     overflow: str = ""                 # why the device flagged the node, if it did
+    verdict: str = ""                  # the diagnosis of a failing node (computation / accumulated ...)
 
 
 def accuracy_by_node(rows: list, first_failing_tensor: str | None,
@@ -402,6 +403,9 @@ def accuracy_by_node(rows: list, first_failing_tensor: str | None,
         if r.site.tensor == first_failing_tensor:
             a.first_failing = True
         a.overflow = (overflow or {}).get(r.site.node, "")
+        finding = getattr(r, "finding", None)
+        if finding is not None and finding.verdict and not a.verdict:
+            a.verdict = finding.verdict
     return out
 
 
@@ -451,7 +455,7 @@ def write_op_summary(out: Path, t: PerfTable, acc: dict[str, AccuracyOfNode]) ->
         w = csv.writer(f)
         w.writerow(["order", "name", "op_type", "provider", "stream", "runs"] + TIME_COLUMNS
                    + ["wait_us", "slow_rank", "mcu_cycle", "bound", "input_shapes", "output_shapes",
-                      "reference_node", "accuracy", "max_abs_err", "cosine"])
+                      "reference_node", "accuracy", "max_abs_err", "cosine", "verdict"])
         for n in t.nodes:
             i = _identity(n, None)
             kt = n.known_times
@@ -465,7 +469,7 @@ def write_op_summary(out: Path, t: PerfTable, acc: dict[str, AccuracyOfNode]) ->
                         i["input_shapes"], i["output_shapes"], n.reference_node or "",
                         "" if a is None else ("pass" if a.passed else "fail"),
                         "" if a is None else _num(_jnum(a.max_abs_err)),
-                        "" if a is None else _num(_jnum(a.cosine))])
+                        "" if a is None else _num(_jnum(a.cosine)), "" if a is None else a.verdict])
 
 
 def write_op_statistic(out: Path, rows: list[dict]) -> None:
@@ -533,6 +537,8 @@ def timeline(t: PerfTable, acc: dict[str, AccuracyOfNode], title: str) -> dict:
         if a is not None:
             args.update(accuracy="pass" if a.passed else "fail", max_abs_err=_jnum(a.max_abs_err),
                         cosine=_jnum(a.cosine))
+            if a.verdict:
+                args["verdict"] = a.verdict
         cat = (n.op_type or "node") + (",accuracy_fail" if a is not None and not a.passed else "")
         slices.append({"name": n.name, "cat": cat, "ph": "X", "ts": start, "dur": round(end - start, 3),
                        "pid": pid, "tid": lanes.place(stream, start, end), "args": args})
@@ -610,7 +616,7 @@ def _view_entry(name, op_type, order, a: AccuracyOfNode | None, n: NodePerf | No
     if a is not None:
         accuracy = {"passed": a.passed, "constant": a.constant, "first_failing": a.first_failing,
                     "tensors": a.tensors, "max_abs_err": _jnum(a.max_abs_err), "cosine": _jnum(a.cosine),
-                    "overflow": a.overflow or None}
+                    "overflow": a.overflow or None, "verdict": a.verdict or None}
     slow = perf is not None and perf["slow_rank"] is not None and perf["slow_rank"] <= slow_cut(t)
     return {"node": name, "op_type": op_type, "order": order, "accuracy": accuracy, "perf": perf,
             "slow_and_wrong": bool(slow and a is not None and not a.passed and not a.constant)}

@@ -181,7 +181,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                  consumers: dict[str, list[str]], all_sites: list[TensorSite],
                  node_inputs: dict[str, list[str]] | None = None, sections: dict | None = None) -> dict:
     """``sections``: further top-level parts of summary.json (the performance
-    data, its per-node view), written by their own modules."""
+    data, its per-node view), written by their own modules; a callable is
+    called once every row carries its diagnosis."""
     out.mkdir(parents=True, exist_ok=True)
     rows = rep.ordered()
     findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}))
@@ -269,7 +270,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "detail_files": detail_files,
         "nodes": [node_summary(r) for r in rows],
     }
-    summary.update(sections or {})
+    summary.update((sections() if callable(sections) else sections) or {})
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")
     return summary
 
