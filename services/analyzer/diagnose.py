@@ -130,13 +130,20 @@ def run_isolated(model: onnx.ModelProto, node_index: int, device_inputs: dict[in
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
         raise IsolationUnavailable("the node holds subgraphs")
     inits = {i.name: i for i in model.graph.initializer}
-    graph_inputs, values, used_inits = [], {}, []
+    # Weights held by Constant nodes are weights too: the reference's own
+    # Constant node goes into the isolated graph.
+    constant_nodes = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant" and n.output}
+    graph_inputs, values, used_inits, used_consts = [], {}, [], []
     for k, t in enumerate(node.input):
         if not t:
             continue
         if t in inits:
             if t not in {i.name for i in used_inits}:
                 used_inits.append(inits[t])
+            continue
+        if t in constant_nodes:
+            if constant_nodes[t] not in used_consts:
+                used_consts.append(constant_nodes[t])
             continue
         if t in values:
             continue
@@ -150,7 +157,7 @@ def run_isolated(model: onnx.ModelProto, node_index: int, device_inputs: dict[in
         graph_inputs.append(onnx.helper.make_tensor_value_info(
             t, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
     outputs = [onnx.ValueInfoProto(name=o) for o in node.output if o]
-    graph = onnx.helper.make_graph([node], "isolated", graph_inputs, outputs, initializer=used_inits)
+    graph = onnx.helper.make_graph(used_consts + [node], "isolated", graph_inputs, outputs, initializer=used_inits)
     m = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
     m.ir_version = model.ir_version
     so = ort.SessionOptions()
@@ -245,10 +252,12 @@ def _mean_rel(m: M.NodeMetrics) -> float:
     return m.mean_rel_err if m.total else 0.0
 
 
-def decide(rows: list, producer_rows: dict[str, list]) -> dict[int, Finding]:
+def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) -> dict[int, Finding]:
     """Findings for the failing output rows (by id(row)); ``producer_rows``
     maps a node to the rows of the tensors it reads (its input rows where
-    the dump had them, else its producers' output rows)."""
+    the dump had them, else its producers' output rows). A quantized build
+    loses more in each layer by design, so its bar for "gross" is lower."""
+    cos_floor = 0.99 if quantized else 0.999
     out: dict[int, Finding] = {}
     for row in rows:
         if row.is_input or not row.failed or row.is_constant:
@@ -256,8 +265,11 @@ def decide(rows: list, producer_rows: dict[str, list]) -> dict[int, Finding]:
         m = row.outcome.metrics
         f = Finding()
         ins = producer_rows.get(row.site.node, [])
-        in_metrics = [r.outcome.metrics for r in ins]
-        bad_weights = [r for r in ins if r.is_input and r.failed and r.site.tensor in row.constants_read]
+        # what it read: activations, and weights (initializers, Constant nodes)
+        weights = [r for r in ins if r.site.tensor in row.constants_read or (not r.is_input and r.is_constant)]
+        activations = [r for r in ins if r not in weights]
+        in_metrics = [r.outcome.metrics for r in activations]
+        bad_weights = [r for r in weights if r.failed]
         dev_bad = m.dev_nan + m.dev_inf
         ref_bad = m.ref_nan + m.ref_inf
         inputs_bad = any(x.dev_nan + x.dev_inf > 0 for x in in_metrics)
@@ -275,7 +287,7 @@ def decide(rows: list, producer_rows: dict[str, list]) -> dict[int, Finding]:
             # drops, or some elements are off by the size of the values
             # themselves. Rounding in the node's own reduced precision (FP16,
             # a quantized layer) does neither: that is precision loss.
-            gross = (not math.isnan(iso.cosine) and iso.cosine < 0.999) or (
+            gross = (not math.isnan(iso.cosine) and iso.cosine < cos_floor) or (
                 own >= 0.01 and own > 0.5 * full and iso.max_abs_diff > 0.5 * (m.ref_rms or 1.0))
             if not gross:
                 f.verdict = ACCUMULATED
@@ -293,6 +305,11 @@ def decide(rows: list, producer_rows: dict[str, list]) -> dict[int, Finding]:
                 f.evidence.append(f"re-run alone on its device inputs, the reference still disagrees with the "
                                   f"device: {iso.errors}/{iso.total} outside tolerance, cosine {_f(iso.cosine)}, "
                                   f"mean relative error {_f(iso.mean_rel_err)}")
+        elif not activations and any(t not in row.constants_read for t in row.reads):
+            f.verdict = ACCUMULATED
+            f.evidence.append("what it read was not dumped by the device, so nothing shows an error of its own")
+            if row.isolation_note:
+                f.evidence.append(f"no isolated re-run: {row.isolation_note}")
         else:
             in_rel = max((_mean_rel(x) for x in in_metrics), default=0.0)
             in_pearson = min((x.pearson for x in in_metrics if not math.isnan(x.pearson)), default=1.0)
@@ -306,7 +323,7 @@ def decide(rows: list, producer_rows: dict[str, list]) -> dict[int, Finding]:
                                   f"{_f(m.pearson)} on its output")
             elif row.uneven:
                 f.verdict = COMPUTATION
-            elif ins and all(not r.failed for r in ins):
+            elif all(not r.failed for r in activations) and not bad_weights:
                 f.verdict = COMPUTATION
                 f.evidence.append("every input it read is within tolerance, its output is not")
             else:
@@ -323,8 +340,9 @@ def decide(rows: list, producer_rows: dict[str, list]) -> dict[int, Finding]:
         if bad_weights and f.verdict == COMPUTATION:
             f.cause = f.cause or "weight"
             f.evidence.append("its weights differ on the device: " + ", ".join(
-                f"input {r.site.output_index} ({r.site.tensor}, {r.outcome.metrics.errors}/"
-                f"{r.outcome.metrics.total} outside tolerance)" for r in bad_weights))
+                f"{r.site.tensor} ({r.outcome.metrics.errors}/{r.outcome.metrics.total} outside tolerance"
+                + (f", {r.outcome.metrics.fp16_overflow} beyond the FP16 range" if r.outcome.metrics.fp16_overflow
+                   else "") + ")" for r in bad_weights))
         if f.verdict == COMPUTATION and not f.cause:
             f.cause = "range" if m.fp16_overflow else "kernel"
         if m.fp16_overflow and "range" not in f.cause and f.cause != "overflow":

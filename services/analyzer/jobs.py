@@ -380,7 +380,9 @@ class JobRunner:
                 passed = True
             else:
                 row = Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow,
-                          constants_read=p.reference.constants_read(site.node))
+                          constants_read=p.reference.constants_read(site.node),
+                          reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
+                                      if t and t not in p.feeds))   # model inputs are exact on both sides
                 if not outcome.metrics.passed and rec.role != ROLE_INPUT:
                     examiner.examine(row, ref, rec.array, tol, p.force_compare)
                 if not outcome.metrics.passed and p.show_graph:

@@ -31,6 +31,7 @@ class OnnxReference:
         for s in self.sites:
             self.node_inputs.setdefault(s.node, list(self.model.graph.node[s.order].input))
         self._constants = {i.name: i for i in self.model.graph.initializer}
+        self._const_nodes = {s.tensor for s in self.sites if s.op_type in ("Constant", "ConstantOfShape")}
 
     def constant(self, tensor: str) -> np.ndarray | None:
         """The value of an initializer (a weight), None for computed tensors."""
@@ -38,8 +39,8 @@ class OnnxReference:
         return None if init is None else numpy_helper.to_array(init)
 
     def constants_read(self, node: str) -> frozenset:
-        """The weights (initializers) a node reads."""
-        return frozenset(t for t in self.node_inputs.get(node, []) if t in self._constants)
+        """The weights a node reads: initializers and Constant node outputs."""
+        return frozenset(t for t in self.node_inputs.get(node, []) if t in self._constants or t in self._const_nodes)
 
     def input_uses(self) -> dict[str, int]:
         """How many node inputs read each computed tensor."""

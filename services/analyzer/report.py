@@ -59,7 +59,8 @@ class Row:
     isolation_note: str = ""         # why there is no isolated re-run
     layout: str = ""
     uneven: str = ""
-    constants_read: frozenset = frozenset()
+    constants_read: frozenset = frozenset()    # the weights the node reads
+    reads: tuple = ()                          # the tensors it reads from other nodes and weights
     finding: object = None           # diagnose.Finding, set when the report is written
 
     @property
@@ -185,7 +186,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     called once every row carries its diagnosis."""
     out.mkdir(parents=True, exist_ok=True)
     rows = rep.ordered()
-    findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}))
+    findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized)
     for r in rows:
         r.finding = findings.get(id(r))
     nan_overflow = diagnose.nan_and_overflow(rows)
