@@ -97,7 +97,8 @@ def shown_name(name: str, limit: int = _TITLE_CHARS) -> str:
 
 # ----------------------------------------------------------------- figures
 
-def _figure(rows: int):
+def figure(rows: int):
+    """A figure of ``rows`` stacked axes, PLOT_WIDTH_PX x PLOT_HEIGHT_PX."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -107,7 +108,8 @@ def _figure(rows: int):
     return fig, axes
 
 
-def _title(obj, text: str, **kw) -> None:
+def plain_title(obj, text: str, **kw) -> None:
+    """Title of an axes (or suptitle of a figure), never read as markup."""
     # parse_math=False: a '$' in a node name must not start TeX math
     # (unbalanced ones would make matplotlib raise while drawing).
     if hasattr(obj, "set_title"):
@@ -116,7 +118,8 @@ def _title(obj, text: str, **kw) -> None:
         obj.suptitle(text, parse_math=False, **kw)
 
 
-def _save(fig, path: Path) -> None:
+def save_png(fig, path: Path) -> None:
+    """Save at the fixed size."""
     # Names in other scripts have no glyph in the bundled font: matplotlib
     # warns and draws boxes, which is all a title can do anyway.
     with warnings.catch_warnings():
@@ -153,7 +156,7 @@ def _errors(r: np.ndarray, d: np.ndarray, atol: float, rtol: float) -> tuple[np.
     return a, rel, a > atol + rtol * mag
 
 
-class _Range:
+class ValueRange:
     """Running min/max and count of the finite values fed to it."""
 
     def __init__(self) -> None:
@@ -220,9 +223,9 @@ def node_plots(out_dir: Path, stem: str, ref: np.ndarray, dev: np.ndarray, *, ma
     label = shown_name(title if title is not None else stem)
 
     # Pass 1: ranges and counts.
-    ref_rng, dev_rng = _Range(), _Range()
+    ref_rng, dev_rng = ValueRange(), ValueRange()
     n_fail = 0
-    fail_abs, fail_rel, all_abs, all_rel = _Range(), _Range(), _Range(), _Range()
+    fail_abs, fail_rel, all_abs, all_rel = ValueRange(), ValueRange(), ValueRange(), ValueRange()
     nonfinite_pairs = 0
     for _, rc, dc in _chunks(r, d):
         ref_rng.add(rc)
@@ -251,7 +254,7 @@ def node_plots(out_dir: Path, stem: str, ref: np.ndarray, dev: np.ndarray, *, ma
     b_val = bin_count(max(ref_rng.n, dev_rng.n), max_bins, min_bins)
     lo = min(ref_rng.lo, dev_rng.lo) if ref_rng.n or dev_rng.n else 0.0
     hi = max(ref_rng.hi, dev_rng.hi) if ref_rng.n or dev_rng.n else 1.0
-    joint = _Range()
+    joint = ValueRange()
     if ref_rng.n or dev_rng.n:
         joint.lo, joint.hi, joint.n = lo, hi, 1
     val_edges = joint.edges(b_val)
@@ -307,8 +310,8 @@ def node_plots(out_dir: Path, stem: str, ref: np.ndarray, dev: np.ndarray, *, ma
     names = {"diff": f"{stem}_diff.png", "diff_hist": f"{stem}_diff_hist.png", "hist": f"{stem}_hist.png"}
 
     # {stem}_diff.png
-    fig, (ax1, ax2) = _figure(2)
-    _title(fig, f"{label}: {subset}{sampled}{_dropped(nonfinite_pairs, 'pairs')}", fontsize=10)
+    fig, (ax1, ax2) = figure(2)
+    plain_title(fig, f"{label}: {subset}{sampled}{_dropped(nonfinite_pairs, 'pairs')}", fontsize=10)
     for ax, ys, colour, what in ((ax1, pa, _ABS_COLOUR, "absolute error"), (ax2, pr, _REL_COLOUR, "relative error")):
         if ys.size:
             ax.scatter(px, ys, s=4, c=colour, linewidths=0)
@@ -321,11 +324,11 @@ def node_plots(out_dir: Path, stem: str, ref: np.ndarray, dev: np.ndarray, *, ma
         ax.grid(True, alpha=0.3)
     ax2.set_xlabel("flat element index")
     fig.tight_layout()
-    _save(fig, out_dir / names["diff"])
+    save_png(fig, out_dir / names["diff"])
 
     # {stem}_diff_hist.png
-    fig, (ax1, ax2) = _figure(2)
-    _title(fig, f"{label}: error distribution, {subset}{_dropped(nonfinite_pairs, 'pairs')}", fontsize=10)
+    fig, (ax1, ax2) = figure(2)
+    plain_title(fig, f"{label}: error distribution, {subset}{_dropped(nonfinite_pairs, 'pairs')}", fontsize=10)
     for ax, counts, edges, rng, colour, what in ((ax1, h_rel, rel_edges, rel_rng, _REL_COLOUR, "relative error"),
                                                  (ax2, h_abs, abs_edges, abs_rng, _ABS_COLOUR, "absolute error")):
         ax.stairs(counts, edges, fill=True, color=colour)
@@ -337,14 +340,14 @@ def node_plots(out_dir: Path, stem: str, ref: np.ndarray, dev: np.ndarray, *, ma
         ax.set_ylabel("elements")
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    _save(fig, out_dir / names["diff_hist"])
+    save_png(fig, out_dir / names["diff_hist"])
 
     # {stem}_hist.png
-    fig, (ax,) = _figure(1)
+    fig, (ax,) = figure(1)
     dropped = ""
     if ref_rng.dropped or dev_rng.dropped:
         dropped = f"; non-finite values left out: CPU {ref_rng.dropped}, NPU {dev_rng.dropped}"
-    _title(ax, f"{label}: value distribution ({b_val} bins){dropped}", fontsize=10)
+    plain_title(ax, f"{label}: value distribution ({b_val} bins){dropped}", fontsize=10)
     ax.stairs(h_ref, val_edges, fill=True, color=_REF_COLOUR, alpha=0.5, label=f"CPU (reference), {ref_rng.n} values")
     ax.stairs(h_dev, val_edges, fill=False, color=_DEV_COLOUR, linewidth=1.5,
               label=f"NPU (device), {dev_rng.n} values")
@@ -353,7 +356,7 @@ def node_plots(out_dir: Path, stem: str, ref: np.ndarray, dev: np.ndarray, *, ma
     ax.legend(loc="upper right", fontsize=9)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    _save(fig, out_dir / names["hist"])
+    save_png(fig, out_dir / names["hist"])
     return names
 
 
@@ -388,7 +391,7 @@ def error_chart(out_path: Path, orders: Sequence[int], rel_err: Iterable[object]
         raise LayerdiffError(f"first_index {first_index} is outside 0..{len(xs) - 1}", field="first_index")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax,) = _figure(1)
+    fig, (ax,) = figure(1)
     finite = np.isfinite(rel) & (rel > 0)
     floor = float(rel[finite].min()) if finite.any() else 1e-8
     top = float(rel[finite].max()) if finite.any() else 1.0
@@ -415,10 +418,10 @@ def error_chart(out_path: Path, orders: Sequence[int], rel_err: Iterable[object]
     if first_index is not None:
         ax.axvline(xs[first_index], color="red", linestyle="--", linewidth=1.2)
         title += f"; first failing: {shown_name(labels[first_index], 50)} (order {int(xs[first_index])})"
-    _title(ax, title, fontsize=10)
+    plain_title(ax, title, fontsize=10)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="lower right", fontsize=8)
     fig.tight_layout()
-    _save(fig, out_path)
+    save_png(fig, out_path)
     return out_path

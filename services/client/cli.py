@@ -214,6 +214,41 @@ def _cmd_overflow(a) -> int:
     return 0
 
 
+def _add_histogram(sub) -> None:
+    p = sub.add_parser("histogram", help="one histogram per dumped tensor, min/max as red dashed lines",
+                       description="Draw the value histogram of every tensor in DUMP (any dump format layerdiff "
+                                   "reads) with the layer's min and max as red dashed lines: from --min-max "
+                                   "(a tensor_min_max.txt range file, lines 'name min max') where it names the "
+                                   "tensor, else the tensor's own. An existing output directory that holds files "
+                                   "is left as it is: the histograms then go to a fresh Histograms_N beside it.")
+    p.add_argument("dump", help="dump directory")
+    p.add_argument("--min-max", "--min_max", help="range file (tensor_min_max.txt): 'name min max' per line")
+    p.add_argument("--out", default="Histograms", help="output directory (default ./Histograms)")
+    p.add_argument("--max-bins", "--max_bins", type=int, help="most bins per histogram (default 128)")
+    p.add_argument("--min-bins", "--min_bins", type=int, help="fewest bins per histogram, 1..max-bins (default 1)")
+    p.add_argument("--dump-format", "--dump_format", default="",
+                   choices=["", "npy", "npz", "onnx", "bin", "h5", "ascend"])
+    p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
+                   help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_histogram)
+
+
+def _cmd_histogram(a) -> int:
+    from layerdiff.client.histogram import WIDE_RANGE, write_histograms
+
+    res = write_histograms(a.dump, a.out, min_max=a.min_max, max_bins=a.max_bins, min_bins=a.min_bins,
+                           fmt=a.dump_format, default_concat_dim=a.default_concat_dim, progress=not a.no_progress)
+    if res["note"]:
+        print(f"note: {res['note']}")
+    print(f"wrote {len(res['written'])} histograms into {res['out']}, skipped {len(res['skipped'])} tensors "
+          f"and {len(res['range_lines_skipped'])} range-file lines (see histogram_skip.log)")
+    if res["wide"]:
+        print(f"min-max range above {WIDE_RANGE:g} (consider INT16 for the convolution reading them): "
+              + ", ".join(res["wide"]))
+    return 0
+
+
 def _add_worker(sub) -> None:
     p = sub.add_parser("worker", help="a Celery worker for the analyzer's per-node comparisons",
                        description="Start a Celery worker that compares nodes for any analyzer using the same "
@@ -287,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dump(sub)
     _add_overflow(sub)
     _add_perf_diff(sub)
+    _add_histogram(sub)
     return parser
 
 
