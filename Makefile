@@ -8,6 +8,8 @@ SHELL := /bin/bash
 
 setup:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+# headless Chromium reads report.html back in the tests (only when missing)
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q -e '.[dev,bench]'
