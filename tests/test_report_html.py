@@ -304,6 +304,7 @@ def test_listing_in_the_debug_script_layout(report):
     assert first.startswith("2.conv2 ") and "FAIL computation error (weight)" in first
     # columns line up
     assert len({l.index("OP_TYPE:") for l in lines}) == 1
+    assert len({l.index(" MSE:") for l in lines}) == 1 and len({l.index(" COS:") for l in lines}) == 1
     evil = listing.format_listing({"nodes": [{"node": "a\x1b[31mb\nc", "op_type": "Relu", "order": 0,
                                               "mse": None, "cosine": "inf", "rmse": 1.0, "passed": True}]})
     assert "\x1b" not in evil and "\n" not in evil and "MSE:nan" in evil and "COS:inf" in evil

@@ -4,7 +4,8 @@ order, in the layout of the vendor's per-layer debug script::
     3.conv1                                 OP_TYPE:Conv        MSE:0.000046    COS:0.999898    RMSE:0.014310
     4.relu1                                 OP_TYPE:Relu        MSE:0.000057    COS:0.999931    RMSE:0.011018  FAIL computation error (weight)  <- first failing node
 
-``index`` is the node's execution order; a node input reads
+The op-type column widens to the longest op type, so the metric columns
+always line up.  ``index`` is the node's execution order; a node input reads
 ``{order}.{node}.input{N}``, and a node with several outputs names the
 output tensor as ``{order}.{node}:{tensor}``.  Failing tensors carry
 ``FAIL`` with the diagnosis' verdict and cause where the summary has them.
@@ -61,12 +62,13 @@ def format_listing(summary: dict) -> str:
     first_key = (first.get("node"), first.get("tensor"), first.get("role", "output")) if first else None
     labels = [printable(node_label(n, outputs[n.get("node")] > 1)) for n in nodes]
     width = min(NAME_WIDTH_MAX, max([NAME_WIDTH_MIN - 2] + [len(s) for s in labels]) + 2)
+    ops = [printable(n.get("op_type") or "?") for n in nodes]
+    op_width = max([OP_WIDTH] + [len(o) for o in ops])  # the metric columns stay aligned
     lines = []
-    for n, label in zip(nodes, labels):
+    for n, label, op in zip(nodes, labels, ops):
         if len(label) > width - 1:
             label = label[:width - 4] + "..."
-        op = printable(n.get("op_type") or "?")
-        line = (f"{label:<{width}}OP_TYPE:{op:<{OP_WIDTH}} MSE:{_num(n.get('mse')):<11} "
+        line = (f"{label:<{width}}OP_TYPE:{op:<{op_width}} MSE:{_num(n.get('mse')):<11} "
                 f"COS:{_num(n.get('cosine')):<11} RMSE:{_num(n.get('rmse'))}")
         if n.get("passed") is False:
             line += "  FAIL"
