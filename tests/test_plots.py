@@ -223,3 +223,14 @@ def test_histogram_cli_reports_bad_bins_and_missing_dump(tmp_path, capsys):
     assert main(["histogram", str(tmp_path / "nope"), "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "Histograms").exists()
+
+
+def test_range_lines_in_every_layout():
+    from layerdiff.analyzer.minmax import parse_min_max as parse_text
+
+    ranges, skipped = parse_text("conv1_input  -3.2  41.7\nrelu2: 0.0, 6.0\nfc1000#185,-1,1e1\n"
+                                 "pool 5 min: -1 max: +2.5\n'quoted name' [0, .5]\n# a comment\n\n"
+                                 "a12 3\nx inf 1\nx 1 2\nx 3 4\n", shown="mm.txt")
+    assert ranges == {"conv1_input": (-3.2, 41.7), "relu2": (0.0, 6.0), "fc1000#185": (-1.0, 10.0),
+                      "pool 5": (-1.0, 2.5), "quoted name": (0.0, 0.5), "x": (1.0, 2.0)}
+    assert [w for w, _ in skipped] == ["mm.txt:8", "mm.txt:9", "mm.txt:11"]

@@ -57,6 +57,8 @@ def build_summary(out: Path) -> dict:
             n.update(verdict=None, evidence=[], cause="")
             continue
         if n["node"] == "conv2":
+            n["isolated"] = {"errors": n["errors"], "total": n["total"], "cosine": n["cosine"],
+                             "mean_rel_err": n["mean_rel_err"], "max_abs_diff": n["max_abs_diff"]}
             n.update(verdict="computation error", cause="weight",
                      evidence=["mean relative error 0.0 on the inputs, %.3g on the output" % n["max_rel_err"],
                                "re-running conv2 alone on the device's inputs reproduces the error"])
@@ -205,6 +207,7 @@ def test_chromium_renders_verdict_table_and_hostile_name_as_text(report, tmp_pat
     assert "NaN on the device only" in page and "exceeds the FP16 range" in page
     assert 'id="first-failing-mark"' in page and "first failing: conv2" in page
     assert "use INT16 for this convolution" in page
+    assert "re-run alone on the device's inputs" in page
 
 
 @pytest.mark.parametrize("key,descending", [("cosine", False), ("mean_rel_err", True), ("node", False)])

@@ -174,6 +174,12 @@ def _node_card(title: str, n: object, row_of: dict, plots_of: dict, empty: str) 
                ("max abs err", fmt(n.get("max_abs_err"))), ("mean rel err", fmt(n.get("mean_rel_err"))),
                ("cosine", fmt(n.get("cosine"))), ("pearson", fmt(n.get("pearson"))),
                ("RMSE", fmt(n.get("rmse"))), ("NPU nan/inf", f"{fmt(n.get('dev_nan'))}/{fmt(n.get('dev_inf'))}")]
+    iso = n.get("isolated")
+    if isinstance(iso, dict):
+        # the node re-run alone on the device's own inputs: its own error, not what it inherited
+        metrics.append(("re-run alone on the device's inputs",
+                        f"errors {fmt(iso.get('errors'))}/{fmt(iso.get('total'))}, cosine {fmt(iso.get('cosine'))}, "
+                        f"mean rel err {fmt(iso.get('mean_rel_err'))}"))
     rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts + metrics if v is not None)
     ev = n.get("evidence") or []
     evidence = ""
@@ -189,6 +195,7 @@ def _diagnosis(summary: dict) -> str:
     nan = diag.get("nan")
     if isinstance(nan, dict):
         where = {"both": "NaN on both sides (model or input problem)",
+                 "reference": "NaN in the reference (model or input problem)",
                  "device": "NaN on the device only (FP16 overflow)"}.get(str(nan.get("where")), nan.get("where"))
         parts.append(f'<div class="diag nan"><h3>NaN</h3><p><b>{esc(where)}</b>, first at node '
                      f'<code>{esc(nan.get("node"))}</code></p><p>{esc(nan.get("text"))}</p></div>')
@@ -243,10 +250,11 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
     out = [f'<svg id="error-chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" aria-label="error along the graph">',
            f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="#fff" stroke="#999"/>']
+    every = max(1, math.ceil((hi_dec - lo_dec) / 10))  # at most ~10 labelled decades
     for d in range(lo_dec, hi_dec + 1):
         y = YR(10.0 ** d)
         # the lowest line is where exact zeros are drawn: it is labelled 0
-        tick = "0" if d == lo_dec else f"1e{d}"
+        tick = "0" if d == lo_dec else f"1e{d}" if (d - lo_dec) % every == 0 or d == hi_dec else ""
         out.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
                    f'<text x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end" class="ax">{tick}</text>')
     for k in range(0, 6):
@@ -268,7 +276,8 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
             fx = X(fo)
             out.append(f'<line id="first-failing-mark" x1="{fx:.1f}" x2="{fx:.1f}" y1="{mt}" y2="{mt + ph}" '
                        f'stroke="#d00" stroke-width="1.5" stroke-dasharray="6 4"/>'
-                       f'<text x="{fx + 4:.1f}" y="{mt + 12}" fill="#d00" class="ax">first failing: '
+                       f'<text x="{fx + 4:.1f}" y="{mt + 12}" fill="#d00" class="ax" paint-order="stroke" stroke="#fff" '
+                       f'stroke-width="3">first failing: '
                        f'{esc(first.get("node"))}</text>')
 
     def polyline(ys: list[float | None], colour: str) -> None:

@@ -52,7 +52,7 @@ DEFAULT_MAX_BINS = 128
 DEFAULT_MIN_BINS = 1
 # A bound on what a user can ask for: more bins than this no screen shows,
 # and the count arrays stay small.
-BINS_LIMIT = 10_000
+BINS_LIMIT = 4096
 MAX_POINTS = 20_000
 WORST_POINTS = 1_000
 CHUNK = 1 << 20

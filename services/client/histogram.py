@@ -7,18 +7,12 @@ when one is given and names the tensor, else from the tensor itself.  A wide
 range around a narrow distribution (max - min > 30) is the sign that a
 layer's input wants 16-bit quantization; such tensors are listed.
 
-Range file format, one layer per line (blank lines and ``#`` comments are
-ignored; the name is everything before the two numbers)::
-
-    conv1 -1.25 3.5
-    conv1: -1.25, 3.5
-    conv1,-1.25,3.5
-    conv1 min: -1.25 max: 3.5
-    conv1 [-1.25, 3.5]
-
-A line that does not parse, holds a non-finite number, has min > max or
-repeats a name is skipped with its line number and the reason; the rest of
-the file is used.
+The range file is read by layerdiff.analyzer.minmax (the same parser as the
+job's ``--min-max``): one layer per line, its name and then min and max
+(``conv1 -1.25 3.5``, ``conv1: -1.25, 3.5``, ``conv1 min: -1.25 max: 3.5``,
+...). A line that does not parse, holds a non-finite number, has min > max
+or repeats a name is skipped with its line number and the reason; the rest
+of the file is used.
 
 Output: ``{name}.png`` per tensor (names through layerdiff.names.safe_filename,
 so a file never lands outside the output directory), ``histograms.json``
@@ -31,7 +25,6 @@ and the result says so.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,22 +40,19 @@ WIDE_RANGE = 30.0
 # A range file lists one line per layer: even a huge model stays far below this.
 MAX_RANGE_FILE_BYTES = 64 << 20
 
-_NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|inf(?:inity)?|nan)"
-_LINE = re.compile(
-    rf"^(?P<name>.*?)(?:[\s:=,]+|(?=[\[(]))[\[(]?\s*(?:min\s*[:=]?\s*)?(?P<min>{_NUM})\s*[,;\s]\s*(?:max\s*[:=]?\s*)?"
-    rf"(?P<max>{_NUM})\s*[\])]?\s*$", re.IGNORECASE)
-
 
 @dataclass
 class RangeFile:
     """Parsed range file: ``ranges`` by layer name, ``skipped`` lines as
-    (line number, reason)."""
+    (``file:line``, reason)."""
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
-    skipped: list[tuple[int, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 def parse_min_max(path: str | Path) -> RangeFile:
-    """Read a ``tensor_min_max.txt`` range file (format in the module docstring)."""
+    """Read a ``tensor_min_max.txt`` range file (see layerdiff.analyzer.minmax)."""
+    from layerdiff.analyzer import minmax
+
     p = Path(path)
     try:
         size = p.stat().st_size
@@ -78,32 +68,8 @@ def parse_min_max(path: str | Path) -> RangeFile:
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=str(p), field="min_max") from e
     if b"\x00" in raw:
         raise LayerdiffError("is not a text file (holds NUL bytes)", file=str(p), field="min_max")
-    out = RangeFile()
-    text = raw.decode("utf-8", errors="replace")
-    for no, line in enumerate(text.splitlines(), start=1):
-        body = line.split("#", 1)[0].strip() if not line.lstrip().startswith("#") else ""
-        if not body:
-            continue
-        m = _LINE.match(body)
-        name = m.group("name").strip().strip("\"'").strip() if m else ""
-        if not m or not name:
-            out.skipped.append((no, f"not 'name min max': {_clip(body)}"))
-            continue
-        lo, hi = float(m.group("min")), float(m.group("max"))
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            out.skipped.append((no, f"{_clip(name)}: min/max not finite ({m.group('min')}, {m.group('max')})"))
-        elif lo > hi:
-            out.skipped.append((no, f"{_clip(name)}: min {lo:g} is above max {hi:g}"))
-        elif name in out.ranges:
-            out.skipped.append((no, f"{_clip(name)}: listed again, the first line is kept"))
-        else:
-            out.ranges[name] = (lo, hi)
-    return out
-
-
-def _clip(text: str, n: int = 80) -> str:
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return text if len(text) <= n else text[:n] + "..."
+    ranges, skipped = minmax.parse_min_max(raw.decode("utf-8", errors="replace"), shown=str(p))
+    return RangeFile(ranges, skipped)
 
 
 def _key(name: str) -> str:
@@ -172,7 +138,7 @@ def write_histograms(dump: str | Path, out: str | Path = DEFAULT_OUT, *, min_max
     (default 128) and ``min_bins`` (default 1, at most max_bins) bound the
     bins.  Returns ``{"out", "note", "written": [{tensor, file, min, max,
     source, range}], "skipped": [(tensor, reason)], "range_lines_skipped":
-    [(line, reason)], "unmatched_ranges": [names], "wide": [tensors]}``."""
+    [(file:line, reason)], "unmatched_ranges": [names], "wide": [tensors]}``."""
     from layerdiff.analyzer import plots
     from layerdiff.collector.dumpdir import DumpDirectory
 
@@ -241,8 +207,8 @@ def write_histograms(dump: str | Path, out: str | Path = DEFAULT_OUT, *, min_max
     with open(target / "histogram_skip.log", "w", encoding="utf-8") as f:
         for name, reason in skipped:
             f.write(f"{_one_line(name)}: {_one_line(reason)}\n")
-        for no, reason in ranges.skipped:
-            f.write(f"{min_max}:{no}: {_one_line(reason)}\n")
+        for where, reason in ranges.skipped:
+            f.write(f"{_one_line(where)}: {_one_line(reason)}\n")
     return {"out": str(target), "note": note, "written": written, "skipped": skipped,
             "range_lines_skipped": ranges.skipped, "unmatched_ranges": unmatched, "wide": wide}
 
