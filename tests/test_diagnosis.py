@@ -163,3 +163,19 @@ def test_calibrator_ranges_replace_the_reference_ranges(services, tmp_path):
     assert advice["conv1"]["range"] == 3.0 and "input range" not in advice["conv1"]["advice"]
     assert advice["conv2"]["range"] == 45.0 and "INT16" in advice["conv2"]["advice"]
     assert "tensor_min_max.txt:3: not 'name min max'" in (tmp_path / "out" / "min_max_skip.log").read_text()
+
+
+def test_show_graph_plots_and_the_page_reach_the_client(services, tmp_path):
+    import struct
+
+    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=small_cnn(bug_in="conv2"),
+                 show_graph=True, max_bins=64, min_bins=4)
+    plots = s["plots"]["conv2_out"]
+    assert set(plots) == {"diff", "diff_hist", "hist"}
+    for name in plots.values():
+        png = (out / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (800, 600)
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert "Computation error at conv2" in page and 'id="nodes"' in page and "data:image/png;base64," in page
+    explorer = json.loads((out / "model_explorer_rel_err.json").read_text())
+    assert "conv2" in json.dumps(explorer)

@@ -56,7 +56,8 @@ COLUMNS = [
     ("errors", "errors", "num"), ("error_ratio", "errors/total", "num"), ("max_abs_err", "max abs err", "num"),
     ("mean_rel_err", "mean rel err", "num"), ("cosine", "cosine", "num"), ("mse", "MSE", "num"),
     ("rmse", "RMSE", "num"), ("pearson", "pearson", "num"), ("sqnr_db", "SQNR dB", "num"),
-    ("nan_inf", "NPU nan/inf", "num"), ("overflow", "overflow", "text"), ("note", "note", "text"),
+    ("nan_inf", "NPU nan/inf", "num"), ("overflow", "overflow", "text"), ("time_us", "time µs", "num"),
+    ("note", "note", "text"),
 ]
 
 
@@ -567,6 +568,31 @@ _JS = r"""
 """
 
 
+def _join_time(nodes: list[dict], summary: dict) -> None:
+    """Time per node (a job with performance data) beside its accuracy."""
+    view = summary.get("node_view")
+    if not isinstance(view, list):
+        return
+    mean_us = {v.get("node"): (v.get("perf") or {}).get("mean_us") for v in view if isinstance(v, dict)}
+    for n in nodes:
+        if n.get("role", "output") == "output" and mean_us.get(n.get("node")) is not None:
+            n.setdefault("time_us", mean_us[n.get("node")])
+
+
+def _slow_and_wrong(summary: dict) -> str:
+    view = summary.get("node_view")
+    hits = [v for v in view if isinstance(v, dict) and v.get("slow_and_wrong")] if isinstance(view, list) else []
+    if not hits:
+        return ""
+    rows = "".join(f"<tr><td>{esc(v.get('order'))}</td><td class=\"wrap\">{esc(v.get('node'))}</td>"
+                   f"<td>{esc(v.get('op_type'))}</td><td>{esc(fmt((v.get('perf') or {}).get('mean_us')))}</td>"
+                   f"<td>{esc((v.get('perf') or {}).get('slow_rank'))}</td>"
+                   f"<td>{esc((v.get('accuracy') or {}).get('verdict') or '')}</td></tr>" for v in hits)
+    return ('<section id="slow-and-wrong"><h2>Slow and wrong</h2><p>Failing nodes among the slowest.</p>'
+            '<table class="grid"><thead><tr><th>#</th><th>node</th><th>op type</th><th>mean µs</th>'
+            f'<th>slow rank</th><th>verdict</th></tr></thead><tbody>{rows}</tbody></table></section>')
+
+
 def render(out_dir: Path, summary: dict) -> str:
     """The page as a string (write_html writes it)."""
     if not isinstance(summary, dict):
@@ -574,6 +600,7 @@ def render(out_dir: Path, summary: dict) -> str:
 
         raise LayerdiffError("the summary must be a JSON object", field="summary")
     nodes = [n for n in summary.get("nodes") or [] if isinstance(n, dict)]
+    _join_time(nodes, summary)
     first = summary.get("first_failing_node")
     first_key = (first.get("node"), first.get("tensor"), first.get("role", "output")) \
         if isinstance(first, dict) else None
@@ -605,6 +632,7 @@ def render(out_dir: Path, summary: dict) -> str:
         plots_html,
         _quantization(summary),
         _overflow(summary),
+        _slow_and_wrong(summary),
         _others(summary),
         f'<footer>Written by {esc(summary.get("tool") or "layerdiff")} '
         f'{esc(summary.get("version") or __version__)}. The CSV files named here lie beside this page.</footer>',

@@ -386,7 +386,7 @@ class JobRunner:
                 if not outcome.metrics.passed and rec.role != ROLE_INPUT:
                     examiner.examine(row, ref, rec.array, tol, p.force_compare)
                 if not outcome.metrics.passed and p.show_graph:
-                    draw(row, ref, rec.array)
+                    draw(row, ref, rec.array, tol)
                 rep.rows.append(row)
                 passed = outcome.metrics.passed
             if rec.role != ROLE_INPUT:
@@ -399,7 +399,7 @@ class JobRunner:
 
         plot_names: set[str] = set()
 
-        def draw(row: Row, ref, dev) -> None:
+        def draw(row: Row, ref, dev, tol) -> None:
             from layerdiff.analyzer.compare import reconcile
             from layerdiff.analyzer.plots import node_plots
             from layerdiff.names import safe_filename
@@ -409,7 +409,8 @@ class JobRunner:
                 stem = safe_filename(row.label if row.is_input or row.site.output_index else row.site.node,
                                      plot_names)
                 rep.plots[row.label] = node_plots(job.report_dir, stem, ref, dev, max_bins=p.max_bins,
-                                                  min_bins=p.min_bins)
+                                                  min_bins=p.min_bins, atol=tol.atol, rtol=tol.rtol,
+                                                  title=row.label)
             except Exception as e:  # a plot is an extra: the comparison stands without it
                 log.warning("no plots for %s: %s", row.label, e)
                 rep.skipped.append((row.label, f"plots not drawn: {e}"))

@@ -273,6 +273,12 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     }
     summary.update((sections() if callable(sections) else sections) or {})
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")
+    # what a person reads: the page, and the errors to overlay on the graph
+    from layerdiff.analyzer.explorer import write_node_data
+    from layerdiff.analyzer.htmlreport import write_html
+
+    write_node_data(out, summary)
+    write_html(out, summary)
     return summary
 
 

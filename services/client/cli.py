@@ -93,6 +93,10 @@ def _cmd_run(a) -> int:
                  progress=not a.no_progress, perf_mode=a.perf_mode, perf_all_nodes=a.perf_all_nodes,
                  perf_runs=a.perf_runs, clock_mhz=a.clock_mhz, perf_graph_optimization=a.perf_graph_optimization)
     print(format_summary(result.summary, result.out))
+    if a.listing:
+        from layerdiff.analyzer.listing import format_listing
+
+        print(format_listing(result.summary))
     return 0
 
 
