@@ -106,6 +106,9 @@ def _reports(out):
     summary = json.loads(files.pop("summary.json"))
     for k in ("job_id", "started_at", "elapsed_s"):
         summary.pop(k)
+    # the page is the summary rendered, with the job id and a fresh script nonce
+    page = files.pop("report.html").decode()
+    assert summary["diagnosis"]["headline"] in page
     return files, summary
 
 
