@@ -179,3 +179,14 @@ def test_show_graph_plots_and_the_page_reach_the_client(services, tmp_path):
     assert "Computation error at conv2" in page and 'id="nodes"' in page and "data:image/png;base64," in page
     explorer = json.loads((out / "model_explorer_rel_err.json").read_text())
     assert "conv2" in json.dumps(explorer)
+
+
+def test_the_page_of_a_real_job_in_headless_chromium(services, tmp_path):
+    from test_report_html import chromium
+
+    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=_transposed_conv3())
+    res = chromium(tmp_path, "--dump-dom", (out / "report.html").as_uri())
+    dom = res.stdout
+    assert "Computation error at conv3" in dom and "cause: layout" in dom
+    assert dom.count('<tr id="row-') == len(s["nodes"]) == 9
+    assert "axes 2 and 3 swapped" in dom
