@@ -34,6 +34,8 @@ import math
 import sys
 from pathlib import Path
 
+from layerdiff.analyzer.report import summary_number
+
 REL_ERR_FILE = "model_explorer_rel_err.json"
 COSINE_FILE = "model_explorer_cosine.json"
 UNDEFINED_VALUE = -1
@@ -57,23 +59,12 @@ COSINE_THRESHOLDS = [
 ]
 
 
-def _num(v: object) -> float:
-    if v is None or isinstance(v, bool):
-        return math.nan
-    if isinstance(v, str):
-        return {"inf": math.inf, "-inf": -math.inf}.get(v, math.nan)
-    try:
-        return float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _worst(summary: dict, key: str, worse) -> dict[str, float]:
     out: dict[str, float] = {}
     for n in summary.get("nodes") or []:
         if not isinstance(n, dict) or n.get("role") == "input" or not isinstance(n.get("node"), str):
             continue
-        v = _num(n.get(key))
+        v = summary_number(n.get(key))
         name = n["node"]
         if name not in out or math.isnan(out[name]) or (not math.isnan(v) and worse(v, out[name])):
             out[name] = v

@@ -42,6 +42,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from layerdiff import __version__
+from layerdiff.analyzer.report import summary_number as num
 
 MAX_PLOT_BYTES = 16 << 20
 # The plots of the first failing nodes (in execution order) are embedded; a
@@ -63,18 +64,6 @@ COLUMNS = [
 
 def esc(v: object) -> str:
     return html.escape("" if v is None else str(v), quote=True)
-
-
-def num(v: object) -> float:
-    """A summary number (number, null for NaN, "inf"/"-inf") as a float."""
-    if v is None or isinstance(v, bool):
-        return math.nan
-    if isinstance(v, str):
-        return {"inf": math.inf, "-inf": -math.inf}.get(v.strip().lower(), math.nan)
-    try:
-        return float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def fmt(v: object) -> str:

@@ -43,6 +43,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from layerdiff.analyzer.report import summary_number
 from layerdiff.errors import LayerdiffError
 
 PLOT_WIDTH_PX = 800
@@ -360,18 +361,6 @@ def node_plots(out_dir: Path, stem: str, ref: np.ndarray, dev: np.ndarray, *, ma
     return names
 
 
-def _chart_value(v: object) -> float:
-    """A summary number (null, "inf", "-inf" or a number) as a float."""
-    if v is None:
-        return math.nan
-    if isinstance(v, str):
-        return {"inf": math.inf, "-inf": -math.inf}.get(v, math.nan)
-    try:
-        return float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def error_chart(out_path: Path, orders: Sequence[int], rel_err: Iterable[object], cosine: Iterable[object],
                 labels: Sequence[str], first_index: int | None) -> Path:
     """The error-along-the-graph chart as a PNG: mean relative error (log
@@ -383,8 +372,8 @@ def error_chart(out_path: Path, orders: Sequence[int], rel_err: Iterable[object]
     errors are drawn at the top of the axis as triangles, NaN ones are left
     out.  Returns ``out_path``."""
     xs = np.asarray(list(orders), dtype=np.float64)
-    rel = np.array([_chart_value(v) for v in rel_err], dtype=np.float64)
-    cos = np.array([_chart_value(v) for v in cosine], dtype=np.float64)
+    rel = np.array([summary_number(v) for v in rel_err], dtype=np.float64)
+    cos = np.array([summary_number(v) for v in cosine], dtype=np.float64)
     if not (len(xs) == len(rel) == len(cos) == len(labels)):
         raise LayerdiffError("orders, rel_err, cosine and labels must have the same length", field="error_chart")
     if first_index is not None and not 0 <= first_index < len(xs):

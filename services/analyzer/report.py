@@ -149,6 +149,19 @@ def _json_num(v):
     return v
 
 
+def summary_number(v: object) -> float:
+    """A number of summary.json read back (null is NaN, "inf"/"-inf" the
+    infinities, anything else that is not a number NaN)."""
+    if v is None or isinstance(v, bool):
+        return math.nan
+    if isinstance(v, str):
+        return {"inf": math.inf, "-inf": -math.inf}.get(v.strip().lower(), math.nan)
+    try:
+        return float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def node_summary(r: Row) -> dict:
     d = {k: _json_num(v) for k, v in r.outcome.metrics.as_dict().items()}
     d.update(node=r.site.node, tensor=r.site.tensor, op_type=r.site.op_type, order=r.site.order,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.collector.dumpdir import MANIFEST, DumpDirectory
+from layerdiff.collector.dumpdir import MANIFEST, DumpDirectory, placement
 from layerdiff.names import safe_filename
 from layerdiff.schema import ROLE_INPUT, STATUS_OK
 
@@ -29,13 +29,7 @@ def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = 
                              taken)
         np.save(out / f"{stem}.npy", rec.array, allow_pickle=False)
         side = {"name": rec.name, "op_type": rec.op_type, "order": rec.order, "dtype": rec.array.dtype.name,
-                "shape": list(rec.array.shape), "file": f"{stem}.npy"}
-        if rec.role == ROLE_INPUT:
-            side.update(role=ROLE_INPUT, slot=rec.slot, node=rec.node or rec.name)
-        elif rec.node and rec.node != rec.name:
-            side.update(node=rec.node, slot=rec.slot)
-        if rec.overflow:
-            side["overflow"] = rec.overflow
+                "shape": list(rec.array.shape), "file": f"{stem}.npy", **placement(rec)}
         (out / f"{stem}.json").write_text(json.dumps(side), encoding="utf-8")
         if txt:
             np.savetxt(out / f"{stem}.txt", rec.array.reshape(-1), fmt="%.9g" if rec.array.dtype.kind == "f" else "%d")

@@ -591,6 +591,18 @@ def write_tiled_dump(directory: str | Path, records: list[NodeRecord], *, tiles:
     return root
 
 
+def placement(r: NodeRecord) -> dict:
+    """The manifest fields that place a record on its node (see _placement)."""
+    d: dict = {}
+    if r.role == ROLE_INPUT:
+        d.update(role=ROLE_INPUT, slot=r.slot, node=r.node or r.name)
+    elif r.node and r.node != r.name:
+        d.update(node=r.node, slot=r.slot)
+    if r.overflow:
+        d["overflow"] = r.overflow
+    return d
+
+
 def write_dump(directory: str | Path, records: list[NodeRecord], fmt: str = "npy") -> Path:
     """Write records (outputs, and inputs where a record's role says so) as a
     dump directory in any of FORMATS, with a manifest where the format needs
@@ -604,17 +616,6 @@ def write_dump(directory: str | Path, records: list[NodeRecord], fmt: str = "npy
     if fmt == "ascend":
         return _write_ascend(root, kept)
     nodes: list[dict] = []
-
-    def placement(r: NodeRecord) -> dict:
-        d: dict = {}
-        if r.role == ROLE_INPUT:
-            d.update(role=ROLE_INPUT, slot=r.slot, node=r.node or r.name)
-        elif r.node and r.node != r.name:
-            d.update(node=r.node, slot=r.slot)
-        if r.overflow:
-            d["overflow"] = r.overflow
-        return d
-
     if fmt == "h5":
         import h5py
 
