@@ -26,6 +26,7 @@ from layerdiff.analyzer.minmax import parse_min_max
 from layerdiff.analyzer.perf import PerfSettings, check_perf_options
 from layerdiff.analyzer.pool import LocalPool
 from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
+from layerdiff.analyzer.tfreference import TFReference, open_reference
 from layerdiff.analyzer.report import JobReport, Row, write_report
 from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.artifacts import ArtifactStore
@@ -71,7 +72,7 @@ class Job:
 @dataclass
 class Prepared:
     """Everything checked at submit time, so bad input fails the Submit call."""
-    reference: OnnxReference
+    reference: OnnxReference | TFReference
     feeds: dict
     aligner: Aligner
     tolerances: Tolerances
@@ -97,7 +98,7 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
         raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
                              field="precision")
     model_name = spec.model_name or store.name(spec.model_artifact)
-    reference = OnnxReference(store.read(spec.model_artifact, "model_artifact"), model_name)
+    reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature)
     inputs_name = store.name(spec.inputs_artifact) if spec.inputs_artifact else "inputs"
     feeds = reference.check_inputs(load_inputs(store.read(spec.inputs_artifact, "inputs_artifact"), inputs_name),
                                    inputs_name)
@@ -232,7 +233,8 @@ class JobRunner:
             if spec.device_model_artifact else ""
         return pb.CaptureRequest(job_id=job.id, live=pb.LiveSource(
             model_artifact=model, inputs_artifact=inputs, device_model_artifact=device_model,
-            precision=spec.precision or "fp32", device=spec.device or "cpu", dump_mode=spec.dump_mode or "output"))
+            precision=spec.precision or "fp32", device=spec.device or "cpu", dump_mode=spec.dump_mode or "output",
+            signature=spec.signature))
 
     def _execute(self, job: Job, p: Prepared, started: float) -> dict:
         spec = job.spec

@@ -45,6 +45,11 @@ def _read(path_or_bytes, field: str) -> tuple[bytes, str]:
     if isinstance(path_or_bytes, (bytes, bytearray)):
         return bytes(path_or_bytes), field
     p = Path(path_or_bytes)
+    if p.is_dir():
+        # A SavedModel is a directory: it travels as one tar archive.
+        from layerdiff.tfgraph import pack_directory
+
+        return pack_directory(p), f"{p.resolve().name}.tar"
     try:
         return p.read_bytes(), p.name
     except OSError as e:
@@ -165,12 +170,15 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
         min_bins: int | None = None, min_max=None, progress: bool | Callable[[pb.JobEvent], None] = True,
         timeout: float | None = None, perf_mode="accuracy", perf_all_nodes: bool = True,
         perf_runs: int | None = None, clock_mhz: float | None = None,
-        perf_graph_optimization: str = "") -> RunResult:
+        perf_graph_optimization: str = "", signature: str = "") -> RunResult:
     """Compare every node of ``model`` on the device against its FP32 CPU
     reference and fetch the reports into ``out``.
 
-    ``inputs``: an .npz path or a dict of arrays. ``device_model``: a second
-    ONNX file run as the device. ``dump``: a dump directory on the collector's
+    ``model``: an ONNX file, a TensorFlow frozen GraphDef (``.pb``), a
+    SavedModel directory (``signature`` picks its signature, default
+    serving_default) or a Keras ``.keras`` file. ``inputs``: an .npz path or a
+    dict of arrays. ``device_model``: a second model file (any of those kinds)
+    run as the device. ``dump``: a dump directory on the collector's
     host, read instead of a live run. ``show_graph``: plots for the failing
     nodes (``max_bins``/``min_bins`` for their histograms); ``min_max``: a
     tensor_min_max.txt giving the input ranges for the INT8 advice.
@@ -211,7 +219,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
             device_model_artifact=client.upload(device_model_bytes, device_model_name) if device_model_bytes else "",
             collector=collector, device=device, precision=precision, dump_path=dump or "", dump_format=dump_format,
             default_concat_dim=default_concat_dim, watch=watch, dump_mode=dump_mode or "output", options=options,
-            model_name=model_name, perf=perf)
+            model_name=model_name, perf=perf, signature=signature or "")
         try:
             job_id = client.submit(spec)
         except grpc.RpcError as e:

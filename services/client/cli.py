@@ -19,13 +19,17 @@ def _add_run(sub) -> None:
     p = sub.add_parser("run", help="compare every node of a model on a device against its FP32 CPU reference",
                        description="Compare every node of MODEL on the device against its FP32 CPU reference, "
                                    "name the first node that departs, and write the reports into --out.")
-    p.add_argument("model", help="reference ONNX model (FP32)")
+    p.add_argument("model", help="reference model (FP32): ONNX, TensorFlow frozen GraphDef (.pb), SavedModel "
+                                 "directory or Keras .keras file")
     p.add_argument("--inputs", required=True, help=".npz of named model inputs")
     p.add_argument("--device", default="cpu", help="execution provider on the collector (cpu, cuda, tensorrt, ...)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"],
-                   help="device precision for a live run (default fp32)")
+                   help="device precision for a live run (default fp32); for a Keras model fp16 is its "
+                        "mixed_float16 run")
     p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
-    p.add_argument("--device-model", help="a second ONNX file (optimized/quantized/converted export) run as device")
+    p.add_argument("--device-model", help="a second model file (optimized, quantized, converted or mixed-precision "
+                                          "export: ONNX, .pb, SavedModel directory, .keras) run as the device")
+    p.add_argument("--signature", default="", help="SavedModel signature to run (default serving_default)")
     p.add_argument("--dump", help="read this dump directory on the collector host instead of a live run")
     p.add_argument("--dump-format", "--dump_format", default="",
                    choices=["", "npy", "npz", "onnx", "bin", "h5", "ascend"],
@@ -91,7 +95,8 @@ def _cmd_run(a) -> int:
                  exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
                  show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins, min_max=a.min_max,
                  progress=not a.no_progress, perf_mode=a.perf_mode, perf_all_nodes=a.perf_all_nodes,
-                 perf_runs=a.perf_runs, clock_mhz=a.clock_mhz, perf_graph_optimization=a.perf_graph_optimization)
+                 perf_runs=a.perf_runs, clock_mhz=a.clock_mhz, perf_graph_optimization=a.perf_graph_optimization,
+                 signature=a.signature)
     print(format_summary(result.summary, result.out))
     if a.listing:
         from layerdiff.analyzer.listing import format_listing

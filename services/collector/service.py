@@ -72,17 +72,16 @@ class CollectorFlight(flight.FlightServerBase):
             return self._live_runner(request.live).records(request.live.dump_mode or "output")
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
 
-    def _live_runner(self, live: pb.LiveSource) -> LiveRunner:
+    def _live_runner(self, live: pb.LiveSource):
         model = self.store.read(live.model_artifact, "model_artifact")
         feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
                             self.store.name(live.inputs_artifact))
         device_model = self.store.read(live.device_model_artifact, "device_model_artifact") \
             if live.device_model_artifact else None
-        return LiveRunner(model, feeds, precision=live.precision or "fp32", device=live.device or "cpu",
-                          device_model_bytes=device_model,
-                          model_name=self.store.name(live.model_artifact),
-                          device_model_name=self.store.name(live.device_model_artifact)
-                          if live.device_model_artifact else "device.onnx")
+        model_name = self.store.name(live.model_artifact)
+        device_model_name = self.store.name(live.device_model_artifact) if live.device_model_artifact \
+            else "device.onnx"
+        return _live_runner(model, feeds, live, model_name, device_model, device_model_name)
 
     def perf_source(self, request: pb.CaptureRequest) -> Iterator[PerfRecord]:
         """Performance records: the dump's counter files, or the device model
@@ -92,6 +91,9 @@ class CollectorFlight(flight.FlightServerBase):
             return dump_perf_records(request.dump.path)
         if kind == "live":
             runner = self._live_runner(request.live)
+            if not isinstance(runner, LiveRunner):
+                raise LayerdiffError("performance data of a live run comes from onnxruntime's profiler; for a "
+                                     "TensorFlow model give the runtime's counter files as a dump", field="perf")
             return profile_model(runner.model, runner.feeds, runner.providers, runs=request.perf.runs,
                                  graph_optimization=request.perf.graph_optimization)
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
@@ -180,6 +182,28 @@ class CollectorFlight(flight.FlightServerBase):
             raise KeyError(f"unknown action {action.type!r}")
         yield flight.Result(pb.HealthReply(service="collector", version=__version__,
                                            status="SERVING").SerializeToString())
+
+
+def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, device_model: bytes | None,
+                 device_model_name: str):
+    """The runner for the file that runs as the device: TensorFlow models on
+    TensorFlow (imported only then), ONNX ones on onnxruntime. A device model
+    is run whatever the reference is (a TensorFlow network converted to ONNX,
+    say)."""
+    from layerdiff.tfgraph import is_tensorflow
+
+    precision, device = live.precision or "fp32", live.device or "cpu"
+    runs_tf = is_tensorflow(device_model_name, device_model) if device_model else is_tensorflow(model_name, model)
+    if runs_tf:
+        from layerdiff.collector.tflive import TFLiveRunner
+
+        return TFLiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
+                            model_name=model_name, device_model_name=device_model_name, signature=live.signature)
+    if device_model and is_tensorflow(model_name, model):
+        # The reference is TensorFlow: the ONNX device model stands in for it.
+        model, model_name = device_model, device_model_name
+    return LiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
+                      model_name=model_name, device_model_name=device_model_name)
 
 
 def _chain(first, rest):
