@@ -12,7 +12,7 @@ setup:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,tf]'
 	# The demo model ships its weights inside this wheel; its runtime
 	# dependencies are not needed because only the .onnx files are read.
 	$(BIN)/pip install -q --no-deps rapidocr-onnxruntime==1.4.4

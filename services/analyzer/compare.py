@@ -37,6 +37,22 @@ def _unique_permutation(src: tuple, dst: tuple) -> tuple | None:
     return found
 
 
+def _ordered_permutation(src: tuple, dst: tuple) -> tuple | None:
+    """An axis permutation p with src[p] == dst that keeps axes of equal size
+    in their order, or None if the sizes are not a permutation. A layout
+    change (NCHW <-> NHWC) moves the channel axis and never swaps H and W, so
+    where H == W this is the transpose the device applied."""
+    if len(src) != len(dst) or sorted(src) != sorted(dst):
+        return None
+    used = [False] * len(src)
+    perm = []
+    for size in dst:
+        i = next(i for i, s in enumerate(src) if not used[i] and s == size)
+        used[i] = True
+        perm.append(i)
+    return tuple(perm)
+
+
 def reconcile(ref: np.ndarray, dev: np.ndarray, force_compare: bool) -> tuple[np.ndarray, str]:
     """Bring the device tensor to the reference's shape, or raise SkipNode."""
     if ref.shape == dev.shape:
@@ -50,6 +66,10 @@ def reconcile(ref: np.ndarray, dev: np.ndarray, force_compare: bool) -> tuple[np
     squeezed_equal = tuple(s for s in ref.shape if s != 1) == tuple(s for s in dev.shape if s != 1)
     if squeezed_equal:
         return dev.reshape(ref.shape), "shape differs only by axes of size 1"
+    perm = _ordered_permutation(tuple(dev.shape), tuple(ref.shape))
+    if perm is not None:
+        return (np.ascontiguousarray(dev.transpose(perm)),
+                f"layout: device axes {perm} transposed to the reference (axes of equal size kept in order)")
     if force_compare:
         return dev.reshape(ref.shape), f"force_compare: device shape {tuple(dev.shape)} read as {tuple(ref.shape)}"
     raise SkipNode(f"shape {tuple(dev.shape)} differs from the reference {tuple(ref.shape)} with the same size; "

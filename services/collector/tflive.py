@@ -19,11 +19,12 @@ import numpy as np
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import plan_segments
 from layerdiff.schema import NodeRecord
-from layerdiff.tfgraph import import_tf, load_tf_model
+from layerdiff.tfgraph import import_tf, load_tf_model, on_tf_thread
 
 PRECISIONS = ("fp32", "fp16")
 
 
+@on_tf_thread
 def resolve_tf_device(device: str) -> str:
     """``cpu``, or ``gpu`` where TensorFlow sees one (``cuda`` means the same)."""
     d = (device or "cpu").lower()

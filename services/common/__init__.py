@@ -10,7 +10,10 @@ __version__ = "0.1.0"
 
 from layerdiff.errors import LayerdiffError
 
-__all__ = ["LayerdiffError", "__version__", "run"]
+__all__ = ["CUR_NPU_NODENAME_FILENAME", "LayerdiffError", "__version__", "onnx_dump_fmap", "run", "tf_dump_fmap"]
+
+# The seed tool's name for the device's node list (see layerdiff.client.fmap).
+CUR_NPU_NODENAME_FILENAME = "dump_memory_nodename.log"
 
 
 def run(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.client.api.run
@@ -18,3 +21,19 @@ def run(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.cl
     from layerdiff.client.api import run as _run
 
     return _run(*args, **kwargs)
+
+
+def tf_dump_fmap(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.client.fmap.tf_dump_fmap
+    """Dump the FP32 reference of every op of a TensorFlow model; see
+    :func:`layerdiff.client.fmap.tf_dump_fmap`."""
+    from layerdiff.client.fmap import tf_dump_fmap as _f
+
+    return _f(*args, **kwargs)
+
+
+def onnx_dump_fmap(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.client.fmap.onnx_dump_fmap
+    """Dump the FP32 reference of every node of an ONNX model; see
+    :func:`layerdiff.client.fmap.onnx_dump_fmap`."""
+    from layerdiff.client.fmap import onnx_dump_fmap as _f
+
+    return _f(*args, **kwargs)

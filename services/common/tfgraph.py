@@ -39,9 +39,12 @@ import re
 import stat
 import tarfile
 import tempfile
+import threading
 import zipfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import wraps
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +90,6 @@ _MERGE = frozenset({"Merge", "RefMerge"})
 _CALL_PREFIX = re.compile(r"^(?:Stateful)?PartitionedCall(?:_\d+)?/")
 # Identity ops function inlining puts at a call's boundary: copies, not computations.
 _INLINE_BOUNDARY = re.compile(r"^Func/.+/(?:input|output)/_\d+$")
-_DEAD = re.compile(r"Retval\[(\d+)\] does not have value")
 
 
 # ------------------------------------------------------------------ format
@@ -279,6 +281,34 @@ def savedmodel_root(directory: Path, archive: str) -> Path:
 
 # ------------------------------------------------------------------ TensorFlow
 
+# TensorFlow keeps per-thread state, in C++ (thread_local) and in Python
+# (threading.local). Arrow Flight runs the collector's handlers on gRPC's own
+# threads, whose Python thread state is created and dropped around each call:
+# the next call on the same OS thread then finds TensorFlow's C++ state
+# pointing at freed Python objects, and the process crashes. So every
+# TensorFlow call of this process runs on one long-lived Python thread.
+_TF_THREAD_PREFIX = "layerdiff-tensorflow"
+_tf_executor: ThreadPoolExecutor | None = None
+_tf_executor_lock = threading.Lock()
+
+
+def on_tf_thread(fn):
+    """Run the decorated function on the thread that owns TensorFlow."""
+
+    @wraps(fn)
+    def call(*args, **kwargs):
+        global _tf_executor
+        if threading.current_thread().name.startswith(_TF_THREAD_PREFIX):
+            return fn(*args, **kwargs)
+        with _tf_executor_lock:
+            if _tf_executor is None:
+                _tf_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_TF_THREAD_PREFIX)
+        return _tf_executor.submit(fn, *args, **kwargs).result()
+
+    return call
+
+
+@on_tf_thread
 def import_tf():
     """TensorFlow, imported on first use with its start-up chatter kept to
     warnings and errors."""
@@ -381,6 +411,7 @@ class TFGraph:
             raise LayerdiffError(f"TensorFlow cannot import the graph: {_tf_message(e)}", file=self.name) from e
         return g
 
+    @on_tf_thread
     def estimate_output_bytes(self, feeds: dict[str, np.ndarray]) -> dict[str, int]:
         """Size of each site's tensor for these inputs, from static shapes;
         tensors whose shape stays unknown are left out."""
@@ -399,6 +430,7 @@ class TFGraph:
                 out[s.tensor] = int(np.prod(t.shape.as_list(), dtype=np.int64)) * item
         return out
 
+    @on_tf_thread
     def run(self, feeds: dict[str, np.ndarray], only: list[str] | None = None, *, optimize: bool = False,
             device: str = "cpu", field_name: str = "model") -> dict[str, np.ndarray]:
         """Values of the given tensors (default: every site) by tensor name.
@@ -424,42 +456,70 @@ class TFGraph:
             raise LayerdiffError(f"no such tensor in the graph: {e}", file=self.name, field=field_name) from e
         results: dict[str, np.ndarray] = {}
         with tf.compat.v1.Session(graph=g, config=config) as sess:
-            pending = list(zip(names, fetches))
-            while pending:
-                try:
-                    values = sess.run([t for _, t in pending], feed_dict=feed_dict)
-                except tf.errors.InvalidArgumentError as e:
-                    m = _DEAD.search(str(e.message))
-                    if not m or int(m.group(1)) >= len(pending):
-                        raise LayerdiffError(f"run failed: {_tf_message(e)}", file=self.name,
-                                             field=field_name) from e
-                    # A tensor of a branch not taken, and what depends on it
-                    # up to the branch's Merge, has no value in this run.
-                    dead = _branch_from(g, pending[int(m.group(1))][1].op)
-                    pending = [(n, t) for n, t in pending if t.op.name not in dead]
-                    continue
-                except tf.errors.OpError as e:
-                    raise LayerdiffError(f"run failed: {_tf_message(e)}", file=self.name, field=field_name) from e
-                for (n, _), v in zip(pending, values):
-                    a = np.asarray(v)
-                    if a.dtype.name == "bfloat16":   # not a wire dtype; exact in float32
-                        a = a.astype(np.float32)
-                    results[n] = a
-                pending = []
+            # A TF1 cond's branch that is not taken has no value ("dead"):
+            # fetching it fails the whole run, so it is left out first.
+            dead = _dead_tensors(g, sess, feed_dict, self.name, field_name)
+            pending = [(n, t) for n, t in zip(names, fetches) if n not in dead]
+            try:
+                values = sess.run([t for _, t in pending], feed_dict=feed_dict)
+            except tf.errors.OpError as e:
+                raise LayerdiffError(f"run failed: {_tf_message(e)}", file=self.name, field=field_name) from e
+            for (n, _), v in zip(pending, values):
+                a = np.asarray(v)
+                if a.dtype.name == "bfloat16":   # not a wire dtype; exact in float32
+                    a = a.astype(np.float32)
+                results[n] = a
         return results
 
 
-def _branch_from(g, op) -> set[str]:
-    dead = {op.name}
-    stack = [op]
-    while stack:
-        cur = stack.pop()
-        for out in cur.outputs:
-            for c in out.consumers():
-                if c.type not in _MERGE and c.name not in dead:
-                    dead.add(c.name)
-                    stack.append(c)
-    return dead
+_ALIVE, _DEAD, _UNKNOWN = 0, 1, 2
+_SWITCH = frozenset({"Switch", "RefSwitch"})
+
+
+def _dead_tensors(g, sess, feed_dict, name: str, field_name: str) -> set[str]:
+    """Tensors of a TF1 cond branch not taken in this run, found as the
+    executor finds them: a Switch sends its input to the port of its
+    predicate's value and a dead tensor to the other; an op with a dead input
+    is dead; a Merge is dead only when all its inputs are. Predicates are
+    fetched level by level (one run per nesting depth of the conds); switches
+    of while loops (predicate from LoopCond) are left alone."""
+    tf = import_tf()
+    ops = g.get_operations()
+    switches = [op for op in ops if op.type in _SWITCH and op.inputs[1].op.type != "LoopCond"]
+    if not switches:
+        return set()
+    switch_names = {op.name for op in switches}
+    preds: dict[str, bool] = {}
+    while True:
+        status: dict[str, int] = {}
+        for op in ops:   # import order is a topological order outside loops
+            ins = [status.get(t.name, _ALIVE) for t in op.inputs] + \
+                  [_DEAD if any(status.get(o.name, _ALIVE) == _DEAD for o in c.outputs) and c.outputs else _ALIVE
+                   for c in op.control_inputs]
+            if op.type in _MERGE:
+                st = _ALIVE if _ALIVE in ins else (_UNKNOWN if _UNKNOWN in ins else _DEAD)
+            else:
+                st = _DEAD if _DEAD in ins else (_UNKNOWN if _UNKNOWN in ins else _ALIVE)
+            if op.name in switch_names and st == _ALIVE:
+                if op.name not in preds:
+                    for t in op.outputs:
+                        status[t.name] = _UNKNOWN
+                    continue
+                taken = 1 if preds[op.name] else 0
+                for k, t in enumerate(op.outputs):
+                    status[t.name] = _ALIVE if k == taken else _DEAD
+                continue
+            for t in op.outputs:
+                status[t.name] = st
+        need = [op for op in switches if op.name not in preds and status.get(op.inputs[1].name, _ALIVE) == _ALIVE
+                and status.get(op.inputs[0].name, _ALIVE) == _ALIVE]
+        if not need:
+            return {t for t, st in status.items() if st != _ALIVE}
+        try:
+            values = sess.run([op.inputs[1] for op in need], feed_dict=feed_dict)
+        except tf.errors.OpError as e:
+            raise LayerdiffError(f"run failed: {_tf_message(e)}", file=name, field=field_name) from e
+        preds.update((op.name, bool(np.asarray(v))) for op, v in zip(need, values))
 
 
 def _tf_message(e: BaseException) -> str:
@@ -474,6 +534,7 @@ def _fmt_shape(shape: tuple) -> str:
 
 # ------------------------------------------------------------------ loading
 
+@on_tf_thread
 def load_tf_model(data: bytes, name: str, *, fmt: str | None = None, signature: str = "",
                   precision: str = "fp32", graph_def=None) -> TFGraph:
     """Any of the three TensorFlow files as a TFGraph. ``precision="fp16"``
