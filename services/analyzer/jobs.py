@@ -104,6 +104,8 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
                                    inputs_name)
     if spec.device_model_artifact:
         store.path(spec.device_model_artifact, "device_model_artifact")
+    elif isinstance(reference, TFReference) and not spec.dump_path:
+        reference.check_device_precision(spec.precision)
     o = spec.options
     aligner = Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
                       exclude_node_list=list(o.exclude_node_list))

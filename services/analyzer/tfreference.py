@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import TensorSite, plan_segments
-from layerdiff.tfgraph import FORMAT_ONNX, TFGraph, load_tf_model, model_format
+from layerdiff.tfgraph import FORMAT_GRAPHDEF, FORMAT_KERAS, FORMAT_ONNX, TFGraph, load_tf_model, model_format
 
 
 class TFReference:
@@ -21,6 +22,20 @@ class TFReference:
         self.format = self.graph.format
         self.sites: list[TensorSite] = self.graph.sites
         self.consumers = self.graph.consumers
+
+    def check_device_precision(self, precision: str) -> None:
+        """A live run without a device model needs a precision this file can
+        be run in: fp32 always, fp16 for a Keras model (mixed_float16)."""
+        p = (precision or "fp32").lower()
+        if p == "fp32" or (p == "fp16" and self.format == FORMAT_KERAS):
+            return
+        if p == "fp16":
+            kind = "frozen GraphDef" if self.format == FORMAT_GRAPHDEF else "SavedModel"
+            raise LayerdiffError(f"precision fp16 rebuilds a Keras model under the mixed_float16 policy; for a {kind} "
+                                 "give its mixed-precision export as the device model", file=self.name,
+                                 field="precision")
+        raise LayerdiffError(f"precision {p!r} is not available for TensorFlow models (fp32, or fp16 for Keras "
+                             "models; give a quantized export as the device model)", file=self.name, field="precision")
 
     def check_inputs(self, feeds: dict[str, np.ndarray], inputs_name: str) -> dict[str, np.ndarray]:
         return self.graph.check_inputs(feeds, inputs_name)

@@ -1,7 +1,9 @@
 """``make demo``: a real pretrained text detector (PP-OCRv4 det, a DBNet
 CNN whose weights ship inside the rapidocr-onnxruntime wheel) on a rendered
 page of text, compared in FP16 and in INT8 against its FP32 reference with
-``layerdiff run`` and the embedded default services."""
+``layerdiff run`` and the embedded default services; then, where TensorFlow
+is installed, a Keras network on the same page against its mixed_float16 run
+(see layerdiff.client.tfdemo)."""
 from __future__ import annotations
 
 import importlib.util
@@ -89,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--out", str(out / precision)]
         print(f"\n$ layerdiff {' '.join(args)}", flush=True)
         status |= cli(args)
+    if importlib.util.find_spec("tensorflow") is not None:
+        from layerdiff.client import tfdemo
+
+        status |= tfdemo.main(out)
     return status
 
 
