@@ -92,11 +92,16 @@ def test_planted_bug_is_the_first_failing_node_in_every_format(services, nets, f
     ref, dev = nets["files"]["ref"][fmt], nets["files"]["dev"][fmt]
     out = tmp_path / "out"
     res = run(ref, nets["inputs"], device_model=dev, out=out, analyzer=analyzer.address,
-              collector=collector.address, progress=False)
+              collector=collector.address, progress=False, dump_mode="all")
     first = res.summary["first_failing_node"]
     # The scope names the layer: TensorFlow's own op name, as every format spells it.
     assert res.first_failing_node == f"tiny_1/{BUGGY_LAYER}_1/convolution", res.summary["failing_nodes"]
     assert first["op_type"] == "Conv2D"
+    # The op re-run alone on the device's own inputs still disagrees, and the
+    # weight it reads differs on the device: a kernel bug, named as such.
+    headline = res.summary["diagnosis"]["headline"]
+    assert headline.startswith(f"Computation error at tiny_1/{BUGGY_LAYER}_1/convolution (Conv2D"), headline
+    assert headline.endswith("cause: weight"), headline
     rows = _csv(out / "cpu_vs_npu.csv")
     by = {r["node"]: r for r in rows}
     # everything before the bug agrees within FP16 rounding, the other branch included
@@ -167,7 +172,8 @@ def test_cli_takes_a_savedmodel_directory_and_a_device_model(services, nets, tmp
                      "--no-progress"])
     text = capsys.readouterr().out
     assert code == 0
-    assert text.startswith(f"FIRST FAILING NODE: tiny_1/{BUGGY_LAYER}_1/convolution (Conv2D")
+    assert text.startswith(f"VERDICT: Computation error at tiny_1/{BUGGY_LAYER}_1/convolution (Conv2D")
+    assert f"FIRST FAILING NODE: tiny_1/{BUGGY_LAYER}_1/convolution (Conv2D" in text
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "ref_savedmodel.tar"
 
 

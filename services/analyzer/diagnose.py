@@ -487,7 +487,10 @@ class NodeExaminer:
         row.uneven = uneven_axis(ref, dev_aligned, "NCHW" if ref.ndim == 4 else "")
         row.layout = layout_match(ref, dev_aligned)
         try:
-            outs = run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
+            # A reference that is not ONNX (TensorFlow) re-runs its own op.
+            isolate = getattr(self.reference, "run_isolated", None)
+            outs = isolate(site, self.values.inputs_of(site.node), self.feeds) if isolate else \
+                run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
             iso = outs[site.output_index]
             row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
             if not row.layout:

@@ -22,6 +22,41 @@ class TFReference:
         self.format = self.graph.format
         self.sites: list[TensorSite] = self.graph.sites
         self.consumers = self.graph.consumers
+        # node name -> the tensors it reads, for comparing a node's inputs
+        self.node_inputs: dict[str, list[str]] = self.graph.node_inputs
+
+    def constant(self, tensor: str) -> np.ndarray | None:
+        """The value of a weight (or of what is computed from weights alone),
+        None for computed tensors."""
+        return self.graph.constant(tensor)
+
+    def constants_read(self, node: str) -> frozenset:
+        """The weights a node reads."""
+        return frozenset(t for t in self.node_inputs.get(node, []) if t in self.graph.params)
+
+    def input_uses(self) -> dict[str, int]:
+        """How many node inputs read each computed tensor."""
+        uses: dict[str, int] = {}
+        for ins in self.node_inputs.values():
+            for t in ins:
+                if t not in self.graph.params:
+                    uses[t] = uses.get(t, 0) + 1
+        return uses
+
+    def run_isolated(self, site: TensorSite, device_inputs: dict[int, np.ndarray],
+                     feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The op re-run alone on the device's own inputs (see
+        layerdiff.analyzer.diagnose): TensorFlow feeds the device values in
+        place of the activations the op reads, its weights stay the
+        reference's."""
+        from layerdiff.analyzer.diagnose import IsolationUnavailable
+
+        try:
+            return self.graph.run_isolated(site.node, device_inputs, feeds)
+        except KeyError as e:
+            raise IsolationUnavailable(str(e.args[0]) if e.args else "an input is missing") from None
+        except Exception as e:   # an op that needs more context than its inputs
+            raise IsolationUnavailable(f"the node cannot run alone ({type(e).__name__})") from None
 
     def check_device_precision(self, precision: str) -> None:
         """A live run without a device model needs a precision this file can

@@ -333,14 +333,20 @@ class TFGraph:
     consumers: dict[str, list[str]]
     layers: dict[str, str] = field(default_factory=dict)   # op name -> Keras layer
     optional_inputs: frozenset = frozenset()                # PlaceholderWithDefault: may be left out
+    # site op -> the tensors it reads (its data inputs, in order)
+    node_inputs: dict[str, list[str]] = field(default_factory=dict)
+    # tensors computed from weights alone that site ops read (parameters)
+    params: frozenset = frozenset()
+    _param_values: dict | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------ inputs
     def check_inputs(self, feeds: dict[str, np.ndarray], inputs_name: str,
                      extra: dict[str, GraphInput] | None = None) -> dict[str, np.ndarray]:
-        """Validate names, dtypes and shapes of the feeds; keys become op
-        names (``x:0`` and ``x`` both name the input ``x``). A single unnamed
-        array is accepted for a single-input graph. ``extra`` declares further
-        tensors that may be fed (the seed's ``input_map``)."""
+        """Validate names, dtypes and shapes of the feeds; keys become tensor
+        names (``x`` and ``x:0`` both name the input ``x:0``), as ONNX feeds
+        are named by tensor. A single unnamed array is accepted for a
+        single-input graph. ``extra`` declares further tensors that may be fed
+        (the seed's ``input_map``), by op name."""
         declared = {d.name: d for d in self.inputs}
         declared.update(extra or {})
         required = [d.name for d in self.inputs if d.name not in self.optional_inputs]
@@ -370,7 +376,7 @@ class TFGraph:
                     if want is not None and want != got:
                         raise LayerdiffError(f"input {key!r} has shape {a.shape}, the model expects "
                                              f"{_fmt_shape(d.shape)}", file=inputs_name, field=key)
-        return out
+        return {f"{k}:0": a for k, a in out.items()}
 
     # ------------------------------------------------------------ order
     def node_runtime(self) -> list[dict]:
@@ -393,11 +399,12 @@ class TFGraph:
         tf = import_tf()
         gd = tf.compat.v1.GraphDef()
         gd.CopyFrom(self.graph_def)
+        by_op = {_op_of(k): v for k, v in feeds.items()}
         for node in gd.node:
-            if node.op in INPUT_OPS and node.name in feeds:
+            if node.op in INPUT_OPS and node.name in by_op:
                 shape = node.attr["shape"].shape
                 shape.Clear()
-                for s in feeds[node.name].shape:
+                for s in by_op[node.name].shape:
                     shape.dim.add().size = int(s)
         return gd
 
@@ -412,22 +419,23 @@ class TFGraph:
         return g
 
     @on_tf_thread
-    def estimate_output_bytes(self, feeds: dict[str, np.ndarray]) -> dict[str, int]:
-        """Size of each site's tensor for these inputs, from static shapes;
-        tensors whose shape stays unknown are left out."""
+    def estimate_output_bytes(self, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> dict[str, int]:
+        """Size of each site's tensor (or of the tensors named) for these
+        inputs, from static shapes; tensors whose shape stays unknown are
+        left out."""
         try:
             g = self._import(feeds)
         except LayerdiffError:
             return {}
         out: dict[str, int] = {}
-        for s in self.sites:
-            t = g.get_tensor_by_name(s.tensor)
+        for name in (names if names is not None else [s.tensor for s in self.sites]):
+            t = g.get_tensor_by_name(name)
             if t.shape.is_fully_defined():
                 try:
                     item = np.dtype(t.dtype.as_numpy_dtype).itemsize
                 except TypeError:
                     continue
-                out[s.tensor] = int(np.prod(t.shape.as_list(), dtype=np.int64)) * item
+                out[name] = int(np.prod(t.shape.as_list(), dtype=np.int64)) * item
         return out
 
     @on_tf_thread
@@ -451,7 +459,7 @@ class TFGraph:
             config.device_count["GPU"] = 0
         try:
             fetches = [g.get_tensor_by_name(n) for n in names]
-            feed_dict = {g.get_tensor_by_name(f"{k}:0"): v for k, v in feeds.items()}
+            feed_dict = {g.get_tensor_by_name(_tensor_of(k)): v for k, v in feeds.items()}
         except (KeyError, ValueError) as e:
             raise LayerdiffError(f"no such tensor in the graph: {e}", file=self.name, field=field_name) from e
         results: dict[str, np.ndarray] = {}
@@ -470,6 +478,63 @@ class TFGraph:
                     a = a.astype(np.float32)
                 results[n] = a
         return results
+
+    # ------------------------------------------------------------ parameters
+    @on_tf_thread
+    def constant(self, tensor: str) -> np.ndarray | None:
+        """The value of a parameter a site op reads (a weight, or what is
+        computed from weights alone); None for anything computed from the
+        inputs. All parameters are evaluated once, on first use."""
+        if tensor not in self.params:
+            return None
+        if self._param_values is None:
+            tf = import_tf()
+            g = self._import({})
+            config = tf.compat.v1.ConfigProto(device_count={"GPU": 0})
+            names = sorted(self.params)
+            with tf.compat.v1.Session(graph=g, config=config) as sess:
+                try:
+                    values = sess.run([g.get_tensor_by_name(n) for n in names])
+                except tf.errors.OpError as e:
+                    raise LayerdiffError(f"the weights cannot be evaluated: {_tf_message(e)}", file=self.name) from e
+            self._param_values = {n: np.asarray(v) for n, v in zip(names, values)}
+        return self._param_values.get(tensor)
+
+    @on_tf_thread
+    def run_isolated(self, node: str, device_inputs: dict[int, np.ndarray], feeds: dict[str, np.ndarray]
+                     ) -> list[np.ndarray]:
+        """The outputs of one op computed alone in FP32 on the CPU: the
+        device's values fed in place of the activations it reads (TensorFlow
+        feeds any tensor), the reference's own weights kept. Raises KeyError
+        naming an input whose device value is missing."""
+        tf = import_tf()
+        g = self._import(feeds)
+        op = g.get_operation_by_name(node)
+        feed_dict = {}
+        for k, t in enumerate(self.node_inputs.get(node, [])):
+            if t in self.params:
+                continue
+            v = feeds.get(t) if t in feeds else device_inputs.get(k)
+            if v is None:
+                raise KeyError(f"the device value of input {k} ({t!r}) is not available")
+            v = np.asarray(v)
+            if v.dtype == np.float16:   # the reference computes in FP32
+                v = v.astype(np.float32)
+            feed_dict[op.inputs[k]] = v
+        config = tf.compat.v1.ConfigProto(device_count={"GPU": 0})
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+        with tf.compat.v1.Session(graph=g, config=config) as sess:
+            values = sess.run(list(op.outputs), feed_dict=feed_dict)
+        return [np.asarray(v) for v in values]
+
+
+def _op_of(tensor: str) -> str:
+    op, _, port = tensor.rpartition(":")
+    return op if op and port.isdigit() else tensor
+
+
+def _tensor_of(name: str) -> str:
+    return name if _op_of(name) != name else f"{name}:0"
 
 
 _ALIVE, _DEAD, _UNKNOWN = 0, 1, 2
@@ -836,7 +901,30 @@ def _analyse(gd, name: str, fmt: str, output_ops: set[str], layer_names: list[st
     if not sites:
         raise LayerdiffError("has no op that computes from the inputs", file=name, field="model")
 
-    keep = set(site_ops) | {i.name for i in inputs}
+    # What each site op reads. An input coming through the Identity copies
+    # that inlining or freezing adds is named by its source, a site or a
+    # graph input; inputs computed from weights alone are parameters.
+    site_set = set(site_ops)
+    dropped_copies = {op.name for op in ops if op.type == "Identity" and op.inputs and op.name not in site_set
+                      and (op.name in output_ops or _INLINE_BOUNDARY.match(op.name))}
+
+    def source(t):
+        while t.op.name in dropped_copies:
+            t = t.op.inputs[0]
+        return t
+
+    node_inputs: dict[str, list[str]] = {}
+    params: set[str] = set()
+    for name in site_ops:
+        names = []
+        for t in g.get_operation_by_name(name).inputs:
+            src = source(t)
+            names.append(src.name)
+            if src.op.name not in reach and src.op.type not in INPUT_OPS and _np_dtype(src.dtype):
+                params.add(src.name)
+        node_inputs[name] = names
+
+    keep = site_set | {i.name for i in inputs}
     consumers: dict[str, list[str]] = {}
     for op in order:
         if op.name not in keep:
@@ -850,7 +938,7 @@ def _analyse(gd, name: str, fmt: str, output_ops: set[str], layer_names: list[st
     layers = layer_map(site_ops, layer_names) if layer_names else {}
     optional = frozenset(op.name for op in ops if op.type == "PlaceholderWithDefault")
     return TFGraph(name=name, format=fmt, graph_def=gd, inputs=inputs, sites=sites, consumers=consumers,
-                   layers=layers, optional_inputs=optional)
+                   layers=layers, optional_inputs=optional, node_inputs=node_inputs, params=frozenset(params))
 
 
 _WIRE_DTYPES = frozenset({"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
