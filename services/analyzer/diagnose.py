@@ -484,7 +484,8 @@ class NodeExaminer:
             dev_aligned, _ = reconcile(ref, dev, force_compare)
         except SkipNode:
             return
-        row.uneven = uneven_axis(ref, dev_aligned, "NCHW" if ref.ndim == 4 else "")
+        axes = getattr(self.reference, "layout", "NCHW")   # TensorFlow references are NHWC
+        row.uneven = uneven_axis(ref, dev_aligned, axes if ref.ndim == 4 else "")
         row.layout = layout_match(ref, dev_aligned)
         try:
             # A reference that is not ONNX (TensorFlow) re-runs its own op.

@@ -15,6 +15,9 @@ from layerdiff.tfgraph import FORMAT_GRAPHDEF, FORMAT_KERAS, FORMAT_ONNX, TFGrap
 
 
 class TFReference:
+    # TensorFlow's image ops work in NHWC (axis names of the diagnosis)
+    layout = "NHWC"
+
     def __init__(self, model_bytes: bytes, name: str = "model.pb", *, signature: str = "",
                  graph: TFGraph | None = None) -> None:
         self.name = name
