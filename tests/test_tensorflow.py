@@ -263,6 +263,11 @@ def test_bad_tensorflow_models_are_refused_by_name_and_services_stay_up(services
         msg = _refused(client, services, _graphdef(), "small.pb", _npz(x=np.zeros((1, 4), np.float32)),
                        precision="fp16")
         assert "'small.pb'" in msg and "mixed-precision export as the device model" in msg
+
+        # live performance data is onnxruntime's profiler: refused up front for a TensorFlow device
+        msg = _refused(client, services, nets["files"]["ref"]["keras"].read_bytes(), "ref.keras", x,
+                       perf=pb.PerfOptions(mode=pb.PERF_MODE_BOTH))
+        assert "'ref.keras'" in msg and "onnxruntime's profiler" in msg and "'perf'" in msg
     finally:
         client.close()
     assert services[0].alive() and services[1].alive()

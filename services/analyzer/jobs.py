@@ -126,12 +126,27 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     quantized = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
         store.read(spec.device_model_artifact, "device_model_artifact")))
     perf = check_perf_options(spec.perf)
+    if perf.enabled and not spec.dump_path:
+        _check_live_perf(spec, store)
     if perf.only and spec.watch:
         raise LayerdiffError("watch streams tensors while the runtime writes them; a performance-only job reads "
                              "the counter files once: run it when the runtime has finished", field="watch")
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
                     o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips,
                     perf=perf)
+
+
+def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
+    """Live performance data is onnxruntime's profiler: the file that runs as
+    the device must be ONNX."""
+    from layerdiff.tfgraph import is_tensorflow
+
+    artifact = spec.device_model_artifact or spec.model_artifact
+    name = store.name(artifact)
+    if is_tensorflow(name, store.read(artifact)):
+        raise LayerdiffError("performance data of a live run comes from onnxruntime's profiler, and this is a "
+                             "TensorFlow model; give the runtime's counter files as a dump, or an ONNX device model",
+                             file=name, field="perf")
 
 
 def _is_quantized(model_bytes: bytes) -> bool:
