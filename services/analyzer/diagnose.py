@@ -279,6 +279,9 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) 
                               "finite and the reference has none")
             if m.dev_fp16_overflow or m.fp16_overflow:
                 f.evidence.append(f"{m.fp16_overflow} reference values here lie beyond the FP16 range (65504)")
+        elif row.inherited:
+            f.verdict = ACCUMULATED
+            f.evidence.append(row.inherited)
         elif row.isolated is not None:
             iso = row.isolated
             own = iso.errors / iso.total if iso.total else 0.0
@@ -457,6 +460,7 @@ class NodeExaminer:
                              if ins and self._op_of(node) in QUANT_OPS} if quantized else set()
         # ranges a calibrator recorded win over the reference's own values
         self.input_ranges: dict[str, tuple[float, float]] = dict(given_ranges or {})
+        self.metrics_of: dict = {}     # tensor, or (node, input index), -> metrics
         for t in self.quant_inputs & set(feeds):
             self.note_range(t, feeds[t])
 
@@ -475,11 +479,46 @@ class NodeExaminer:
     def keep_input(self, node: str, slot: int, arr: np.ndarray, buffer) -> bool:
         return self.values.keep_input(node, slot, arr, buffer)
 
+    def note_metrics(self, row) -> None:
+        """Every compared row, so that later nodes can see what they read."""
+        key = (row.site.node, row.site.output_index) if row.is_input else row.site.tensor
+        self.metrics_of[key] = row.outcome.metrics
+
+    def inherited(self, row) -> str:
+        """A sentence when the node's error is plainly what it read (no
+        larger than its inputs' errors), so it needs no closer look; ''
+        when it does (its error grew, or what it read is unknown)."""
+        m = row.outcome.metrics
+        consts = self.reference.constants_read(row.site.node)
+        read = []
+        for k, t in enumerate(self.reference.node_inputs.get(row.site.node, [])):
+            if not t or t in consts or t in self.feeds:
+                continue
+            x = self.metrics_of.get((row.site.node, k)) or self.metrics_of.get(t)
+            if x is None:
+                return ""
+            read.append(x)
+        if not read or m.dev_nan + m.dev_inf > max(x.dev_nan + x.dev_inf for x in read):
+            return ""
+        worst_cos = min((x.cosine for x in read if not math.isnan(x.cosine)), default=1.0)
+        worst_ratio = max(x.errors / x.total if x.total else 0.0 for x in read)
+        ratio = m.errors / m.total if m.total else 0.0
+        cos = 1.0 if math.isnan(m.cosine) else m.cosine
+        if 1 - cos > 2 * (1 - worst_cos) + 1e-6 or ratio > 2 * worst_ratio + 1e-3:
+            return ""
+        return (f"its error is no larger than what it read (cosine {_f(cos)} against {_f(worst_cos)}, "
+                f"{ratio:.3g} of elements outside tolerance against {worst_ratio:.3g})")
+
     def examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool) -> None:
-        """Fill the row's evidence (a failing output row)."""
+        """Fill the row's evidence (a failing output row). A node whose error
+        is plainly inherited is not re-run: the closer look costs a pass over
+        its tensors and a session of its own."""
         from layerdiff.analyzer.compare import SkipNode, compare_node, reconcile
 
         site = row.site
+        row.inherited = self.inherited(row)
+        if row.inherited:
+            return
         try:
             dev_aligned, _ = reconcile(ref, dev, force_compare)
         except SkipNode:

@@ -13,7 +13,7 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -402,6 +402,7 @@ class JobRunner:
                           constants_read=p.reference.constants_read(site.node),
                           reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
                                       if t and t not in p.feeds))   # model inputs are exact on both sides
+                examiner.note_metrics(row)
                 if not outcome.metrics.passed and rec.role != ROLE_INPUT:
                     examiner.examine(row, ref, rec.array, tol, p.force_compare)
                 if not outcome.metrics.passed and p.show_graph:
@@ -478,11 +479,20 @@ class JobRunner:
             submit(site, rec, ref)
             return True
 
+        def drain(keep: int) -> None:
+            """Finish comparisons in the order they were submitted (the
+            stream's order) until at most ``keep`` are pending, and any
+            that are already done at the head: a node's diagnosis sees what
+            it read, whichever executor ran what first."""
+            while pending:
+                head = next(iter(pending))
+                if len(pending) <= keep and not head.done():
+                    return
+                wait([head])
+                finished(head)
+
         def submit(site: TensorSite, rec: NodeRecord, ref) -> None:
-            while len(pending) >= limit:
-                ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for f in ready:
-                    finished(f)
+            drain(limit - 1)
             tol = p.tolerances.for_node(site.node, site.tensor)
             fut = executor.submit(ref, rec.array, tol, p.diff_cnt, p.force_compare)
             buf = rec.extra.get("buffer")
@@ -547,10 +557,7 @@ class JobRunner:
             raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
         if refs is None:
             refs = ref_future.result()  # surfaces reference errors even for an empty stream
-        while pending:
-            ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for f in ready:
-                finished(f)
+        drain(0)
         uncache(examiner.release())
         rep.input_ranges = examiner.input_ranges
         rep.quantized = examiner.quantized

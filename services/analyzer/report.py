@@ -57,6 +57,7 @@ class Row:
     # evidence gathered while the tensors were at hand (failing nodes only)
     isolated: object = None          # metrics of the device against the node re-run alone on its device inputs
     isolation_note: str = ""         # why there is no isolated re-run
+    inherited: str = ""              # why no closer look was needed: its error is what it read
     layout: str = ""
     uneven: str = ""
     constants_read: frozenset = frozenset()    # the weights the node reads
