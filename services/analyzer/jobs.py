@@ -283,7 +283,10 @@ class JobRunner:
             if job.cancelled.is_set():
                 raise _Cancelled()
             request = self._capture_request(job, collector)
-            job.call = collector.capture(request)
+            try:
+                job.call = collector.capture(request)
+            except (pa.ArrowException, KeyError) as e:   # refused before the first batch
+                raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
             if job.cancelled.is_set():
                 job.call.cancel()
             rep = JobReport()
@@ -346,10 +349,10 @@ class JobRunner:
             request = self._capture_request(job, collector)
             request.stream = pb.CAPTURE_STREAM_PERF
             request.perf.CopyFrom(pb.PerfCapture(runs=p.perf.runs, graph_optimization=p.perf.graph_optimization))
-            job.call = collector.capture(request)
-            if job.cancelled.is_set():
-                job.call.cancel()
             try:
+                job.call = collector.capture(request)
+                if job.cancelled.is_set():
+                    job.call.cancel()
                 data = receive(job.call)
             except (pa.ArrowException, KeyError) as e:
                 if job.cancelled.is_set():

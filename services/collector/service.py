@@ -249,7 +249,11 @@ def flight_message(e: BaseException) -> str:
     """The server's own message, without the transport's debug trailer."""
     text = str(e)
     m = _DETAIL.search(text)
-    return text[:m.start()] if m else text
+    text = text[:m.start()] if m else text
+    # NOT_FOUND travels as a KeyError, whose text is its message quoted
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    return text
 
 
 class CollectorClient:
