@@ -291,9 +291,6 @@ _F16, _F32, _F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 _PTR = ir.PointerType()
 _V8F = ir.VectorType(_F32, 8)
 _V8I = ir.VectorType(_I32, 8)
-_V8H = ir.VectorType(_I16, 8)
-_V4D = ir.VectorType(_F64, 4)
-_V4L = ir.VectorType(_I64, 4)
 
 
 def _target_has_feature(name: str) -> bool:
@@ -306,6 +303,22 @@ def _target_has_feature(name: str) -> bool:
 
 _HAS_F16C = _target_has_feature("f16c")
 _HAS_AVX2 = _target_has_feature("avx2")
+_HAS_AVX512 = _target_has_feature("avx512f")
+
+# float32 lanes per group.  Every sum in the kernel is a loop-carried chain
+# (an add or fma per group), so a sweep cannot go faster than one group per
+# add/fma latency: with AVX-512 a group of 16 lanes (one zmm register, and 32
+# of them to hold the accumulators) does twice the work per link of the
+# chain.  Elsewhere 8 lanes fill the 256-bit registers (or are split by LLVM
+# on narrower targets).  Results do not depend on the choice beyond
+# summation order.
+_W = 16 if _HAS_AVX512 else 8
+_VF = ir.VectorType(_F32, _W)
+_VI = ir.VectorType(_I32, _W)
+_VH = ir.VectorType(_I16, _W)
+_VD = ir.VectorType(_F64, _W)
+_VHD = ir.VectorType(_F64, _W // 2)
+_VHL = ir.VectorType(_I64, _W // 2)
 
 
 def _c(ty, v):
@@ -382,11 +395,18 @@ def _lookup8(b, table, idx):
     tv = ir.Constant(_V8F, [ir.Constant(_F32, v) for v in table])
     if not isinstance(idx.type, ir.VectorType):
         return b.extract_element(tv, idx)
-    if _HAS_AVX2:
+    vty = _like(idx.type, _F32)
+    if idx.type.count == 16 and _HAS_AVX512:
+        # idx < 8: the table repeated fills the 16 lanes vpermps indexes
+        t16 = ir.Constant(vty, [ir.Constant(_F32, v) for v in table] * 2)
+        fnty = ir.FunctionType(vty, [vty, idx.type])
+        fn = cgutils.get_or_insert_function(b.module, fnty, "llvm.x86.avx512.permvar.sf.512")
+        return b.call(fn, [t16, idx])
+    if idx.type.count == 8 and _HAS_AVX2:
         fnty = ir.FunctionType(_V8F, [_V8F, _V8I])
         fn = cgutils.get_or_insert_function(b.module, fnty, "llvm.x86.avx2.permps")
         return b.call(fn, [tv, idx])
-    out = ir.Constant(_V8F, ir.Undefined)
+    out = ir.Constant(vty, ir.Undefined)
     for k in range(idx.type.count):
         lane = ir.Constant(_I32, k)
         out = b.insert_element(out, b.extract_element(tv, b.extract_element(idx, lane)), lane)
@@ -508,8 +528,8 @@ def _no_unroll_md(module, tag):
 class _Emitter:
     """IR helpers shared by the block kernels (one function being built)."""
 
-    _lo_mask = ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])
-    _hi_mask = ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7])
+    _lo_mask = ir.Constant(ir.VectorType(_I32, _W // 2), list(range(_W // 2)))
+    _hi_mask = ir.Constant(ir.VectorType(_I32, _W // 2), list(range(_W // 2, _W)))
 
     def __init__(self, fn, b, outp):
         self.fn, self.b, self.outp = fn, b, outp
@@ -520,21 +540,37 @@ class _Emitter:
         return b.shuffle_vector(vec, ir.Constant(ty, ir.Undefined),
                                 ir.Constant(ir.VectorType(_I32, ty.count), [0] * ty.count))
 
-    def load8(self, ptr, half, i):
+    def load(self, ptr, half, i):
+        """Group i (_W elements) of a float32 or float16-bits array."""
         b = self.b
-        off = b.mul(i, ir.Constant(_I64, 8))
+        off = b.mul(i, ir.Constant(_I64, _W))
         if half:
-            v = b.load(b.gep(ptr, [off], source_etype=_I16), typ=_V8H)
+            v = b.load(b.gep(ptr, [off], source_etype=_I16), typ=_VH)
             v.align = 2
             return _emit_h2f(b, v)
-        v = b.load(b.gep(ptr, [off], source_etype=_F32), typ=_V8F)
+        v = b.load(b.gep(ptr, [off], source_etype=_F32), typ=_VF)
         v.align = 4
         return v
 
+    def prefetch(self, ptr, half, i, ahead):
+        """Prefetch the group ``ahead`` elements past group i.
+
+        Each block is first read by sweep 1 and then only from L1: without
+        this the memory sits idle during the later sweeps and the load of
+        the next block waits for them.  Prefetching a block ahead (a hint:
+        it never faults, also past the end of the array) overlaps the two.
+        """
+        b = self.b
+        off = b.add(b.mul(i, ir.Constant(_I64, _W)), ir.Constant(_I64, ahead))
+        p = b.gep(ptr, [off], source_etype=_I16 if half else _F32)
+        fnty = ir.FunctionType(ir.VoidType(), [_PTR, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(b.module, fnty, "llvm.prefetch.p0")
+        b.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
     def halves(self, v):
         b = self.b
-        return (b.fpext(b.shuffle_vector(v, v, self._lo_mask), _V4D),
-                b.fpext(b.shuffle_vector(v, v, self._hi_mask), _V4D))
+        return (b.fpext(b.shuffle_vector(v, v, self._lo_mask), _VHD),
+                b.fpext(b.shuffle_vector(v, v, self._hi_mask), _VHD))
 
     def store(self, idx, val):
         self.b.store(val, self.b.gep(self.outp, [ir.Constant(_I64, idx)], source_etype=_F64))
@@ -577,7 +613,6 @@ class _Emitter:
 _fsum = lambda bb, x, y: bb.fadd(x, y)
 _isum = lambda bb, x, y: bb.add(x, y)
 _umax = lambda bb, x, y: bb.select(bb.icmp_unsigned(">", x, y), x, y)
-_V8D = ir.VectorType(_F64, 8)
 # Moments and squares are taken of values scaled by 2**40 (exact): with every
 # non-zero input magnitude >= _TINY (smaller ones send the block to the
 # scalar path) no product of two non-zero scaled differences falls below the
@@ -625,14 +660,14 @@ def _build_block_fn(module, name, ref_half, dev_half):
     zero64 = ir.Constant(_I64, 0)
     sub = ir.Constant(_I64, _SUB)
     nsub = b.sdiv(b.add(ng, ir.Constant(_I64, _SUB - 1)), sub)
-    zf = _c(_V8F, 0.0)
-    zi = _c(_V8I, 0)
-    zd8 = _c(_V8D, 0.0)
-    absmask = _c(_V8I, 0x7FFFFFFF)
-    kv = _c(_V8F, _SCALE)
+    zf = _c(_VF, 0.0)
+    zi = _c(_VI, 0)
+    zdw = _c(_VD, 0.0)
+    absmask = _c(_VI, 0x7FFFFFFF)
+    kv = _c(_VF, _SCALE)
 
     def fabs_bits(v):
-        return b.and_(b.bitcast(v, _V8I), absmask)
+        return b.and_(b.bitcast(v, _VI), absmask)
 
     def sweep(keep, sums, body):
         """Nested loop: ``keep`` values carried through, ``sums`` (float32)
@@ -646,30 +681,30 @@ def _build_block_fn(module, name, ref_half, dev_half):
             a = em.loop(lo, hi, inits, body)
             out = {k: a[k] for k in keep}
             for k in sums:
-                out[k + "64"] = b.fadd(o[k + "64"], b.fpext(a[k], _V8D))
+                out[k + "64"] = b.fadd(o[k + "64"], b.fpext(a[k], _VD))
             return out
 
         inits = dict(keep)
-        inits.update({k + "64": zd8 for k in sums})
+        inits.update({k + "64": zdw for k in sums})
         o = em.loop(zero64, nsub, inits, outer)
         tot = {k: o[k] for k in keep}
         tot.update({k: em.reduce(o[k + "64"], _fsum) for k in sums})
         return tot
 
     def count(acc, cond):
-        return b.sub(acc, b.sext(cond, _V8I))
+        return b.sub(acc, b.sext(cond, _VI))
 
     # ---- 1: range check and moments ----------------------------------------
     sr32 = b.fptrunc(shift_r, _F32)
     sd32 = b.fptrunc(shift_d, _F32)
-    srk = em.splat(b.fmul(b.fneg(sr32), ir.Constant(_F32, _SCALE)), _V8F)
-    sdk = em.splat(b.fmul(b.fneg(sd32), ir.Constant(_F32, _SCALE)), _V8F)
-    one = _c(_V8I, 1)
+    srk = em.splat(b.fmul(b.fneg(sr32), ir.Constant(_F32, _SCALE)), _VF)
+    sdk = em.splat(b.fmul(b.fneg(sd32), ir.Constant(_F32, _SCALE)), _VF)
+    one = _c(_VI, 1)
     umin = lambda bb, x, y: bb.select(bb.icmp_unsigned("<", x, y), x, y)
 
     def body1(i, a):
-        rv = em.load8(rp, ref_half, i)
-        dv = em.load8(dp, dev_half, i)
+        rv = em.load(rp, ref_half, i)
+        dv = em.load(dp, dev_half, i)
         rb = fabs_bits(rv)
         db = fabs_bits(dv)
         a["mxb"] = _umax(b, a["mxb"], _umax(b, rb, db))
@@ -685,7 +720,7 @@ def _build_block_fn(module, name, ref_half, dev_half):
         a["suw"] = _fma(b, u, w, a["suw"])
         return a
 
-    t = sweep({"mxb": zi, "mnb": _c(_V8I, -1)}, ("su", "sw", "su2", "sw2", "suw"), body1)
+    t = sweep({"mxb": zi, "mnb": _c(_VI, -1)}, ("su", "sw", "su2", "sw2", "suw"), body1)
     maxbits = em.reduce(t["mxb"], _umax)
     minbits = em.reduce(t["mnb"], umin)
     bad = b.or_(b.icmp_unsigned(">", maxbits, ir.Constant(_I32, _FP16_MAX_BITS)),
@@ -708,12 +743,12 @@ def _build_block_fn(module, name, ref_half, dev_half):
     em.store(_B_SUV, b.fmul(b.fadd(su2, suw), ik2))
 
     # ---- 2: error magnitudes, |r|, |d|, tolerance pre-test -----------------
-    rtolv = em.splat(b.fptrunc(rtol_lo, _F32), _V8F)
-    atolv = em.splat(b.fptrunc(atol_lo, _F32), _V8F)
+    rtolv = em.splat(b.fptrunc(rtol_lo, _F32), _VF)
+    atolv = em.splat(b.fptrunc(atol_lo, _F32), _VF)
 
     def body2(i, a):
-        rv = em.load8(rp, ref_half, i)
-        dv = em.load8(dp, dev_half, i)
+        rv = em.load(rp, ref_half, i)
+        dv = em.load(dp, dev_half, i)
         ar = _fabs(b, rv)
         ad = _fabs(b, dv)
         e = b.fsub(dv, rv)
@@ -744,26 +779,29 @@ def _build_block_fn(module, name, ref_half, dev_half):
     em.store(_B_NERRP, b.sitofp(em.reduce(t["nerrp"], _isum), _F64))
 
     # ---- 3: relative error and KL term --------------------------------------
-    eps32 = _c(_V8F, float(_EPS_32))
+    eps32 = _c(_VF, float(_EPS_32))
 
     def body3(i, a):
-        rv = em.load8(rp, ref_half, i)
-        dv = em.load8(dp, dev_half, i)
+        rv = em.load(rp, ref_half, i)
+        dv = em.load(dp, dev_half, i)
         ar = _fabs(b, rv)
         ae = _fabs(b, b.fsub(dv, rv))
         den = b.select(b.fcmp_ordered("==", rv, zf), eps32, ar)
         rel = b.fdiv(ae, den)
         a["srel"] = b.fadd(a["srel"], rel)
         a["mrel"] = _fmax(b, rel, a["mrel"])
-        a["c1lo"] = count(a["c1lo"], b.fcmp_ordered("<", rel, _c(_V8F, _T1_LO)))
-        a["c1hi"] = count(a["c1hi"], b.fcmp_ordered("<", rel, _c(_V8F, _T1_HI)))
-        a["c5lo"] = count(a["c5lo"], b.fcmp_ordered("<", rel, _c(_V8F, _T5_LO)))
-        a["c5hi"] = count(a["c5hi"], b.fcmp_ordered("<", rel, _c(_V8F, _T5_HI)))
+        a["c1lo"] = count(a["c1lo"], b.fcmp_ordered("<", rel, _c(_VF, _T1_LO)))
+        a["c1hi"] = count(a["c1hi"], b.fcmp_ordered("<", rel, _c(_VF, _T1_HI)))
+        a["c5lo"] = count(a["c5lo"], b.fcmp_ordered("<", rel, _c(_VF, _T5_LO)))
+        a["c5hi"] = count(a["c5hi"], b.fcmp_ordered("<", rel, _c(_VF, _T5_HI)))
         return a
 
     def body4(i, a):
-        rv = em.load8(rp, ref_half, i)
-        dv = em.load8(dp, dev_half, i)
+        # the last sweep over this block has the most work per byte
+        em.prefetch(rp, ref_half, i, _BLOCK)
+        em.prefetch(dp, dev_half, i, _BLOCK)
+        rv = em.load(rp, ref_half, i)
+        dv = em.load(dp, dev_half, i)
         ar = _fabs(b, rv)
         lg = _emit_log32(b, b.fdiv(_fmax(b, ar, eps32), _fmax(b, _fabs(b, dv), eps32)))
         a["skl"] = _fma(b, ar, lg, a["skl"])
@@ -803,14 +841,14 @@ def _build_exact_fn(module, name, ref_half, dev_half):
     rp, dp, ng, atol, rtol, outp = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     em = _Emitter(fn, b, outp)
-    zd = _c(_V4D, 0.0)
-    zl = _c(_V4L, 0)
-    atolv = em.splat(atol, _V4D)
-    rtolv = em.splat(rtol, _V4D)
+    zd = _c(_VHD, 0.0)
+    zl = _c(_VHL, 0)
+    atolv = em.splat(atol, _VHD)
+    rtolv = em.splat(rtol, _VHD)
 
     def body(i, a):
-        rv = em.load8(rp, ref_half, i)
-        dv = em.load8(dp, dev_half, i)
+        rv = em.load(rp, ref_half, i)
+        dv = em.load(dp, dev_half, i)
         for x, y in zip(em.halves(rv), em.halves(dv)):
             ax = _fabs(b, x)
             ae = _fabs(b, b.fsub(y, x))
@@ -819,16 +857,16 @@ def _build_exact_fn(module, name, ref_half, dev_half):
             # the scalar path and like numpy's ``atol + rtol * |r|``.
             tol = b.fadd(b.fmul(ax, rtolv), atolv)
             mis = b.fcmp_ordered(">", ae, tol)
-            a["nerr"] = b.add(a["nerr"], b.zext(mis, _V4L))
+            a["nerr"] = b.add(a["nerr"], b.zext(mis, _VHL))
             emis = b.select(mis, ae, zd)
             a["serr"] = b.fadd(a["serr"], emis)
             a["merr"] = _fmax(b, emis, a["merr"])
-            den = b.select(b.fcmp_ordered("==", x, zd), _c(_V4D, REL_EPS), ax)
+            den = b.select(b.fcmp_ordered("==", x, zd), _c(_VHD, REL_EPS), ax)
             rel = b.fdiv(ae, den)
             a["srel"] = b.fadd(a["srel"], rel)
             a["mrel"] = _fmax(b, rel, a["mrel"])
-            a["c1"] = b.add(a["c1"], b.zext(b.fcmp_ordered("<", rel, _c(_V4D, 0.001)), _V4L))
-            a["c5"] = b.add(a["c5"], b.zext(b.fcmp_ordered("<", rel, _c(_V4D, 0.005)), _V4L))
+            a["c1"] = b.add(a["c1"], b.zext(b.fcmp_ordered("<", rel, _c(_VHD, 0.001)), _VHL))
+            a["c5"] = b.add(a["c5"], b.zext(b.fcmp_ordered("<", rel, _c(_VHD, 0.005)), _VHL))
         return a
 
     inits = {"nerr": zl, "c1": zl, "c5": zl, "serr": zd, "merr": zd, "srel": zd,
@@ -1127,12 +1165,12 @@ def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
         m = min(_BLOCK, n - s)
         sr = _replace64(np.float64(_ld32(r, s)))
         sd = _replace64(np.float64(_ld32(d, s)))
-        ng = m // 8
+        ng = m // _W
         blk[:] = 0.0
         start = s
         if ng > 0:
             if _block_kernel(r, d, s, ng, rtol_lo, atol_lo, sr, sd, blk) == 0:
-                start = s + ng * 8
+                start = s + ng * _W
                 # When a count was not decided (or relative errors are huge)
                 # the float64 sweep replaces the block's tolerance and
                 # relative-error results.  The float32 maxima of |e| and of
