@@ -1,5 +1,9 @@
 import json
 import math
+import os
+import platform
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -651,3 +655,44 @@ def test_fast_maxima_exact_when_growing_or_tied():
     rr = np.full(n, 3.0, np.float32)
     rr[::2] = 7.0
     check_against_reference(rr, (rr * np.float32(1.0007)).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------
+# Narrower targets
+# ---------------------------------------------------------------------------
+
+# The kernel's shape depends on the target (16 lanes and merged sweeps with
+# AVX-512, 8 lanes and separate sweeps with AVX2, no permute or half
+# conversion instructions on plain x86-64): the exactness tests run again in
+# a child process compiled for each narrower target.
+_NARROW_TARGETS = {
+    "avx2": ("haswell", "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2,+lzcnt"),
+    "x86-64": ("x86-64", "+sse2"),
+}
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="x86-64 target names")
+@pytest.mark.skipif(os.environ.get("LAYERDIFF_NARROW_TARGET") is not None,
+                    reason="already running for a narrower target")
+@pytest.mark.parametrize("target", sorted(_NARROW_TARGETS))
+def test_kernel_exact_on_narrower_targets(target, tmp_path):
+    cpu, features = _NARROW_TARGETS[target]
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features,
+               NUMBA_CACHE_DIR=str(tmp_path), LAYERDIFF_NARROW_TARGET=target)
+    tests = ("boundaries or special_values or half_conversion or fast_ or "
+             "chunked_large or lanes_follow_target")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+
+
+def test_kernel_lanes_follow_target():
+    target = os.environ.get("LAYERDIFF_NARROW_TARGET")
+    if target is not None:
+        assert M._W == 8
+        assert M._HAS_AVX2 == (target == "avx2") and M._HAS_F16C == (target == "avx2")
+    else:
+        assert M._W == (16 if M._HAS_AVX512 else 8)

@@ -24,9 +24,10 @@ Definitions (``reference_metrics`` is the executable form of this list):
   only come out negative through rounding).
 
 Implementation: float32 and float16 pairs go through a hand-vectorised
-kernel (LLVM IR emitted from numba intrinsics: 8 float32 lanes, blocks of
-2048 elements kept in L1, no tensor-sized temporaries, float16 read as bits
-and widened in registers).  Blocks containing NaN, Inf, magnitudes above
+kernel (LLVM IR emitted from numba intrinsics: 16 float32 lanes with
+AVX-512, 8 elsewhere; blocks of 2048 elements kept in L1 while the next one is
+prefetched, no tensor-sized temporaries, float16 read as bits and widened in
+registers).  Blocks containing NaN, Inf, magnitudes above
 65504 or non-zero magnitudes below 2**-80 fall back to a scalar float64 path
 that applies the replacement; every other dtype combination is widened to
 float64 in bounded pieces and takes the scalar path.  First-, second- and
@@ -107,7 +108,7 @@ _EPS_32 = np.float32(REL_EPS)
 # unsigned integer) is > 65504, Inf or NaN, i.e. needs the careful path.
 _FP16_MAX_BITS = 0x477FE000
 # Elements per block: the reference and device slices of one block (<= 16
-# KiB) stay in L1 while the kernel sweeps them four (or five) times.
+# KiB) stay in L1 while the kernel sweeps them two to five times.
 _BLOCK = 2048
 
 
@@ -313,6 +314,12 @@ _HAS_AVX512 = _target_has_feature("avx512f")
 # on narrower targets).  Results do not depend on the choice beyond
 # summation order.
 _W = 16 if _HAS_AVX512 else 8
+# Sweeps of the block kernel that share one loop (see _build_block_fn): with
+# the 32 registers of AVX-512 sweeps 2-4 fit in one loop, so the block is read
+# twice instead of four times; with 16 registers merging them would spill.
+# Sweep 1 stays alone either way: a block that must take the scalar path is
+# then found before the expensive sweeps run.
+_SWEEP_GROUPS = ((1,), (2, 3, 4)) if _HAS_AVX512 else ((1,), (2,), (3,), (4,))
 _VF = ir.VectorType(_F32, _W)
 _VI = ir.VectorType(_I32, _W)
 _VH = ir.VectorType(_I16, _W)
@@ -469,7 +476,7 @@ def _emit_h2f(b, h):
  _B_NERRP, _B_AMB) = range(20)
 _NB = 20
 
-# Groups of 8 elements summed in float32 before a partial sum is widened to
+# Groups of _W elements summed in float32 before a partial sum is widened to
 # float64: each float32 lane then adds at most 32 terms, which bounds the
 # relative error of a sum of non-negative terms by 33 * 2**-24 < 2e-6.
 _SUB = 32
@@ -623,13 +630,14 @@ _TINY_BITS = 0x17800000          # bits of float32 2**-80
 
 
 def _build_block_fn(module, name, ref_half, dev_half):
-    """float32 vector kernel over ``ng`` groups of 8 elements of one block.
+    """float32 vector kernel over ``ng`` groups of _W elements of one block.
 
-    The block (<= 16 KiB) stays in L1 and is swept four times, each sweep
-    keeping few enough accumulators to live in the 16 AVX registers.  Per
-    element work is done in 8 float32 lanes; every sum is widened to float64
-    after ``_SUB`` groups (<= 32 float32 additions per lane), and the block's
-    float64 partial sums are what the caller merges.
+    The block (<= 16 KiB) stays in L1 and is swept in four parts, run as
+    separate loops or merged ones (``_SWEEP_GROUPS``) so that each loop's
+    accumulators live in registers.  Per element work is done in _W float32
+    lanes; every sum is widened to float64 after ``_SUB`` groups (<= 32
+    float32 additions per lane), and the block's float64 partial sums are
+    what the caller merges.
 
     1. max and min non-zero |r|, |d| bit patterns, and the moments of
        u = r - shift_r and w = (d - shift_d) - u: the d-moments are rebuilt
@@ -643,7 +651,8 @@ def _build_block_fn(module, name, ref_half, dev_half):
        mismatch" count (``_fast_tolerances``).
     3. relative error sum, max and threshold counts (with a band of
        ``_BAND`` around each threshold).
-    4. the KL log term (kept apart: its constants alone fill the registers).
+    4. the KL log term (a loop of its own with 16 registers: its constants
+       alone fill them).
 
     The caller reruns the exact float64 sweep (``_build_exact_fn``) when a
     mismatch is possible, a threshold count fell in the band, or the block's
@@ -694,14 +703,17 @@ def _build_block_fn(module, name, ref_half, dev_half):
     def count(acc, cond):
         return b.sub(acc, b.sext(cond, _VI))
 
-    # ---- 1: range check and moments ----------------------------------------
     sr32 = b.fptrunc(shift_r, _F32)
     sd32 = b.fptrunc(shift_d, _F32)
     srk = em.splat(b.fmul(b.fneg(sr32), ir.Constant(_F32, _SCALE)), _VF)
     sdk = em.splat(b.fmul(b.fneg(sd32), ir.Constant(_F32, _SCALE)), _VF)
     one = _c(_VI, 1)
     umin = lambda bb, x, y: bb.select(bb.icmp_unsigned("<", x, y), x, y)
+    rtolv = em.splat(b.fptrunc(rtol_lo, _F32), _VF)
+    atolv = em.splat(b.fptrunc(atol_lo, _F32), _VF)
+    eps32 = _c(_VF, float(_EPS_32))
 
+    # ---- 1: range check and moments ----------------------------------------
     def body1(i, a):
         rv = em.load(rp, ref_half, i)
         dv = em.load(dp, dev_half, i)
@@ -720,32 +732,7 @@ def _build_block_fn(module, name, ref_half, dev_half):
         a["suw"] = _fma(b, u, w, a["suw"])
         return a
 
-    t = sweep({"mxb": zi, "mnb": _c(_VI, -1)}, ("su", "sw", "su2", "sw2", "suw"), body1)
-    maxbits = em.reduce(t["mxb"], _umax)
-    minbits = em.reduce(t["mnb"], umin)
-    bad = b.or_(b.icmp_unsigned(">", maxbits, ir.Constant(_I32, _FP16_MAX_BITS)),
-                b.icmp_unsigned("<", minbits, ir.Constant(_I32, _TINY_BITS - 1)))
-    bail = fn.append_basic_block("bail")
-    go = fn.append_basic_block("go")
-    b.cbranch(bad, bail, go)
-    b.position_at_end(bail)
-    b.ret(ir.Constant(_I64, 1))
-    b.position_at_end(go)
-    ik = ir.Constant(_F64, 1.0 / _SCALE)
-    ik2 = ir.Constant(_F64, 1.0 / (_SCALE * _SCALE))
-    su2, suw, sw2 = t["su2"], t["suw"], t["sw2"]
-    em.store(_B_SU, b.fmul(t["su"], ik))
-    em.store(_B_SV, b.fmul(b.fadd(t["su"], t["sw"]), ik))
-    em.store(_B_SU2, b.fmul(su2, ik2))
-    # (su2 + 2 suw) + sw2: exactly 0 when w == -u everywhere (constant d).
-    em.store(_B_SV2, b.fmul(b.fadd(b.fadd(su2, b.fmul(suw, ir.Constant(_F64, 2.0))), sw2),
-                            ik2))
-    em.store(_B_SUV, b.fmul(b.fadd(su2, suw), ik2))
-
     # ---- 2: error magnitudes, |r|, |d|, tolerance pre-test -----------------
-    rtolv = em.splat(b.fptrunc(rtol_lo, _F32), _VF)
-    atolv = em.splat(b.fptrunc(atol_lo, _F32), _VF)
-
     def body2(i, a):
         rv = em.load(rp, ref_half, i)
         dv = em.load(dp, dev_half, i)
@@ -764,23 +751,7 @@ def _build_block_fn(module, name, ref_half, dev_half):
         a["nerrp"] = count(a["nerrp"], b.fcmp_ordered(">", ae, tol))
         return a
 
-    t = sweep({"mae": zf, "nerrp": zi}, ("se2", "sae", "sar", "sad", "sdr"), body2)
-    em.store(_B_SE2, b.fmul(t["se2"], ik2))
-    em.store(_B_SAE, t["sae"])
-    em.store(_B_MAE, b.fpext(em.reduce(t["mae"], _fmax), _F64))
-    sar, sad, sdr = t["sar"], t["sad"], t["sdr"]
-    em.store(_B_SAR, sar)
-    # sum |d| as sum |r| + sum (|d| - |r|) while that does not cancel: then
-    # ln(sum|d| / sum|r|) in KL keeps relative accuracy however small it is.
-    small = b.fcmp_ordered("<=", b.call(
-        cgutils.get_or_insert_function(module, ir.FunctionType(_F64, [_F64]), "llvm.fabs.f64"),
-        [sdr]), b.fmul(sar, ir.Constant(_F64, 0.5)))
-    em.store(_B_SAD, b.select(small, b.fadd(sar, sdr), sad))
-    em.store(_B_NERRP, b.sitofp(em.reduce(t["nerrp"], _isum), _F64))
-
-    # ---- 3: relative error and KL term --------------------------------------
-    eps32 = _c(_VF, float(_EPS_32))
-
+    # ---- 3: relative error and threshold counts -----------------------------
     def body3(i, a):
         rv = em.load(rp, ref_half, i)
         dv = em.load(dp, dev_half, i)
@@ -796,10 +767,8 @@ def _build_block_fn(module, name, ref_half, dev_half):
         a["c5hi"] = count(a["c5hi"], b.fcmp_ordered("<", rel, _c(_VF, _T5_HI)))
         return a
 
+    # ---- 4: KL log term -----------------------------------------------------
     def body4(i, a):
-        # the last sweep over this block has the most work per byte
-        em.prefetch(rp, ref_half, i, _BLOCK)
-        em.prefetch(dp, dev_half, i, _BLOCK)
         rv = em.load(rp, ref_half, i)
         dv = em.load(dp, dev_half, i)
         ar = _fabs(b, rv)
@@ -807,10 +776,69 @@ def _build_block_fn(module, name, ref_half, dev_half):
         a["skl"] = _fma(b, ar, lg, a["skl"])
         return a
 
-    keep = {k: zi for k in ("c1lo", "c1hi", "c5lo", "c5hi")}
-    keep["mrel"] = zf
-    t = sweep(keep, ("srel",), body3)
-    t.update(sweep({}, ("skl",), body4))
+    specs = {
+        1: ({"mxb": zi, "mnb": _c(_VI, -1)}, ("su", "sw", "su2", "sw2", "suw"), body1),
+        2: ({"mae": zf, "nerrp": zi}, ("se2", "sae", "sar", "sad", "sdr"), body2),
+        3: (dict({k: zi for k in ("c1lo", "c1hi", "c5lo", "c5hi")}, mrel=zf), ("srel",),
+            body3),
+        4: ({}, ("skl",), body4),
+    }
+
+    def fused(group):
+        def body(i, a):
+            if group is groups[-1]:
+                # The block's last sweep: bring the next block in meanwhile.
+                em.prefetch(rp, ref_half, i, _BLOCK)
+                em.prefetch(dp, dev_half, i, _BLOCK)
+            for k in group:
+                a = specs[k][2](i, a)
+            return a
+        keep, sums = {}, ()
+        for k in group:
+            keep.update(specs[k][0])
+            sums += specs[k][1]
+        return sweep(keep, sums, body)
+
+    # Sweeps sharing one loop read each element once (LLVM merges the
+    # repeated loads and conversions).
+    groups = _SWEEP_GROUPS
+    t = fused(groups[0])
+    maxbits = em.reduce(t["mxb"], _umax)
+    minbits = em.reduce(t["mnb"], umin)
+    bad = b.or_(b.icmp_unsigned(">", maxbits, ir.Constant(_I32, _FP16_MAX_BITS)),
+                b.icmp_unsigned("<", minbits, ir.Constant(_I32, _TINY_BITS - 1)))
+    bail = fn.append_basic_block("bail")
+    go = fn.append_basic_block("go")
+    b.cbranch(bad, bail, go)
+    b.position_at_end(bail)
+    b.ret(ir.Constant(_I64, 1))
+    b.position_at_end(go)
+    for g in groups[1:]:
+        t.update(fused(g))
+
+    ik = ir.Constant(_F64, 1.0 / _SCALE)
+    ik2 = ir.Constant(_F64, 1.0 / (_SCALE * _SCALE))
+    su2, suw, sw2 = t["su2"], t["suw"], t["sw2"]
+    em.store(_B_SU, b.fmul(t["su"], ik))
+    em.store(_B_SV, b.fmul(b.fadd(t["su"], t["sw"]), ik))
+    em.store(_B_SU2, b.fmul(su2, ik2))
+    # (su2 + 2 suw) + sw2: exactly 0 when w == -u everywhere (constant d).
+    em.store(_B_SV2, b.fmul(b.fadd(b.fadd(su2, b.fmul(suw, ir.Constant(_F64, 2.0))), sw2),
+                            ik2))
+    em.store(_B_SUV, b.fmul(b.fadd(su2, suw), ik2))
+
+    em.store(_B_SE2, b.fmul(t["se2"], ik2))
+    em.store(_B_SAE, t["sae"])
+    em.store(_B_MAE, b.fpext(em.reduce(t["mae"], _fmax), _F64))
+    sar, sad, sdr = t["sar"], t["sad"], t["sdr"]
+    em.store(_B_SAR, sar)
+    # sum |d| as sum |r| + sum (|d| - |r|) while that does not cancel: then
+    # ln(sum|d| / sum|r|) in KL keeps relative accuracy however small it is.
+    small = b.fcmp_ordered("<=", b.call(
+        cgutils.get_or_insert_function(module, ir.FunctionType(_F64, [_F64]), "llvm.fabs.f64"),
+        [sdr]), b.fmul(sar, ir.Constant(_F64, 0.5)))
+    em.store(_B_SAD, b.select(small, b.fadd(sar, sdr), sad))
+    em.store(_B_NERRP, b.sitofp(em.reduce(t["nerrp"], _isum), _F64))
 
     def icount(v):
         return b.sitofp(em.reduce(v, _isum), _F64)
@@ -828,7 +856,7 @@ def _build_block_fn(module, name, ref_half, dev_half):
 
 
 def _build_exact_fn(module, name, ref_half, dev_half):
-    """float64 tolerance test and relative error over ``ng`` groups of 8.
+    """float64 tolerance test and relative error over ``ng`` groups of _W.
 
     Writes the mismatch count, |e| sum and max over mismatches, the max of
     |e|, relative error sum and max and the threshold counts, all with the same IEEE
