@@ -41,7 +41,8 @@ class RunResult:
         return f["node"] if f else None
 
 
-def _read(path_or_bytes, field: str) -> tuple[bytes, str]:
+def read_artifact(path_or_bytes, field: str) -> tuple[bytes, str]:
+    """The bytes and name of a file to upload (a directory travels as a tar)."""
     if isinstance(path_or_bytes, (bytes, bytearray)):
         return bytes(path_or_bytes), field
     p = Path(path_or_bytes)
@@ -63,7 +64,7 @@ def _inputs_bytes(inputs) -> tuple[bytes, str]:
         buf = io.BytesIO()
         np.savez(buf, **{k: np.asarray(v) for k, v in inputs.items()})
         return buf.getvalue(), "inputs.npz"
-    return _read(inputs, "inputs")
+    return read_artifact(inputs, "inputs")
 
 
 def _text_arg(value) -> str:
@@ -196,9 +197,10 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
 
     perf = pb.PerfOptions(mode=parse_mode(perf_mode), hide_span_nodes=not perf_all_nodes, runs=perf_runs or 0,
                           clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")
-    model_bytes, model_name = _read(model, "model")
+    model_bytes, model_name = read_artifact(model, "model")
     inputs_data, inputs_name = _inputs_bytes(inputs)
-    device_model_bytes, device_model_name = _read(device_model, "device_model") if device_model else (None, "")
+    device_model_bytes, device_model_name = read_artifact(device_model, "device_model") if device_model \
+        else (None, "")
     out = Path(out)
     with ExitStack() as stack:
         if collector is None:

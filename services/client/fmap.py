@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from layerdiff.client.api import read_artifact
 from layerdiff.errors import LayerdiffError
 from layerdiff.names import safe_filename
 from layerdiff.onnxgraph import GraphInput
@@ -53,7 +54,7 @@ def tf_dump_fmap(model_path, input_map: dict, feed_dict: dict, npu_nodename_file
     if graph_def is not None:
         graph = load_tf_model(b"", name, fmt=FORMAT_GRAPHDEF, graph_def=graph_def)
     else:
-        data, name = _model_bytes(model_path)
+        data, name = read_artifact(model_path, "model_path")
         graph = load_tf_model(data, name, signature=signature)
     known = {n.name for n in graph.graph_def.node}
     declared: dict[str, GraphInput] = {}
@@ -85,7 +86,7 @@ def onnx_dump_fmap(model_path, input_map: dict, npu_nodename_filename=None,
     arrays by input name. Returns the dump directory."""
     from layerdiff.analyzer.reference import OnnxReference
 
-    data, name = _model_bytes(model_path)
+    data, name = read_artifact(model_path, "model_path")
     reference = OnnxReference(data, name)
     feeds = reference.check_inputs({k: np.asarray(v) for k, v in (input_map or {}).items()}, "input_map")
     return _write_reference_dump(reference, feeds, npu_nodename_filename, consumer_map_filename, dump_shape_flag,
@@ -93,18 +94,6 @@ def onnx_dump_fmap(model_path, input_map: dict, npu_nodename_filename=None,
 
 
 # ---------------------------------------------------------------- helpers
-
-def _model_bytes(model_path) -> tuple[bytes, str]:
-    p = Path(model_path)
-    if p.is_dir():
-        from layerdiff.tfgraph import pack_directory
-
-        return pack_directory(p), f"{p.resolve().name}.tar"
-    try:
-        return p.read_bytes(), p.name
-    except OSError as e:
-        raise LayerdiffError(f"cannot be read: {e.strerror}", file=str(p), field="model_path") from e
-
 
 def _op_name(key: str) -> str:
     key = str(key)
