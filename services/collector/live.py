@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -141,97 +141,131 @@ class LiveRunner:
         resident at a time. A float output holding Inf/NaN that none of its
         inputs held is marked as an overflow, as the device's status register
         would flag it."""
-        dump_mode = check_dump_mode(dump_mode)
-        want_in, want_out = dump_mode in ("input", "all"), dump_mode in ("output", "all")
         graph = self.model.graph
         sites = tensor_sites(self.model)
         if self.original is not None:
             sites = [self._as_original(s) for s in sites if s.tensor in self.original]
         if nodes is not None:
             sites = [s for s in sites if s.node in nodes or s.tensor in nodes]
-        source = {s.tensor: self.view.get(s.tensor, s.tensor) for s in sites}
         consts = {i.name: i for i in graph.initializer}
-        node_inputs = {s.node: [t for t in graph.node[s.order].input] for s in sites} if want_in else {}
         producer = {t: i for i, n in enumerate(graph.node) for t in n.output}
-        # Tensors to compute, in execution order: what is sent as an output,
-        # and what dumped nodes read (outputs of other nodes).
-        uses: dict[str, int] = {}
-        for s in sites:
-            if want_out:
-                uses[source[s.tensor]] = uses.get(source[s.tensor], 0) + 1
-        for ins in node_inputs.values():
-            for t in ins:
-                if t and t in producer:
-                    uses[t] = uses.get(t, 0) + 1
-        names = sorted(uses, key=lambda t: producer.get(t, -1))
-        segments = plan_segments(names, estimate_output_bytes(self.model, self.feeds)) if names else []
-        segment_of = {n: i for i, seg in enumerate(segments) for n in seg}
-        values: dict[str, np.ndarray] = {}
-        finite: dict[str, bool] = {}
-        computed = 0
+        sizes = estimate_output_bytes(self.model, self.feeds)
 
-        def ensure(t: str) -> None:
-            nonlocal computed
-            while t in segment_of and computed <= segment_of[t]:
-                sess = self._session(segments[computed])
-                try:
-                    out = sess.run(None, self.feeds)
-                except Exception as e:
-                    raise LayerdiffError(f"device run failed: {e}", field="inputs") from e
-                values.update(zip(segments[computed], out))
-                del sess, out
-                computed += 1
-
-        def take(t: str) -> np.ndarray | None:
-            """The value of t for one use; forgotten after its last use."""
+        def fixed(t: str) -> np.ndarray | None:
             if t in consts:
                 return numpy_helper.to_array(consts[t])
-            if t in self.feeds:
-                return np.asarray(self.feeds[t])
-            ensure(t)
-            left = uses.get(t, 0) - 1
-            uses[t] = left
-            return values.pop(t, None) if left <= 0 else values.get(t)
+            return np.asarray(self.feeds[t]) if t in self.feeds else None
 
-        def known_finite(t: str) -> bool:
-            """False when t held Inf/NaN, or when its value was never seen
-            (a node is named as the origin only when it provably is)."""
-            if t not in finite and (t in consts or t in self.feeds):
-                finite[t] = _all_finite(np.asarray(numpy_helper.to_array(consts[t]) if t in consts
-                                                   else self.feeds[t]))
-            return finite.get(t, False)
+        def run_segment(names: list[str]) -> dict[str, np.ndarray]:
+            sess = self._session(names)
+            try:
+                return dict(zip(names, (np.asarray(v) for v in sess.run(None, self.feeds))))
+            except Exception as e:
+                raise LayerdiffError(f"device run failed: {e}", field="inputs") from e
 
-        done_inputs: set[str] = set()
+        return node_records(sites, {s.node: list(graph.node[s.order].input) for s in sites}, dump_mode,
+                            fixed=fixed, computed=producer.__contains__,
+                            source=lambda t: self.view.get(t, t), order_key=lambda t: producer.get(t, -1),
+                            plan=lambda names: plan_segments(names, sizes), run_segment=run_segment)
+
+
+def node_records(sites: list[TensorSite], reads: dict[str, list[str]], dump_mode: str, *,
+                 fixed: Callable[[str], np.ndarray | None], computed: Callable[[str], bool],
+                 source: Callable[[str], str], order_key: Callable[[str], int],
+                 plan: Callable[[list[str]], list[list[str]]],
+                 run_segment: Callable[[list[str]], dict[str, np.ndarray]],
+                 weight: Callable[[str], np.ndarray | None] = lambda t: None,
+                 no_value: str = "the device run produced no value") -> Iterator[NodeRecord]:
+    """The records of a device run, whatever runs it (onnxruntime, TensorFlow).
+
+    ``sites``: the node outputs to consider, in execution order; ``reads``:
+    node -> the tensors it reads; ``fixed(t)``: a value known without running
+    (model inputs, embedded weights); ``computed(t)``: t is obtained by a
+    run; ``source(t)``: the tensor that carries output t's device value;
+    ``plan``/``run_segment``: the runs, one segment of tensors at a time;
+    ``weight(t)``: a weight's value, only to tell whether it is finite.
+    Each value is kept until its last use, so about one segment is resident.
+    """
+    dump_mode = check_dump_mode(dump_mode)
+    want_in, want_out = dump_mode in ("input", "all"), dump_mode in ("output", "all")
+    # Tensors to compute, each with its number of uses: what is sent as an
+    # output, and what the sent nodes read.
+    uses: dict[str, int] = {}
+    if want_out:
         for s in sites:
-            if want_in and s.node not in done_inputs:
-                done_inputs.add(s.node)
-                for k, t in enumerate(node_inputs[s.node]):
-                    if not t:
-                        continue
-                    arr = take(t)
-                    if arr is None:
-                        yield NodeRecord.error(s.node, f"the device run produced no value for input {k} ({t!r})",
-                                               s.op_type, s.order, s.node, role=ROLE_INPUT, slot=k)
-                    else:
-                        yield NodeRecord(name=s.node, op_type=s.op_type, order=s.order, array=np.asarray(arr),
-                                         node=s.node, role=ROLE_INPUT, slot=k)
-            if not want_out:
-                continue
-            src = source[s.tensor]
-            arr = take(src)
-            if arr is None:
-                yield NodeRecord.error(s.tensor, "the device run produced no value", s.op_type, s.order, s.node,
-                                       slot=s.output_index)
-                continue
-            arr = np.asarray(arr)
-            rec = NodeRecord(name=s.tensor, op_type=s.op_type, order=s.order, array=arr, node=s.node,
-                             slot=s.output_index)
-            finite[src] = _all_finite(arr)
-            if not finite[src] and all(known_finite(t) for t in graph.node[s.order].input if t):
-                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
-                rec.overflow = (f"floating-point overflow: {bad} of {arr.size} values are Inf/NaN while every "
-                                f"input of the node is finite")
-            yield rec
+            uses[source(s.tensor)] = uses.get(source(s.tensor), 0) + 1
+    if want_in:
+        for node in dict.fromkeys(s.node for s in sites):
+            for t in reads.get(node, []):
+                if t and computed(t):
+                    uses[t] = uses.get(t, 0) + 1
+    names = sorted(uses, key=order_key)
+    segments = plan(names) if names else []
+    segment_of = {n: i for i, seg in enumerate(segments) for n in seg}
+    values: dict[str, np.ndarray] = {}
+    finite: dict[str, bool] = {}
+    done = 0
+
+    def ensure(t: str) -> None:
+        nonlocal done
+        while t in segment_of and done <= segment_of[t]:
+            got = run_segment(segments[done])
+            for n, v in got.items():
+                finite[n] = _all_finite(v)
+            values.update(got)
+            done += 1
+
+    def take(t: str) -> np.ndarray | None:
+        """The value of t for one use; forgotten after its last use."""
+        v = fixed(t)
+        if v is not None:
+            return v
+        ensure(t)
+        left = uses.get(t, 0) - 1
+        uses[t] = left
+        return values.pop(t, None) if left <= 0 else values.get(t)
+
+    def known_finite(t: str) -> bool:
+        """False when t held Inf/NaN, or when its value was never seen
+        (a node is named as the origin only when it provably is)."""
+        if t not in finite:
+            v = fixed(t)
+            v = weight(t) if v is None else v
+            if v is not None:
+                finite[t] = _all_finite(np.asarray(v))
+        return finite.get(t, False)
+
+    done_inputs: set[str] = set()
+    for s in sites:
+        if want_in and s.node not in done_inputs:
+            done_inputs.add(s.node)
+            for k, t in enumerate(reads.get(s.node, [])):
+                if not t:
+                    continue
+                arr = take(t)
+                if arr is None:
+                    yield NodeRecord.error(s.node, f"the device run produced no value for input {k} ({t!r})",
+                                           s.op_type, s.order, s.node, role=ROLE_INPUT, slot=k)
+                else:
+                    yield NodeRecord(name=s.node, op_type=s.op_type, order=s.order, array=np.asarray(arr),
+                                     node=s.node, role=ROLE_INPUT, slot=k)
+        if not want_out:
+            continue
+        src = source(s.tensor)
+        arr = take(src)
+        if arr is None:
+            yield NodeRecord.error(s.tensor, no_value, s.op_type, s.order, s.node, slot=s.output_index)
+            continue
+        arr = np.asarray(arr)
+        rec = NodeRecord(name=s.tensor, op_type=s.op_type, order=s.order, array=arr, node=s.node,
+                         slot=s.output_index)
+        # A float output holding Inf/NaN that none of its inputs held is
+        # marked as an overflow, as the device's status register would flag it.
+        if not finite.get(src, True) and all(known_finite(t) for t in reads.get(s.node, []) if t):
+            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            rec.overflow = (f"floating-point overflow: {bad} of {arr.size} values are Inf/NaN while every "
+                            f"input of the node is finite")
+        yield rec
 
 
 def _all_finite(arr: np.ndarray) -> bool:

@@ -104,44 +104,11 @@ class CollectorFlight(flight.FlightServerBase):
         except Exception as e:
             raise pa.ArrowInvalid(f"ticket is not a layerdiff.v1.CaptureRequest: {e}") from None
         if request.stream == pb.CAPTURE_STREAM_PERF:
-            return self._perf_stream(request)
+            return _record_stream("perf capture", request.job_id, PERF_SCHEMA, lambda: self.perf_source(request),
+                                  encode_perf)
         chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES // 2)
-        try:
-            records = self.source(request)
-            # Pull the first record now so that set-up errors (bad model, bad
-            # inputs, missing dump) become the call's status.
-            first = next(records, None)
-        except Exception as e:
-            log.warning("capture %s refused: %s", request.job_id, e)
-            raise _to_flight_error(e) from None
-
-        def stream():
-            try:
-                if first is not None:
-                    yield from encode_records(_chain(first, records), chunk)
-            except Exception as e:
-                log.exception("capture %s failed", request.job_id)
-                raise _to_flight_error(e) from None
-
-        return flight.GeneratorStream(TENSOR_SCHEMA, stream())
-
-    def _perf_stream(self, request: pb.CaptureRequest):
-        try:
-            records = self.perf_source(request)
-            first = next(records, None)   # set-up errors become the call's status, as for tensors
-        except Exception as e:
-            log.warning("perf capture %s refused: %s", request.job_id, e)
-            raise _to_flight_error(e) from None
-
-        def stream():
-            try:
-                if first is not None:
-                    yield from encode_perf(_chain(first, records))
-            except Exception as e:
-                log.exception("perf capture %s failed", request.job_id)
-                raise _to_flight_error(e) from None
-
-        return flight.GeneratorStream(PERF_SCHEMA, stream())
+        return _record_stream("capture", request.job_id, TENSOR_SCHEMA, lambda: self.source(request),
+                              lambda records: encode_records(records, chunk))
 
     # ------------------------------------------------------------ artifacts
     def do_put(self, context, descriptor, reader, writer):
@@ -204,6 +171,28 @@ def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, devi
         model, model_name = device_model, device_model_name
     return LiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
                       model_name=model_name, device_model_name=device_model_name)
+
+
+def _record_stream(label: str, job_id: str, schema: pa.Schema, open_records, encode) -> flight.GeneratorStream:
+    """A DoGet answer: the first record is pulled now so that set-up errors
+    (bad model, bad inputs, missing dump) become the call's status; later
+    errors end the stream with their message."""
+    try:
+        records = open_records()
+        first = next(records, None)
+    except Exception as e:
+        log.warning("%s %s refused: %s", label, job_id, e)
+        raise _to_flight_error(e) from None
+
+    def stream():
+        try:
+            if first is not None:
+                yield from encode(_chain(first, records))
+        except Exception as e:
+            log.exception("%s %s failed", label, job_id)
+            raise _to_flight_error(e) from None
+
+    return flight.GeneratorStream(schema, stream())
 
 
 def _chain(first, rest):
