@@ -696,3 +696,20 @@ def test_kernel_lanes_follow_target():
         assert M._HAS_AVX2 == (target == "avx2") and M._HAS_F16C == (target == "avx2")
     else:
         assert M._W == (16 if M._HAS_AVX512 else 8)
+
+
+def test_device_moments_do_not_cancel_when_the_tensors_disagree():
+    """A device output far smaller than a wide-ranging reference (a broken
+    node): building the device moments from r and d - r would cancel in
+    float32; the kernel must still agree with the float64 definition."""
+    rng = np.random.default_rng(5)
+    r = np.clip(rng.standard_normal(4096) * 5e3, -6e4, 6e4).astype(np.float32)   # float32 sweep range
+    r[::7] = rng.standard_normal(586).astype(np.float32) * 1e-6
+    cases = [(r, (rng.standard_normal(4096) * 1.5).astype(np.float32)),          # unrelated, tiny
+             (r, (-r * np.float32(1e-4) + 0.3).astype(np.float32)),              # opposite sign, tiny
+             (r, rng.standard_normal(4096).astype(np.float16))]                  # float16 device
+    for ref, dev in cases:
+        got, want = M.compare(ref, dev), M.reference_metrics(ref, dev)
+        for name in ("cosine", "pearson", "rmse", "mse"):
+            g, w = getattr(got, name), getattr(want, name)
+            assert abs(g - w) <= 1e-5 * max(abs(w), 1e-3), (name, g, w)

@@ -35,7 +35,9 @@ co-moments are accumulated about a per-block shift and merged with Chan's
 pairwise formulas, so a large mean does not eat the variance and constant
 tensors have exactly zero variance.  The device moments are rebuilt from
 those of u = r - shift and w = (d - shift_d) - u, so 1 - cosine and
-1 - pearson keep relative accuracy when the tensors nearly agree.
+1 - pearson keep relative accuracy when the tensors nearly agree; where
+they do not, and building the device moments that way would cancel (more
+than two bits lost), the block's moments are summed again in float64.
 
 Accuracy: every count, offset and maximum is exact, i.e. agrees with
 ``reference_metrics``.  The float32 kernel decides them with a safety band
@@ -471,10 +473,13 @@ def _emit_h2f(b, h):
 # _B_NERRP and _B_AMB are only written by the float32 sweep: the number of
 # lanes that may mismatch, and the number whose relative error lies too close
 # to 0.001 or 0.005 for float32 to decide (both 0 means its counts are exact).
+# _B_SUW and _B_SW2 are the float32 sweep's sum u*w and sum w*w (w = v - u):
+# when the device moments built from them cancel, the block's moments are
+# summed again in float64 (_redo_moments).
 (_B_SU, _B_SU2, _B_SV, _B_SV2, _B_SUV, _B_SE2, _B_SAE, _B_MAE, _B_SAR, _B_SAD,
  _B_NERR, _B_SERR, _B_MERR, _B_SREL, _B_MREL, _B_C1, _B_C5, _B_SKL,
- _B_NERRP, _B_AMB) = range(20)
-_NB = 20
+ _B_NERRP, _B_AMB, _B_SUW, _B_SW2) = range(22)
+_NB = 22
 
 # Groups of _W elements summed in float32 before a partial sum is widened to
 # float64: each float32 lane then adds at most 32 terms, which bounds the
@@ -826,6 +831,8 @@ def _build_block_fn(module, name, ref_half, dev_half):
     em.store(_B_SV2, b.fmul(b.fadd(b.fadd(su2, b.fmul(suw, ir.Constant(_F64, 2.0))), sw2),
                             ik2))
     em.store(_B_SUV, b.fmul(b.fadd(su2, suw), ik2))
+    em.store(_B_SUW, b.fmul(suw, ik2))
+    em.store(_B_SW2, b.fmul(sw2, ik2))
 
     em.store(_B_SE2, b.fmul(t["se2"], ik2))
     em.store(_B_SAE, t["sae"])
@@ -967,26 +974,25 @@ def _exact_kernel(typingctx, r, d, start, ng, atol, rtol, out):
     return sig, codegen
 
 
-@intrinsic
-def _log32(typingctx, q):
-    if q != types.float32:
-        return None
+def _scalar_intrinsic(name: str, arg, ret, emit):
+    """A one-argument intrinsic whose body is emitted by ``emit(builder, x)``
+    (the scalar path uses the same float32 log and float16 widening as the
+    vector kernel)."""
+    def typer(typingctx, x):
+        if x != arg:
+            return None
 
-    def codegen(context, builder, sig, args):
-        return _emit_log32(builder, args[0])
+        def codegen(context, builder, sig, args):
+            return emit(builder, args[0])
 
-    return types.float32(types.float32), codegen
+        return ret(arg), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
 
 
-@intrinsic
-def _h2f(typingctx, h):
-    if h != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _emit_h2f(builder, args[0])
-
-    return types.float32(types.uint16), codegen
+_log32 = _scalar_intrinsic("_log32", types.float32, types.float32, _emit_log32)
+_h2f = _scalar_intrinsic("_h2f", types.uint16, types.float32, _emit_h2f)
 
 
 def _ld32(a, i):
@@ -1179,6 +1185,42 @@ _REL32_GROW = 1.0 + 2.0 ** -20
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
+def _moments_cancel(blk):
+    """The float32 sweep builds the device moments from u and w = v - u, so
+    that 1 - cosine keeps its accuracy when device and reference nearly
+    agree. When they do not (a device output far smaller than the
+    reference, of the opposite sign...), sum v*v = sum u*u + 2 sum u*w +
+    sum w*w and sum u*v = sum u*u + sum u*w cancel, and the float32 rounding
+    of the parts (about 2e-6 of each) would swamp the result. More than two
+    bits lost is the signal to sum the block again in float64."""
+    suw = abs(blk[_B_SUW])
+    return (blk[_B_SU2] + 2.0 * suw + blk[_B_SW2] > 4.0 * blk[_B_SV2]
+            or blk[_B_SU2] + suw > 4.0 * abs(blk[_B_SUV]))
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _redo_moments(r, d, lo, hi, sr, sd, blk):
+    """The moment sums of elements [lo, hi) in float64, with the operations
+    and rounding of the scalar path (_elem_common). The float32 sweep only
+    takes blocks free of NaN, Inf and out-of-range values, so no value needs
+    replacing here."""
+    su = su2 = sv = sv2 = suv = 0.0
+    for i in range(lo, hi):
+        u = np.float64(_ld32(r, i)) - sr
+        v = np.float64(_ld32(d, i)) - sd
+        su += u
+        su2 += u * u
+        sv += v
+        sv2 += v * v
+        suv += u * v
+    blk[_B_SU] = su
+    blk[_B_SU2] = su2
+    blk[_B_SV] = sv
+    blk[_B_SV2] = sv2
+    blk[_B_SUV] = suv
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
 def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
     """Metric pass over float32 / float16-bits arrays (1-D, C order).
 
@@ -1217,6 +1259,8 @@ def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
                     _exact_kernel(r, d, s, ng, atol, rtol, blk)
                     if not redo:
                         blk[_B_SREL] = srel
+                if _moments_cancel(blk):
+                    _redo_moments(r, d, s, s + ng * _W, sr, sd, blk)
             else:
                 blk[:] = 0.0
         for i in range(start, s + m):
