@@ -104,18 +104,44 @@ class CeleryPool:
         bounds = chunk_bounds(ref.size)
         node = _Node(fut, tuple(ref.shape), diff_cnt, note, [None] * len(bounds))
         common = {"atol": tol.atol, "rtol": tol.rtol, "diff_cnt": diff_cnt}
-        try:
-            if len(bounds) == 1:
-                self._add(node, 0, ref, dev, dict(common, force_compare=False))
-            else:
-                r, d = ref.reshape(-1), dev.reshape(-1)
-                for k, (a, b) in enumerate(bounds):
-                    self._add(node, k, r[a:b], d[a:b], dict(common, offset=a))
-        except (redis.RedisError, OperationalError) as e:
-            self._fail_all(UnavailableError(f"broker {self.broker_url} failed: {e}", field="broker"))
-            if not fut.done():
-                fut.set_exception(self._failure)
+        for attempt in range(2):
+            try:
+                if len(bounds) == 1:
+                    self._add(node, 0, ref, dev, dict(common, force_compare=False))
+                else:
+                    r, d = ref.reshape(-1), dev.reshape(-1)
+                    for k, (a, b) in enumerate(bounds):
+                        self._add(node, k, r[a:b], d[a:b], dict(common, offset=a))
+                break
+            except (redis.RedisError, OperationalError) as e:
+                failure = self._outage(e)
+                if failure is None and attempt == 0:
+                    continue      # a blip: the store is back with the job's data
+                self._fail_all(failure or UnavailableError(f"broker {self.broker_url} failed: {e}", field="broker"))
+                if not fut.done():
+                    fut.set_exception(self._failure)
+                break
         return fut
+
+    def _outage(self, e: Exception) -> LayerdiffError | None:
+        """What a store error seen while sending means: wait for the store to
+        answer again (at most STORE_GRACE_S); None when it is back with this
+        job's data, else the reason the job cannot go on."""
+        end = time.monotonic() + STORE_GRACE_S
+        while time.monotonic() < end:
+            try:
+                return None if self.store.job_alive(self.job_id) else self._lost()
+            except (redis.RedisError, OperationalError, ConnectionError, OSError):
+                time.sleep(0.2)
+        return self._unreachable(e)
+
+    def _lost(self) -> StoreLost:
+        return StoreLost(f"the store {self.broker_url} came back without this job's data (restarted?); the "
+                         "remaining nodes were lost", field="broker")
+
+    def _unreachable(self, e: Exception) -> UnavailableError:
+        return UnavailableError(f"broker {self.broker_url} unreachable for {STORE_GRACE_S:.0f} s: {e}",
+                                field="broker")
 
     def _add(self, node: _Node, k: int, ref, dev, item: dict) -> None:
         nbytes = ref.nbytes + dev.nbytes
@@ -201,16 +227,14 @@ class CeleryPool:
                 self._resend_overdue()
                 if down_since is not None:
                     if not self.store.job_alive(self.job_id):
-                        raise StoreLost(f"the store {self.broker_url} came back without this job's data (restarted?);"
-                                        " the remaining nodes were lost", field="broker")
+                        raise self._lost()
                     down_since = None
             except StoreLost as e:
                 self._fail_all(e)
             except (redis.RedisError, OperationalError, ConnectionError, OSError) as e:
                 down_since = down_since or time.monotonic()
                 if time.monotonic() - down_since > STORE_GRACE_S:
-                    self._fail_all(UnavailableError(f"broker {self.broker_url} unreachable for {STORE_GRACE_S:.0f} s:"
-                                                    f" {e}", field="broker"))
+                    self._fail_all(self._unreachable(e))
             if time.monotonic() > self.deadline and self._items:
                 self._fail_all(LayerdiffError(f"deadline exceeded with {len(self._items)} comparisons outstanding",
                                               field="deadline"))
