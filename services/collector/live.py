@@ -106,6 +106,7 @@ class LiveRunner:
             else:
                 self.model = ref
             self.view = dequantized_views(self.model)
+            self._node_index = {n.name: i for i, n in enumerate(self.model.graph.node) if n.name}
 
     def _session(self, outputs: list[str]) -> ort.InferenceSession:
         model = onnx.ModelProto()
@@ -128,7 +129,7 @@ class LiveRunner:
         orig = self.original_sites[site.tensor]
         if orig.node == site.node:
             return site
-        index = next((i for i, n in enumerate(self.model.graph.node) if n.name == orig.node), None)
+        index = self._node_index.get(orig.node)
         if index is None:
             return site
         return TensorSite(site.tensor, orig.node, orig.op_type, index, orig.output_index)
