@@ -199,3 +199,13 @@ def test_hdf5_layout_calls_and_bad_datasets(tmp_path):
     (tmp_path / "junk.h5").write_bytes(b"not hdf5 at all")
     junk = [r for r in DumpDirectory(str(tmp_path)).records() if "junk" in r.message]
     assert junk and "is not an HDF5 file" in junk[0].message
+
+
+def test_empty_shape_with_unaddressable_dimensions_is_refused(tmp_path):
+    """[0, 1.5e9, 1.5e9] holds no element, but no allocator can shape it:
+    a clean refusal, not a crash (found by the fuzzer above)."""
+    path = tmp_path / "empty.bin"
+    path.write_bytes(b"")
+    with pytest.raises(LayerdiffError, match="over the limit"):
+        read_raw(path, "float32", [0, 1_518_494_220, 1_518_506_280], 0, max_bytes=1 << 20)
+    assert read_raw(path, "float32", [0, 4, 4], 0).shape == (0, 4, 4)

@@ -77,6 +77,7 @@ def _batch(**over):
     (dict(shape=[2, -2]), "negative dimension"),
     (dict(total_bytes=12), "is 16 bytes, total_bytes says 12"),
     (dict(shape=[10**6, 10**6], total_bytes=4 * 10**12), "exceeds the tensor limit"),
+    (dict(shape=[0, 10**10, 10**10], total_bytes=0), "exceeds the tensor limit"),   # empty, yet unaddressable
     (dict(offset=8), "does not continue the tensor"),
     (dict(data=b"\0" * 20), "chunks exceed total_bytes"),
 ])

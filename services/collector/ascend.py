@@ -27,7 +27,7 @@ from typing import Iterator
 import numpy as np
 
 from layerdiff.errors import LayerdiffError
-from layerdiff.schema import DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, NodeRecord
+from layerdiff.schema import DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, NodeRecord, span_bytes
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 _NAME = re.compile(r"^(?P<op_type>[^.]+)\.(?P<op_name>[^.]+)\.(?P<task_id>\d+)(?:\.(?P<stream_id>\d+))?"
@@ -111,15 +111,6 @@ def read_header(path: Path, shown: str | None = None):
     return header, 8 + hlen, size
 
 
-def _count(dims, shown: str, field: str) -> int:
-    n = 1
-    for d in dims:
-        n *= int(d)
-        if n > 1 << 62:
-            raise LayerdiffError(f"shape {list(dims)} is absurdly large", file=shown, field=field)
-    return n
-
-
 def _tensor(path: Path, t, offset: int, shown: str, max_bytes: int) -> np.ndarray:
     """One tensor of the file, validated, in its original layout."""
     if t.data_type == DT_BF16:
@@ -130,7 +121,9 @@ def _tensor(path: Path, t, offset: int, shown: str, max_bytes: int) -> np.ndarra
     else:
         raise LayerdiffError(f"data type {t.data_type} is not a plain numeric type", file=shown, field="data_type")
     dims = list(t.shape.dim)
-    count = _count(dims, shown, "shape")
+    count = int(np.prod(dims, dtype=object)) if dims else 1
+    if span_bytes(dims, itemsize) > max_bytes:
+        raise LayerdiffError(f"shape {dims} is over the tensor limit of {max_bytes} bytes", file=shown, field="shape")
     if count * itemsize != t.size:
         raise LayerdiffError(f"shape {dims} of {dtype if t.data_type != DT_BF16 else 'bfloat16'} is "
                              f"{count * itemsize} bytes, the header says {t.size}", file=shown, field="size")

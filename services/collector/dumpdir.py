@@ -50,7 +50,7 @@ import numpy as np
 
 from layerdiff.errors import LayerdiffError, NotFoundError
 from layerdiff.schema import (ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, STATUS_CHECK_SKIP,
-                              STATUS_CONCAT_SKIP, NodeRecord)
+                              STATUS_CONCAT_SKIP, NodeRecord, span_bytes)
 
 MANIFEST = "manifest.json"
 FORMATS = ("npy", "npz", "onnx", "bin", "h5", "ascend")
@@ -111,7 +111,7 @@ def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | 
     for s in shape:
         count *= s
     nbytes = count * dtype.itemsize
-    if nbytes > max_bytes:
+    if nbytes > max_bytes or span_bytes(shape, dtype.itemsize) > max_bytes:
         raise LayerdiffError(f"declared shape {shape} is {nbytes} bytes, over the limit of {max_bytes}", file=shown,
                              field="shape")
     if size - header_end < nbytes:
@@ -130,9 +130,9 @@ def _size_of(dtype: np.dtype, shape, max_bytes: int, shown: str) -> int:
         if not isinstance(s, (int, np.integer)) or s < 0:
             raise LayerdiffError(f"invalid dimension {s!r} in shape {list(shape)}", file=shown, field="shape")
         count *= int(s)
-        if count * dtype.itemsize > max_bytes:
-            raise LayerdiffError(f"declared shape {list(shape)} of {dtype} is over the limit of {max_bytes} bytes",
-                                 file=shown, field="shape")
+    if count * dtype.itemsize > max_bytes or span_bytes(shape, dtype.itemsize) > max_bytes:
+        raise LayerdiffError(f"declared shape {list(shape)} of {dtype} is over the limit of {max_bytes} bytes",
+                             file=shown, field="shape")
     return count * dtype.itemsize
 
 

@@ -66,6 +66,17 @@ ALLOWED_DTYPES = frozenset({
 })
 
 DEFAULT_MAX_TENSOR_BYTES = 8 * 1024**3
+
+
+def span_bytes(shape, itemsize: int) -> int:
+    """The bytes a tensor of this shape spans, counting a zero dimension as
+    one: what an allocator must be able to address even for an empty tensor
+    (numpy refuses [0, 10**10, 10**10]). Every size check compares both this
+    and the true size against its limit."""
+    n = itemsize
+    for s in shape:
+        n *= max(int(s), 1)
+    return n
 _MAX_ROWS_PER_BATCH = 4096
 
 
@@ -281,7 +292,7 @@ class TensorAssembler:
                 expected *= s
                 if expected > self.max_tensor_bytes:
                     break
-            if expected > self.max_tensor_bytes:
+            if expected > self.max_tensor_bytes or span_bytes(shape, itemsize) > self.max_tensor_bytes:
                 raise LimitError(f"shape {shape} of {dtype} exceeds the tensor limit of {self.max_tensor_bytes} bytes",
                                  node=name, field="shape")
             if expected != total:
