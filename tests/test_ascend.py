@@ -159,6 +159,7 @@ def test_broken_vendor_files_are_skipped_with_a_reason(tmp_path):
     raw = header.SerializeToString()
     (leaf / "Relu.escape.8.0.107").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4))
     ascend.write_dump_file(leaf / "Relu.after.9.0.108", "after", [], [good])
+    (leaf / "Relu.nothing.10.0.109").write_bytes(struct.pack("<Q", 0))            # an empty header
 
     recs = {r.name: r for r in DumpDirectory(str(tmp_path)).records()}
     assert recs["good"].status == "ok" and np.array_equal(recs["good"].array, good)
@@ -171,6 +172,7 @@ def test_broken_vendor_files_are_skipped_with_a_reason(tmp_path):
     assert "data type 13 is not a plain numeric type" in reasons["strings"]
     assert "shape [1000000, 1000000]" in reasons["huge"]
     assert "'..' path segment" in reasons["escape"]
+    assert "holds no input or output tensor" in reasons["nothing"]
     for name, why in reasons.items():
         assert "0/1/0/Relu." in why, (name, why)        # the file is named
 

@@ -259,6 +259,8 @@ def records(root: Path, files: list[Path], max_bytes: int = DEFAULT_MAX_TENSOR_B
                 node = check_name(header.op_name or name.op_name)
             except LayerdiffError as e:
                 raise LayerdiffError(str(e), file=shown, field="op_name") from None
+            if not tensors:   # a header without inputs or outputs: say so rather than pass over the file
+                raise LayerdiffError("holds no input or output tensor", file=shown, field="output")
         except LayerdiffError as e:
             yield NodeRecord.error(name.op_name, str(e), name.op_type, order)
             order += 1
