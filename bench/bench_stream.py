@@ -57,7 +57,7 @@ def bench_layerdiff(dump: Path, chunk: int, repeats: int) -> float:
                                                         max_chunk_bytes=chunk)):
                 for rec in asm.feed(msg.data):
                     nbytes += rec.array.nbytes
-                    pool.give(rec.extra["buffer"])   # as the analyzer does once the node is compared
+                    rec.lease.release()   # as the analyzer does once the node is compared
             best = min(best, time.perf_counter() - t)
         client.close()
         return nbytes / best

@@ -44,9 +44,11 @@ QUANT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "QLinearConv",
 
 class DeviceValues:
     """Device tensors kept for the isolated re-run of failing nodes: a node
-    output until every node that reads it has been compared, a node input
-    until its node has. Bounded: past ``cap_bytes`` nothing more is kept and
-    the nodes concerned fall back to the vendor's rules."""
+    output until every node that reads it has been examined, a node input
+    until its node has. Each kept value holds its receive buffer (a
+    ``BufferLease``) and releases it when forgotten. Bounded: past
+    ``cap_bytes`` nothing more is kept and the nodes concerned fall back to
+    the vendor's rules."""
 
     def __init__(self, node_inputs: dict[str, list[str]], cap_bytes: int = 1 << 30) -> None:
         self.node_inputs = node_inputs
@@ -60,23 +62,36 @@ class DeviceValues:
         self.outputs: dict[str, tuple[np.ndarray, object]] = {}
         self.inputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
 
-    def _fits(self, arr: np.ndarray) -> bool:
+    def _take(self, arr: np.ndarray, lease) -> tuple[np.ndarray, object] | None:
         if self.used + arr.nbytes > self.cap:
-            return False
+            return None
         self.used += arr.nbytes
+        return arr, (lease.retain() if lease is not None else None)
+
+    def _drop(self, held: tuple[np.ndarray, object] | None) -> None:
+        if held is None:
+            return
+        self.used -= held[0].nbytes
+        if held[1] is not None:
+            held[1].release()
+
+    def keep_output(self, tensor: str, arr: np.ndarray, lease=None) -> bool:
+        """True when kept (the value then holds its own reference to the buffer)."""
+        if self.readers.get(tensor, 0) <= 0 or tensor in self.outputs:
+            return False
+        held = self._take(arr, lease)
+        if held is None:
+            return False
+        self.outputs[tensor] = held
         return True
 
-    def keep_output(self, tensor: str, arr: np.ndarray, buffer: object) -> bool:
-        """True when kept (the caller must not recycle the buffer)."""
-        if self.readers.get(tensor, 0) <= 0 or tensor in self.outputs or not self._fits(arr):
+    def keep_input(self, node: str, slot: int, arr: np.ndarray, lease=None) -> bool:
+        if (node, slot) in self.inputs:
             return False
-        self.outputs[tensor] = (arr, buffer)
-        return True
-
-    def keep_input(self, node: str, slot: int, arr: np.ndarray, buffer: object) -> bool:
-        if (node, slot) in self.inputs or not self._fits(arr):
+        held = self._take(arr, lease)
+        if held is None:
             return False
-        self.inputs[(node, slot)] = (arr, buffer)
+        self.inputs[(node, slot)] = held
         return True
 
     def inputs_of(self, node: str) -> dict[int, np.ndarray]:
@@ -89,32 +104,23 @@ class DeviceValues:
                 out[k] = self.outputs[t][0]
         return out
 
-    def node_done(self, node: str) -> list:
-        """The node has been compared: forget what only it needed; returns
-        the buffers to recycle."""
-        freed = []
+    def node_done(self, node: str) -> None:
+        """The node has been examined: forget what only it needed."""
         for k, t in enumerate(self.node_inputs.get(node, [])):
-            held = self.inputs.pop((node, k), None)
-            if held is not None:
-                self.used -= held[0].nbytes
-                freed.append(held[1])
+            self._drop(self.inputs.pop((node, k), None))
         for t in set(self.node_inputs.get(node, [])):
             if not t or t not in self.readers:
                 continue
             self.readers[t] -= 1
             if self.readers[t] <= 0:
-                held = self.outputs.pop(t, None)
-                if held is not None:
-                    self.used -= held[0].nbytes
-                    freed.append(held[1])
-        return freed
+                self._drop(self.outputs.pop(t, None))
 
-    def release(self) -> list:
-        freed = [b for _, b in self.outputs.values()] + [b for _, b in self.inputs.values()]
+    def release(self) -> None:
+        for held in list(self.outputs.values()) + list(self.inputs.values()):
+            self._drop(held)
         self.outputs.clear()
         self.inputs.clear()
         self.used = 0
-        return freed
 
 
 class IsolationUnavailable(Exception):
@@ -442,47 +448,162 @@ def headline(first_comp, first_fail, diagnosis: dict) -> str:
 
 # --------------------------------------------------------------- during a job
 
+@dataclass
+class _Waiting:
+    """A failing node output whose examination waits for what it reads."""
+    row: object
+    ref: np.ndarray
+    dev: np.ndarray
+    lease: object
+    tol: object
+    force_compare: bool
+    missing: set
+
+
 class NodeExaminer:
     """What a job gathers while nodes stream in: device values for isolated
     re-runs, and for each failing node its isolated error, layout and axis
-    evidence; input ranges of quantized ops."""
+    evidence; input ranges of quantized ops.
+
+    A failing node is examined once everything it reads has been settled
+    (compared, or known not to come), whatever order the device stream and
+    the executor deliver tensors in: a node that arrives before its
+    producers waits for them, holding its tensors, and the end of the
+    stream settles everything. The reports then do not depend on the order,
+    as long as the waiting nodes fit in ``wait_cap_bytes``; past it the
+    longest-waiting node is examined with what has arrived."""
 
     def __init__(self, reference, feeds: dict[str, np.ndarray], quantized: bool,
-                 cap_bytes: int = 1 << 30, given_ranges: dict[str, tuple[float, float]] | None = None) -> None:
+                 cap_bytes: int = 1 << 30, given_ranges: dict[str, tuple[float, float]] | None = None,
+                 dump_mode: str = "output", wait_cap_bytes: int = 512 << 20) -> None:
         self.reference = reference
         self.feeds = feeds
         self.quantized = quantized
         self.values = DeviceValues(reference.node_inputs, cap_bytes)
         self.outputs_left: dict[str, int] = {}
+        self._op: dict[str, str] = {}
         for s in reference.sites:
             self.outputs_left[s.node] = self.outputs_left.get(s.node, 0) + 1
+            self._op.setdefault(s.node, s.op_type)
+        self._computed = {s.tensor for s in reference.sites}
+        self._with_inputs = dump_mode == "all"
         self.quant_inputs = {ins[0] for node, ins in reference.node_inputs.items()
-                             if ins and self._op_of(node) in QUANT_OPS} if quantized else set()
+                             if ins and self._op.get(node) in QUANT_OPS} if quantized else set()
         # ranges a calibrator recorded win over the reference's own values
         self.input_ranges: dict[str, tuple[float, float]] = dict(given_ranges or {})
         self.metrics_of: dict = {}     # tensor, or (node, input index), -> metrics
+        self._settled: set = set()     # tensors and (node, input index) compared or known not to come
+        self._waiting: dict[int, _Waiting] = {}    # in the order they started waiting
+        self._waiting_bytes = 0
+        self.wait_cap = wait_cap_bytes
         for t in self.quant_inputs & set(feeds):
             self.note_range(t, feeds[t])
-
-    def _op_of(self, node: str) -> str:
-        s = next((s for s in self.reference.sites if s.node == node), None)
-        return s.op_type if s else ""
 
     def note_range(self, tensor: str, ref: np.ndarray) -> None:
         if tensor in self.quant_inputs and tensor not in self.input_ranges and ref.size:
             r = ref.astype(np.float64, copy=False)
-            self.input_ranges[tensor] = (float(np.nanmin(r)), float(np.nanmax(r)))
+            finite = r[np.isfinite(r)]
+            if finite.size:
+                self.input_ranges[tensor] = (float(finite.min()), float(finite.max()))
 
-    def keep_output(self, tensor: str, arr: np.ndarray, buffer) -> bool:
-        return self.values.keep_output(tensor, arr, buffer)
+    def keep_output(self, tensor: str, arr: np.ndarray, lease=None) -> bool:
+        return self.values.keep_output(tensor, arr, lease)
 
-    def keep_input(self, node: str, slot: int, arr: np.ndarray, buffer) -> bool:
-        return self.values.keep_input(node, slot, arr, buffer)
+    def keep_input(self, node: str, slot: int, arr: np.ndarray, lease=None) -> bool:
+        return self.values.keep_input(node, slot, arr, lease)
 
-    def note_metrics(self, row) -> None:
-        """Every compared row, so that later nodes can see what they read."""
+    # ------------------------------------------------------------ settling
+
+    def _reads(self, node: str) -> set:
+        """What the node's examination looks at: the computed tensors it
+        reads, and with dump_mode all the device's own records of its inputs."""
+        consts = self.reference.constants_read(node)
+        keys: set = set()
+        for k, t in enumerate(self.reference.node_inputs.get(node, [])):
+            if not t or t in consts or t in self.feeds or t not in self._computed:
+                continue
+            keys.add(t)
+            if self._with_inputs:
+                keys.add((node, k))
+        return keys
+
+    def settle(self, key) -> None:
+        """A tensor (or a node's input k) is settled without a comparison:
+        its record was refused, or it was skipped."""
+        self._settle(key)
+
+    def _settle(self, key) -> None:
+        if key in self._settled:
+            return
+        self._settled.add(key)
+        ready = []
+        for wid, w in self._waiting.items():
+            w.missing.discard(key)
+            if not w.missing:
+                ready.append(wid)
+        for wid in ready:
+            self._run_waiting(wid)
+
+    def row_done(self, row, ref: np.ndarray, dev: np.ndarray, lease, tol, force_compare: bool) -> None:
+        """A comparison is finished: note its metrics, examine the node if it
+        fails (now, or once what it reads is settled), and settle it for the
+        nodes that read it."""
         key = (row.site.node, row.site.output_index) if row.is_input else row.site.tensor
         self.metrics_of[key] = row.outcome.metrics
+        if not row.is_input:
+            if row.failed and not row.is_constant:
+                missing = self._reads(row.site.node) - self._settled
+                if missing:
+                    self._wait(_Waiting(row, ref, dev, lease.retain() if lease is not None else None, tol,
+                                        force_compare, missing))
+                else:
+                    self.examine(row, ref, dev, tol, force_compare)
+                    self._output_done(row.site.node)
+            else:
+                self._output_done(row.site.node)
+        self._settle(key)
+
+    def _wait(self, w: _Waiting) -> None:
+        self._waiting[id(w)] = w
+        self._waiting_bytes += w.ref.nbytes + w.dev.nbytes
+        while self._waiting_bytes > self.wait_cap and self._waiting:
+            self._run_waiting(next(iter(self._waiting)))
+
+    def _run_waiting(self, wid: int) -> None:
+        w = self._waiting.pop(wid)
+        self._waiting_bytes -= w.ref.nbytes + w.dev.nbytes
+        try:
+            self.examine(w.row, w.ref, w.dev, w.tol, w.force_compare)
+        finally:
+            if w.lease is not None:
+                w.lease.release()
+        self._output_done(w.row.site.node)
+
+    def finish(self) -> None:
+        """The stream has ended: whatever a waiting node still lacks will not
+        come; examine it with what there is, then forget every kept value."""
+        try:
+            while self._waiting:
+                self._run_waiting(next(iter(self._waiting)))
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """The job stops early: forget everything without examining it."""
+        for w in self._waiting.values():
+            if w.lease is not None:
+                w.lease.release()
+        self._waiting.clear()
+        self._waiting_bytes = 0
+        self.values.release()
+
+    def _output_done(self, node: str) -> None:
+        """One output row of the node is finished; once all are, what it
+        read is forgotten."""
+        left = self.outputs_left.get(node, 1) - 1
+        self.outputs_left[node] = left
+        if left <= 0:
+            self.values.node_done(node)
 
     def inherited(self, row) -> str:
         """A sentence when the node's error is plainly what it read (no
@@ -537,13 +658,3 @@ class NodeExaminer:
                 row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
         except (IsolationUnavailable, SkipNode, IndexError) as e:
             row.isolation_note = str(e) or type(e).__name__
-
-    def output_done(self, node: str) -> list:
-        """One output row of the node is finished; once all are, what it
-        read is forgotten (returns the buffers to recycle)."""
-        left = self.outputs_left.get(node, 1) - 1
-        self.outputs_left[node] = left
-        return self.values.node_done(node) if left <= 0 else []
-
-    def release(self) -> list:
-        return self.values.release()

@@ -20,20 +20,19 @@ from pathlib import Path
 import pyarrow as pa
 
 from layerdiff.analyzer.align import Aligner
-from layerdiff.analyzer.compare import SkipNode
-from layerdiff.analyzer.diagnose import NodeExaminer
+from layerdiff.analyzer.consumer import StreamConsumer
 from layerdiff.analyzer.minmax import parse_min_max
 from layerdiff.analyzer.perf import PerfSettings, check_perf_options
 from layerdiff.analyzer.pool import LocalPool
 from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
 from layerdiff.analyzer.tfreference import TFReference, open_reference
-from layerdiff.analyzer.report import JobReport, Row, write_report
+from layerdiff.analyzer.report import JobReport, write_report
 from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.artifacts import ArtifactStore
 from layerdiff.errors import LayerdiffError, NotFoundError
-from layerdiff.onnxgraph import TensorSite, load_inputs
+from layerdiff.onnxgraph import load_inputs
 from layerdiff.collector.service import CollectorClient, flight_message
-from layerdiff.schema import (ROLE_INPUT, STATUS_OK, BufferPool, NodeRecord, TensorAssembler, check_dump_mode)
+from layerdiff.schema import BufferPool, TensorAssembler, check_dump_mode
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -86,9 +85,6 @@ class Prepared:
     given_ranges: dict = field(default_factory=dict)     # from a tensor_min_max.txt
     range_skips: list = field(default_factory=list)      # its lines that did not parse
     perf: PerfSettings = field(default_factory=PerfSettings)
-
-    def examiner(self) -> NodeExaminer:
-        return NodeExaminer(self.reference, self.feeds, self.quantized, given_ranges=self.given_ranges)
 
 
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
@@ -366,218 +362,36 @@ class JobRunner:
 
     def _consume(self, job: Job, p: Prepared, call, ref_future: Future, executor, rep: JobReport,
                  total: int) -> None:
-        buffers = BufferPool()
-        assembler = TensorAssembler(pool=buffers)
-        refs: SegmentedReference | None = None
-        seen: set[str] = set()
-        seen_inputs: set[tuple] = set()
-        read_as_input: set[str] = set()
-        pending: dict[Future, tuple] = {}
-        done = 0
-        limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
-        examiner = p.examiner()
-        # A receive buffer goes back to the pool only when neither a pending
-        # comparison nor the examiner (device values kept for isolated
-        # re-runs) still reads it.
-        cached: set[int] = set()
-        in_flight: dict[int, int] = {}
+        assembler = TensorAssembler(pool=BufferPool())
 
-        def recycle(buf) -> None:
-            if buf is not None and id(buf) not in cached and not in_flight.get(id(buf)):
-                buffers.give(buf)
+        def progress(done: int, node: str, passed: bool) -> None:
+            job.emit(nodes_done=done, nodes_total=total, node=node, node_passed=passed)
 
-        def uncache(bufs) -> None:
-            for b in bufs:
-                cached.discard(id(b))
-                recycle(b)
-
-        def finished(fut: Future) -> None:
-            nonlocal done
-            site, rec, buffer, ref, tol = pending.pop(fut)
-            in_flight[id(buffer)] -= 1
-            try:
-                outcome = fut.result()
-            except SkipNode as e:
-                rep.skipped.append((_shown(site, rec), str(e)))
-                passed = True
-            else:
-                row = Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow,
-                          constants_read=p.reference.constants_read(site.node),
-                          reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
-                                      if t and t not in p.feeds))   # model inputs are exact on both sides
-                examiner.note_metrics(row)
-                if not outcome.metrics.passed and rec.role != ROLE_INPUT:
-                    examiner.examine(row, ref, rec.array, tol, p.force_compare)
-                if not outcome.metrics.passed and p.show_graph:
-                    draw(row, ref, rec.array, tol)
-                rep.rows.append(row)
-                passed = outcome.metrics.passed
-            if rec.role != ROLE_INPUT:
-                uncache(examiner.output_done(site.node))
-            recycle(buffer)
-            if rec.role == ROLE_INPUT:
-                return   # progress counts node outputs
-            done += 1
-            job.emit(nodes_done=done, nodes_total=total, node=site.tensor, node_passed=passed)
-
-        plot_names: set[str] = set()
-
-        def draw(row: Row, ref, dev, tol) -> None:
-            from layerdiff.analyzer.compare import reconcile
-            from layerdiff.analyzer.plots import node_plots
-            from layerdiff.names import safe_filename
-
-            try:
-                dev, _ = reconcile(ref, dev, True)
-                stem = safe_filename(row.label if row.is_input or row.site.output_index else row.site.node,
-                                     plot_names)
-                rep.plots[row.label] = node_plots(job.report_dir, stem, ref, dev, max_bins=p.max_bins,
-                                                  min_bins=p.min_bins, atol=tol.atol, rtol=tol.rtol,
-                                                  title=row.label)
-            except Exception as e:  # a plot is an extra: the comparison stands without it
-                log.warning("no plots for %s: %s", row.label, e)
-                rep.skipped.append((row.label, f"plots not drawn: {e}"))
-
-        def handle(rec: NodeRecord) -> None:
-            if not compare_later(rec):
-                recycle(rec.extra.get("buffer"))
-
-        def compare_later(rec: NodeRecord) -> bool:
-            nonlocal refs, done
-            rep.device_names.append(rec.name if rec.role != ROLE_INPUT else f"{rec.name} (input {rec.slot})")
-            if rec.overflow:
-                rep.note_overflow(rec.node or rec.name, rec.overflow)
-            if rec.role == ROLE_INPUT:
-                return compare_input(rec)
-            decision = p.aligner.match(rec.name)
-            site = decision.site
-            if site is None:
-                rep.invalid_out.append((rec.name, rec.message if rec.status != STATUS_OK
-                                        else "not found in the reference model"))
-                rep.log_splice_failure(rec)
-                return False
-            if site.tensor in seen:
-                rep.skipped.append((rec.name, f"duplicate device tensor for {site.tensor!r}"))
-                return False
-            seen.add(site.tensor)
-            if rec.status != STATUS_OK:
-                rep.skipped.append((site.tensor, f"device tensor unusable: {rec.message}"))
-                rep.log_splice_failure(rec)
-                done += 1
-                return False
-            if decision.skip_reason:
-                rep.skipped.append((site.tensor, decision.skip_reason))
-                done += 1
-                return False
-            if refs is None:
-                refs = ref_future.result()
-            ref = refs.pop(site.tensor)
-            if ref is None:
-                rep.skipped.append((site.tensor, "the reference run produced no value"))
-                done += 1
-                return False
-            examiner.note_range(site.tensor, ref)
-            if examiner.keep_output(site.tensor, rec.array, rec.extra.get("buffer")):
-                cached.add(id(rec.extra.get("buffer")))
-            submit(site, rec, ref)
-            return True
-
-        def drain(keep: int) -> None:
-            """Finish comparisons in the order they were submitted (the
-            stream's order) until at most ``keep`` are pending, and any
-            that are already done at the head: a node's diagnosis sees what
-            it read, whichever executor ran what first."""
-            while pending:
-                head = next(iter(pending))
-                if len(pending) <= keep and not head.done():
-                    return
-                wait([head])
-                finished(head)
-
-        def submit(site: TensorSite, rec: NodeRecord, ref) -> None:
-            drain(limit - 1)
-            tol = p.tolerances.for_node(site.node, site.tensor)
-            fut = executor.submit(ref, rec.array, tol, p.diff_cnt, p.force_compare)
-            buf = rec.extra.get("buffer")
-            in_flight[id(buf)] = in_flight.get(id(buf), 0) + 1
-            pending[fut] = (site, rec, buf, ref, tol)
-
-        def compare_input(rec: NodeRecord) -> bool:
-            """Input k of a node against the reference tensor that node reads."""
-            nonlocal refs
-            node = rec.node or rec.name
-            decision = p.aligner.match(node)
-            if decision.site is None:
-                rep.invalid_out.append((f"{node} (input {rec.slot})", rec.message if rec.status != STATUS_OK
-                                        else "not a node of the reference model"))
-                return False
-            owner = decision.site
-            ins = p.reference.node_inputs.get(owner.node, [])
-            shown = f"{owner.node} (input {rec.slot})"
-            if rec.slot >= len(ins) or not ins[rec.slot]:
-                rep.invalid_out.append((shown, f"the reference node has {len(ins)} inputs"))
-                return False
-            site = TensorSite(ins[rec.slot], owner.node, owner.op_type, owner.order, rec.slot)
-            key = ("input", owner.node, rec.slot)
-            if key in seen_inputs:
-                rep.skipped.append((shown, "duplicate device input"))
-                return False
-            seen_inputs.add(key)
-            if rec.status != STATUS_OK:
-                rep.skipped.append((shown, f"device tensor unusable: {rec.message}"))
-                rep.log_splice_failure(rec)
-                return False
-            if decision.skip_reason:
-                rep.skipped.append((shown, decision.skip_reason))
-                return False
-            if refs is None:
-                refs = ref_future.result()
-            ref = refs.value_of(site.tensor)
-            if ref is None:
-                rep.skipped.append((shown, f"the reference value of {site.tensor!r} was already released: "
-                                           "give the job dump_mode input or all"))
-                return False
-            read_as_input.add(site.tensor)
-            if examiner.keep_input(owner.node, rec.slot, rec.array, rec.extra.get("buffer")):
-                cached.add(id(rec.extra.get("buffer")))
-            submit(site, rec, ref)
-            return True
-
+        consumer = StreamConsumer(p, executor, ref_future.result, rep, job.report_dir, progress,
+                                  dump_mode=check_dump_mode(job.spec.dump_mode))
         try:
-            for chunk in call:
-                if job.state != pb.COMPARING:
-                    job.emit(pb.COMPARING, nodes_done=done, nodes_total=total)
+            try:
+                for chunk in call:
+                    if job.state != pb.COMPARING:
+                        job.emit(pb.COMPARING, nodes_done=consumer.done, nodes_total=total)
+                    if job.cancelled.is_set():
+                        call.cancel()
+                        break
+                    for rec in assembler.feed(chunk.data):
+                        consumer.take(rec)
+                for rec in assembler.finish():
+                    consumer.take(rec)
+            except (pa.ArrowException, KeyError) as e:
                 if job.cancelled.is_set():
-                    call.cancel()
-                    break
-                for rec in assembler.feed(chunk.data):
-                    handle(rec)
-            for rec in assembler.finish():
-                handle(rec)
-        except (pa.ArrowException, KeyError) as e:
+                    raise _Cancelled() from None
+                raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
             if job.cancelled.is_set():
-                raise _Cancelled() from None
-            raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
-        if refs is None:
-            refs = ref_future.result()  # surfaces reference errors even for an empty stream
-        drain(0)
-        uncache(examiner.release())
-        rep.input_ranges = examiner.input_ranges
-        rep.quantized = examiner.quantized
-        rep.range_skips = list(p.range_skips)
-        for s in p.reference.sites:
-            if s.tensor in seen or s.tensor in read_as_input:
-                continue
-            reason = p.aligner.skip_reason_for(s)
-            if reason:
-                rep.skipped.append((s.tensor, reason))
-            else:
-                rep.not_dumped.append(s)
+                raise _Cancelled()
+            consumer.finish()
+        except BaseException:
+            consumer.abandon()
+            raise
 
 
 class _Cancelled(Exception):
     pass
-
-
-def _shown(site: TensorSite, rec: NodeRecord) -> str:
-    return f"{site.node} (input {rec.slot})" if rec.role == ROLE_INPUT else site.tensor

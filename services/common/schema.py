@@ -95,6 +95,9 @@ class NodeRecord:
     slot: int = 0
     overflow: str = ""
     extra: dict = field(default_factory=dict)
+    # The receive buffer behind ``array`` on the analyzer side: the record
+    # holds one reference; whoever keeps reading the array retains its own.
+    lease: "BufferLease | None" = None
 
     @classmethod
     def error(cls, name: str, message: str, op_type: str = "", order: int = -1, node: str = "",
@@ -214,10 +217,51 @@ class BufferPool:
                 self._free_bytes += buf.nbytes
 
 
+class BufferLease:
+    """One receive buffer and the number of its holders. A completed record
+    holds it once; a pending comparison, a device value kept for the
+    isolated re-run, anything that goes on reading the array after the
+    record is handled, retains it and releases it when done. The buffer goes
+    back to its pool only when the last holder has released it, so a
+    buffer is never refilled with another tensor while something still
+    reads it, whatever order the tensors arrive and finish in."""
+
+    __slots__ = ("_buffer", "_pool", "_holders", "_lock")
+
+    def __init__(self, buffer: np.ndarray, pool: "BufferPool | None" = None) -> None:
+        self._buffer: np.ndarray | None = buffer
+        self._pool = pool
+        self._holders = 1
+        self._lock = threading.Lock()
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    def retain(self) -> "BufferLease":
+        with self._lock:
+            if self._holders <= 0:
+                raise RuntimeError("a receive buffer was retained after its last release")
+            self._holders += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            if self._holders <= 0:
+                raise RuntimeError("a receive buffer was released more often than it was held")
+            self._holders -= 1
+            if self._holders:
+                return
+            buf, self._buffer = self._buffer, None
+        if self._pool is not None and buf is not None:
+            self._pool.give(buf)
+
+
 class TensorAssembler:
     """Re-joins chunked rows into whole tensors, validating every field
-    before allocating. Each completed record keeps its receive buffer in
-    ``extra["buffer"]``; hand it back to the pool when done with the array."""
+    before allocating. Each completed record holds its receive buffer
+    through ``record.lease``: release it when done with the array (retain
+    it first to go on reading the array after that)."""
 
     def __init__(self, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, pool: BufferPool | None = None) -> None:
         self.max_tensor_bytes = max_tensor_bytes
@@ -302,7 +346,7 @@ class TensorAssembler:
                              message=message or "", node=node or "", role=where[0], slot=where[1],
                              overflow=where[2])
             buf = self.pool.take(total) if self.pool is not None else np.empty(total, dtype=np.uint8)
-            rec.extra = {"dtype": dtype, "shape": shape, "buffer": buf}
+            rec.extra = {"dtype": dtype, "shape": shape}
             self._cur = (rec, buf, 0)
         else:
             if self._cur is None or (self._cur[0].name, self._cur[0].role, self._cur[0].slot) != \
@@ -318,6 +362,7 @@ class TensorAssembler:
         if filled == buf.size:
             self._cur = None
             rec.array = buf.view(np.dtype(rec.extra["dtype"])).reshape(rec.extra["shape"])
+            rec.lease = BufferLease(buf, self.pool)
             return rec
         self._cur = (rec, buf, filled)
         return None
