@@ -105,6 +105,24 @@ class JobReport:
         elif rec.status == STATUS_CONCAT_SKIP:
             self.concat_skip.append((rec.name, rec.message))
 
+    def in_graph_order(self, sites: list[TensorSite]) -> None:
+        """Sort every list by the reference's execution order, then by name,
+        so that no file depends on the order the device stream came in."""
+        rank: dict[str, int] = {}
+        for s in sites:
+            rank.setdefault(s.tensor, s.order)
+            rank.setdefault(s.node, s.order)
+        last = len(sites)
+
+        def key(item) -> tuple:
+            name = item[0] if isinstance(item, tuple) else item
+            return (rank.get(name.split(" (input ")[0], last), name, item)
+
+        for items in (self.skipped, self.invalid_out, self.device_names, self.check_skip, self.concat_skip):
+            items.sort(key=key)
+        self.overflow = dict(sorted(self.overflow.items(), key=key))
+        self.plots = dict(sorted(self.plots.items(), key=key))
+
     def ordered(self) -> list[Row]:
         # a node's inputs come before its outputs, as it reads them first
         return sorted(self.rows, key=lambda r: (r.site.order, not r.is_input, r.site.output_index))
@@ -199,6 +217,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     data, its per-node view), written by their own modules; a callable is
     called once every row carries its diagnosis."""
     out.mkdir(parents=True, exist_ok=True)
+    rep.in_graph_order(all_sites)
     rows = rep.ordered()
     findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized)
     for r in rows:
