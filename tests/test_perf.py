@@ -141,7 +141,7 @@ def test_accuracy_and_time_side_by_side(services, cnn_files, tmp_path):
                            "--device-model", str(device), "--perf-mode", "2", "--perf-runs", "3", "--dump-mode", "all",
                            "--analyzer", analyzer.address, "--collector", collector.address, "--out", str(out),
                            "--no-progress"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr   # failing nodes found
     assert "FIRST FAILING NODE: conv2" in proc.stdout and "performance (both)" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["first_failing_node"]["node"] == "conv2" and summary["perf"]["perf_mode"] == "both"

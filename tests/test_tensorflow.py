@@ -171,7 +171,7 @@ def test_cli_takes_a_savedmodel_directory_and_a_device_model(services, nets, tmp
                      str(tmp_path / "out"), "--analyzer", analyzer.address, "--collector", collector.address,
                      "--no-progress"])
     text = capsys.readouterr().out
-    assert code == 0
+    assert code == 1   # failing nodes found
     assert text.startswith(f"VERDICT: Computation error at tiny_1/{BUGGY_LAYER}_1/convolution (Conv2D")
     assert f"FIRST FAILING NODE: tiny_1/{BUGGY_LAYER}_1/convolution (Conv2D" in text
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "ref_savedmodel.tar"

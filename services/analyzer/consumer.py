@@ -93,12 +93,14 @@ class StreamConsumer:
     def _take(self, rec: NodeRecord) -> None:
         rep = self.rep
         rep.device_names.append(rec.name if rec.role != ROLE_INPUT else f"{rec.name} (input {rec.slot})")
+        if rec.status != STATUS_OK:
+            rep.device_errors.append((rec.name, rec.message))
         if rec.overflow:
             rep.note_overflow(rec.node or rec.name, rec.overflow)
         if rec.role == ROLE_INPUT:
             self._take_input(rec)
             return
-        decision = self.p.aligner.match(rec.name)
+        decision = self.p.aligner.match(rec.name, rec.node, rec.slot)
         site = decision.site
         if site is None:
             rep.invalid_out.append((rec.name, rec.message if rec.status != STATUS_OK
@@ -113,6 +115,7 @@ class StreamConsumer:
             self._refuse(site.tensor, site.tensor, f"device tensor unusable: {rec.message}", rec)
             return
         if decision.skip_reason:
+            rep.user_skipped.add(site.tensor)
             self._refuse(site.tensor, site.tensor, decision.skip_reason)
             return
         ref = self._reference().pop(site.tensor)
@@ -259,6 +262,7 @@ class StreamConsumer:
                 continue
             reason = self.p.aligner.skip_reason_for(s)
             if reason:
+                rep.user_skipped.add(s.tensor)
                 rep.skipped.append((s.tensor, reason))
             else:
                 rep.not_dumped.append(s)

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.consumer import StreamConsumer
+from layerdiff.analyzer.coverage import MIN_COVERAGE_DEFAULT
 from layerdiff.analyzer.minmax import parse_min_max
 from layerdiff.analyzer.perf import PerfSettings, check_perf_options
 from layerdiff.analyzer.pool import LocalPool
@@ -29,7 +30,7 @@ from layerdiff.analyzer.tfreference import TFReference, open_reference
 from layerdiff.analyzer.report import JobReport, write_report
 from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.artifacts import ArtifactStore
-from layerdiff.errors import LayerdiffError, NotFoundError
+from layerdiff.errors import LayerdiffError, NotFoundError, UnavailableError
 from layerdiff.onnxgraph import load_inputs
 from layerdiff.collector.service import CollectorClient, flight_message
 from layerdiff.schema import BufferPool, TensorAssembler, check_dump_mode
@@ -85,6 +86,7 @@ class Prepared:
     given_ranges: dict = field(default_factory=dict)     # from a tensor_min_max.txt
     range_skips: list = field(default_factory=list)      # its lines that did not parse
     perf: PerfSettings = field(default_factory=PerfSettings)
+    min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
 
 
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
@@ -121,6 +123,9 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     given_ranges, range_skips = parse_min_max(o.min_max_text) if o.min_max_text.strip() else ({}, [])
     quantized = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
         store.read(spec.device_model_artifact, "device_model_artifact")))
+    min_coverage = o.min_coverage if o.has_min_coverage or o.min_coverage else None
+    if min_coverage is not None and not 0.0 <= min_coverage <= 1.0:
+        raise LayerdiffError(f"must be in [0, 1], got {min_coverage:g}", field="min_coverage")
     perf = check_perf_options(spec.perf)
     if perf.enabled and not spec.dump_path:
         _check_live_perf(spec, store)
@@ -129,7 +134,7 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
                              "the counter files once: run it when the runtime has finished", field="watch")
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
                     o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips,
-                    perf=perf)
+                    perf=perf, min_coverage=min_coverage)
 
 
 def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
@@ -219,19 +224,18 @@ class JobRunner:
             summary = self._execute(job, p, started)
             job.summary = summary
             first = summary["first_failing_node"]
-            first_name = first["node"] if first else ""
-            job.emit(pb.DONE, nodes_done=total, nodes_total=total, first_failing_node=first_name,
-                     message=f"first failing node: {first_name}" if first else
-                     ("performance only: no node compared" if p.perf.only else "all compared nodes pass"))
+            answer = summary["outcome"]
+            job.emit(pb.DONE, nodes_done=total, nodes_total=total, first_failing_node=first["node"] if first else "",
+                     message=answer["reason"], outcome=answer["status"], exit_status=answer["exit_status"])
         except _Cancelled:
             job.emit(pb.CANCELLED, message="cancelled")
         except LayerdiffError as e:
             job.error = str(e)
-            job.emit(pb.FAILED, message=str(e))
+            job.emit(pb.FAILED, message=str(e), exit_status=failure_exit_status(e))
         except Exception as e:  # a bug: say so, keep the service up
             log.exception("job %s failed", job.id)
             job.error = f"internal error: {type(e).__name__}: {e}"
-            job.emit(pb.FAILED, message=job.error)
+            job.emit(pb.FAILED, message=job.error, exit_status=failure_exit_status(e))
 
     def _capture_request(self, job: Job, collector) -> pb.CaptureRequest:
         spec = job.spec
@@ -282,7 +286,7 @@ class JobRunner:
             try:
                 job.call = collector.capture(request)
             except (pa.ArrowException, KeyError) as e:   # refused before the first batch
-                raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
+                raise collector_error(job.spec.collector, e) from None
             if job.cancelled.is_set():
                 job.call.cancel()
             rep = JobReport()
@@ -308,7 +312,8 @@ class JobRunner:
                                            job_info)
         return write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
                             node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
-                            all_sites=p.reference.sites, node_inputs=p.reference.node_inputs, sections=sections)
+                            all_sites=p.reference.sites, aligner=p.aligner, node_inputs=p.reference.node_inputs,
+                            sections=sections, min_coverage=p.min_coverage)
 
     def _parameters(self, job: Job, p: Prepared) -> dict:
         o = job.spec.options
@@ -318,6 +323,7 @@ class JobRunner:
             "skip_keys": list(o.skip_keys), "exclude_node_list": list(o.exclude_node_list),
             "force_compare": o.force_compare, "max_cores": p.max_cores or None,
             "dump_mode": check_dump_mode(job.spec.dump_mode),
+            "min_coverage": MIN_COVERAGE_DEFAULT if p.min_coverage is None else p.min_coverage,
         }
 
     def _job_info(self, job: Job, p: Prepared, started: float) -> dict:
@@ -353,7 +359,7 @@ class JobRunner:
             except (pa.ArrowException, KeyError) as e:
                 if job.cancelled.is_set():
                     raise _Cancelled() from None
-                raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
+                raise collector_error(job.spec.collector, e) from None
         finally:
             collector.close()
         if job.cancelled.is_set():
@@ -384,7 +390,7 @@ class JobRunner:
             except (pa.ArrowException, KeyError) as e:
                 if job.cancelled.is_set():
                     raise _Cancelled() from None
-                raise LayerdiffError(f"collector {job.spec.collector}: {flight_message(e)}") from None
+                raise collector_error(job.spec.collector, e) from None
             if job.cancelled.is_set():
                 raise _Cancelled()
             consumer.finish()
@@ -395,3 +401,24 @@ class JobRunner:
 
 class _Cancelled(Exception):
     pass
+
+
+def collector_error(address: str, e: BaseException) -> LayerdiffError:
+    """A collector call that failed: the collector's own refusal (bad
+    input), or the collector unreachable, gone or silent (a component)."""
+    import pyarrow.flight as flight
+
+    text = f"collector {address}: {flight_message(e)}"
+    if isinstance(e, (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightCancelledError)):
+        return UnavailableError(text, field="collector")
+    return LayerdiffError(text)
+
+
+def failure_exit_status(e: BaseException) -> int:
+    """2 for bad input or usage; 3 when a component failed and the job
+    could not answer."""
+    from layerdiff.analyzer.coverage import EXIT_BAD_INPUT, EXIT_NO_ANSWER
+
+    if isinstance(e, LayerdiffError) and not isinstance(e, UnavailableError):
+        return EXIT_BAD_INPUT
+    return EXIT_NO_ANSWER

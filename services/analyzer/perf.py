@@ -702,6 +702,7 @@ def write_perf_only(out: Path, data: PerfData, aligner: Aligner, sites, settings
                    "inputs_compared": 0, "inputs_failed": 0, "overflowing_nodes": 0},
         "failing_nodes": [], "failing_constants": [], "failing_inputs": [], "overflow_nodes": [], "detail_files": {},
         "nodes": [],
+        "outcome": {"status": "perf_only", "exit_status": 0, "reason": "performance data only"},
         **sections,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerdiff import __version__
-from layerdiff.analyzer import diagnose
+from layerdiff.analyzer import coverage, diagnose
 from layerdiff.analyzer.compare import NodeOutcome
 from layerdiff.names import safe_filename
 from layerdiff.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
@@ -95,6 +95,8 @@ class JobReport:
     quantized: bool = False
     range_skips: list[tuple[str, str]] = field(default_factory=list)    # tensor_min_max.txt lines not read
     plots: dict[str, dict] = field(default_factory=dict)                # row label -> plot files
+    user_skipped: set[str] = field(default_factory=set)                 # tensors the options skip
+    device_errors: list[tuple[str, str]] = field(default_factory=list)  # device entries that could not be read
 
     def note_overflow(self, node: str, why: str) -> None:
         self.overflow.setdefault(node, why)
@@ -211,11 +213,13 @@ def _read_rows(rows: list[Row], node_inputs: dict[str, list[str]]) -> dict[str, 
 
 
 def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node_runtime: list[dict],
-                 consumers: dict[str, list[str]], all_sites: list[TensorSite],
-                 node_inputs: dict[str, list[str]] | None = None, sections: dict | None = None) -> dict:
+                 consumers: dict[str, list[str]], all_sites: list[TensorSite], aligner,
+                 node_inputs: dict[str, list[str]] | None = None, sections: dict | None = None,
+                 min_coverage: float | None = None) -> dict:
     """``sections``: further top-level parts of summary.json (the performance
     data, its per-node view), written by their own modules; a callable is
-    called once every row carries its diagnosis."""
+    called once every row carries its diagnosis. The coverage comes first:
+    below ``min_coverage`` the headline is that the job cannot answer."""
     out.mkdir(parents=True, exist_ok=True)
     rep.in_graph_order(all_sites)
     rows = rep.ordered()
@@ -243,6 +247,12 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     _write_log(out / "compare_skip.log", rep.skipped +
                [(s.tensor, "not dumped by the device (fused away or not produced)") for s in rep.not_dumped])
     _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
+    _write_log(out / "options_unmatched.log",
+               [(f"map_node_dict {ref!r}", f"its device name {dev!r} matched no device tensor")
+                for ref, dev in aligner.unused_map_entries()]
+               + [(f"exclude_node_list {n!r}", "no such node or tensor in the reference model")
+                  for n in aligner.unknown_excludes]
+               + [(f"skip_keys {k!r}", "no reference node or tensor name contains it") for k in aligner.unused_skip_keys])
     _write_log(out / "check_skip.log", rep.check_skip)
     _write_log(out / "concate_skip.log", rep.concat_skip)
     _write_log(out / "overflow_nodename.log", list(rep.overflow.items()))
@@ -263,7 +273,13 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
 
     first = rep.first_failing()
     first_comp = next((r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION), None)
-    diagnosis = {"headline": diagnose.headline(first_comp, first, nan_overflow), **nan_overflow}
+    cov = coverage.assess(rep, all_sites, aligner, min_coverage=min_coverage, source=job.get("source", ""),
+                          dump_path=job.get("dump_path") or "")
+    answer = coverage.outcome(rep, cov)
+    text = diagnose.headline(first_comp, first, nan_overflow)
+    if answer["status"] == "no_answer":
+        text = f"NO ANSWER: {answer['reason']}"
+    diagnosis = {"headline": text, **nan_overflow}
     verdicts = [{"node": r.site.node, "tensor": r.site.tensor, "op_type": r.site.op_type, "order": r.site.order,
                  "verdict": r.finding.verdict, "cause": r.finding.cause, "evidence": list(r.finding.evidence)}
                 for r in rows if r.finding]
@@ -276,6 +292,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "version": __version__,
         **job,
         "parameters": parameters,
+        "outcome": answer,
+        "coverage": cov,
         "diagnosis": diagnosis,
         "first_computation_error": node_summary(first_comp) if first_comp else None,
         "first_failing_node": node_summary(first) if first else None,

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from layerdiff.artifacts import upload
-from layerdiff.errors import LayerdiffError
+from layerdiff.errors import JobFailed, LayerdiffError
 from layerdiff.net import channel, wait_ready
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
@@ -40,10 +40,26 @@ class RunResult:
         f = self.summary.get("first_failing_node")
         return f["node"] if f else None
 
+    @property
+    def outcome(self) -> str:
+        """``pass``, ``fail`` (failing nodes), ``no_answer`` (too little
+        compared to answer) or ``perf_only``."""
+        return (self.summary.get("outcome") or {}).get("status", "")
+
+    @property
+    def exit_status(self) -> int:
+        """What ``layerdiff run`` exits with: 0 pass, 1 failing nodes, 3 too
+        little compared to answer (2, bad input, is raised as JobFailed or
+        LayerdiffError instead)."""
+        return int((self.summary.get("outcome") or {}).get("exit_status", 3))
+
 
 def read_artifact(path_or_bytes, field: str) -> tuple[bytes, str]:
-    """The bytes and name of a file to upload (a directory travels as a tar)."""
+    """The bytes and name of a file to upload (a directory travels as a tar).
+    An empty file is bad input, never "no file"."""
     if isinstance(path_or_bytes, (bytes, bytearray)):
+        if not path_or_bytes:
+            raise LayerdiffError("is empty (0 bytes)", field=field)
         return bytes(path_or_bytes), field
     p = Path(path_or_bytes)
     if p.is_dir():
@@ -52,9 +68,12 @@ def read_artifact(path_or_bytes, field: str) -> tuple[bytes, str]:
 
         return pack_directory(p), f"{p.resolve().name}.tar"
     try:
-        return p.read_bytes(), p.name
+        data = p.read_bytes()
     except OSError as e:
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=str(p), field=field) from e
+    if not data:
+        raise LayerdiffError("is empty (0 bytes)", file=str(p), field=field)
+    return data, p.name
 
 
 def _inputs_bytes(inputs) -> tuple[bytes, str]:
@@ -103,6 +122,17 @@ def parse_name_list(value) -> list[str]:
     return [v.strip() for v in str(value).split(",") if v.strip()]
 
 
+def rpc_failure(what: str, e: grpc.RpcError) -> LayerdiffError:
+    """A failed call to a service: its refusal of bad input (exit status 2),
+    or the service gone or unreachable (3)."""
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else "") or str(code)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS):
+        return JobFailed(details, 2)
+    return JobFailed(f"{what}: {details}", 3)
+
+
 class AnalyzerClient:
     def __init__(self, address: str) -> None:
         self.address = address
@@ -114,7 +144,10 @@ class AnalyzerClient:
         self.stub = pbg.AnalyzerStub(self.channel)
 
     def upload(self, data: bytes, name: str) -> str:
-        return upload(self.stub, data, name, timeout=CALL_TIMEOUT)
+        try:
+            return upload(self.stub, data, name, timeout=CALL_TIMEOUT)
+        except grpc.RpcError as e:
+            raise rpc_failure(f"analyzer {self.address}", e) from None
 
     def submit(self, spec: pb.JobSpec) -> str:
         return self.stub.Submit(spec, timeout=CALL_TIMEOUT).job_id
@@ -171,7 +204,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
         min_bins: int | None = None, min_max=None, progress: bool | Callable[[pb.JobEvent], None] = True,
         timeout: float | None = None, perf_mode="accuracy", perf_all_nodes: bool = True,
         perf_runs: int | None = None, clock_mhz: float | None = None,
-        perf_graph_optimization: str = "", signature: str = "") -> RunResult:
+        perf_graph_optimization: str = "", signature: str = "", min_coverage: float | None = None) -> RunResult:
     """Compare every node of ``model`` on the device against its FP32 CPU
     reference and fetch the reports into ``out``.
 
@@ -183,8 +216,15 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     host, read instead of a live run. ``show_graph``: plots for the failing
     nodes (``max_bins``/``min_bins`` for their histograms); ``min_max``: a
     tensor_min_max.txt giving the input ranges for the INT8 advice.
-    Defaults: atol 0.005, rtol 0.2, diff_cnt 128, max_cores = CPU count. Raises LayerdiffError on bad input
-    and when the job fails.
+    Defaults: atol 0.005, rtol 0.2, diff_cnt 128, max_cores = CPU count,
+    min_coverage 0.5 (the share of the reference's computed tensors that must
+    be compared for an answer).
+
+    The result's ``outcome`` / ``exit_status`` say what the job answers:
+    ``pass`` (0), ``fail`` (1: failing nodes), ``no_answer`` (3: too little
+    compared; the summary's ``coverage`` says why). Raises LayerdiffError on
+    bad input, and JobFailed (with ``exit_status`` 2 or 3) when the job
+    ends without an answer.
 
     ``perf_mode``: ``accuracy`` (default), ``perf`` or ``both`` (DUMP_OP_PERF
     0 / 1 / 2): performance records from the dump's counter files or a
@@ -199,8 +239,8 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
                           clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")
     model_bytes, model_name = read_artifact(model, "model")
     inputs_data, inputs_name = _inputs_bytes(inputs)
-    device_model_bytes, device_model_name = read_artifact(device_model, "device_model") if device_model \
-        else (None, "")
+    device_model_bytes, device_model_name = read_artifact(device_model, "device_model") \
+        if device_model is not None else (None, "")
     out = Path(out)
     with ExitStack() as stack:
         if collector is None:
@@ -214,18 +254,20 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
             diff_cnt=diff_cnt or 0, op_config_csv=_text_arg(op_config), map_node_dict=parse_map_node_dict(map_node_dict),
             skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
             force_compare=force_compare, max_cores=max_cores or 0, show_graph=show_graph, max_bins=max_bins or 0,
-            min_bins=min_bins or 0, min_max_text=_text_arg(min_max))
+            min_bins=min_bins or 0, min_max_text=_text_arg(min_max), min_coverage=min_coverage or 0.0,
+            has_min_coverage=min_coverage is not None)
         spec = pb.JobSpec(
             model_artifact=client.upload(model_bytes, model_name),
             inputs_artifact=client.upload(inputs_data, inputs_name),
-            device_model_artifact=client.upload(device_model_bytes, device_model_name) if device_model_bytes else "",
+            device_model_artifact=client.upload(device_model_bytes, device_model_name)
+            if device_model_bytes is not None else "",
             collector=collector, device=device, precision=precision, dump_path=dump or "", dump_format=dump_format,
             default_concat_dim=default_concat_dim, watch=watch, dump_mode=dump_mode or "output", options=options,
             model_name=model_name, perf=perf, signature=signature or "")
         try:
             job_id = client.submit(spec)
         except grpc.RpcError as e:
-            raise LayerdiffError(e.details() or str(e.code())) from None
+            raise rpc_failure(f"analyzer {analyzer}", e) from None
         bar = _progress_bar(progress is True)
         last = None
         try:
@@ -242,13 +284,19 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
         except KeyboardInterrupt:
             client.cancel(job_id)
             raise
+        except grpc.RpcError as e:
+            raise rpc_failure(f"analyzer {analyzer}, job {job_id}", e) from None
         finally:
             if bar is not None:
                 bar.close()
         if last is None or last.state != pb.DONE:
             reason = last.message if last is not None else "no progress received"
-            raise LayerdiffError(f"job {job_id} {pb.JobState.Name(last.state) if last else 'lost'}: {reason}")
-        client.fetch(job_id, out)
+            status = last.exit_status if last is not None and last.state == pb.FAILED and last.exit_status else 3
+            raise JobFailed(f"job {job_id} {pb.JobState.Name(last.state) if last else 'lost'}: {reason}", status)
+        try:
+            client.fetch(job_id, out)
+        except grpc.RpcError as e:
+            raise rpc_failure(f"analyzer {analyzer}, job {job_id}", e) from None
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     return RunResult(job_id, out, summary)
 
@@ -261,7 +309,11 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     if perf and perf.get("perf_mode") == "perf":
         return "\n".join(_perf_lines(summary, top) + [f"reports: {out}"])
     diagnosis = summary.get("diagnosis") or {}
-    if diagnosis.get("headline"):
+    answer = summary.get("outcome") or {}
+    no_answer = answer.get("status") == "no_answer"
+    if no_answer:
+        lines.append(f"NO ANSWER: {answer.get('reason')}")
+    elif diagnosis.get("headline"):
         lines.append(f"VERDICT: {diagnosis['headline']}")
     comp = summary.get("first_computation_error")
     if comp:
@@ -270,6 +322,7 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     for key in ("nan", "overflow"):
         if diagnosis.get(key):
             lines.append(f"{key.upper()}: {diagnosis[key]['text']}")
+    lines.extend(_coverage_lines(summary.get("coverage")))
     first = summary.get("first_failing_node")
     if first:
         lines.append(f"FIRST FAILING NODE: {first['node']} ({first['op_type']}, execution #{first['order']}, "
@@ -279,7 +332,7 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
                      f"mean_rel_err {_f(first['mean_rel_err'])}, cosine {_f(first['cosine'])}, "
                      f"first mismatch at {tuple(first['first_mismatch_index'])}: "
                      f"ref {_f(first['ref_value'])} vs device {_f(first['dev_value'])}")
-    else:
+    elif not no_answer:
         lines.append("NO FAILING NODE: every compared node is within atol/rtol")
     lines.append(f"{summary.get('model')} on {summary.get('device')} ({summary.get('precision')}, "
                  f"{summary.get('source')}): {c['compared']} compared, {c['failed']} failed, {c['passed']} passed, "
@@ -308,6 +361,34 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
         lines.extend(_perf_lines(summary, top))
     lines.append(f"reports: {out}")
     return "\n".join(lines)
+
+
+def _coverage_lines(cov) -> list[str]:
+    if not isinstance(cov, dict):
+        return []
+    ratio = cov.get("ratio")
+    pct = f"{100 * ratio:.1f} %" if isinstance(ratio, (int, float)) else "n/a"
+    line = (f"COVERAGE: {cov.get('compared')} of {cov.get('expected')} reference tensors compared ({pct})"
+            f"; {cov.get('device_tensors')} device tensors, {cov.get('device_unmatched')} matching no reference "
+            f"tensor, {cov.get('device_unreadable')} unreadable")
+    lines = [line]
+    for e in cov.get("unmatched_examples") or []:
+        if e.get("closest"):
+            lines.append(f"  device name {e['device']!r} matches nothing; did you mean "
+                         + " or ".join(repr(c) for c in e["closest"]) + "?")
+    unused = cov.get("map_node_dict_unused") or []
+    if unused:
+        lines.append(f"NOTE: {len(unused)} map_node_dict entries matched no device tensor: "
+                     + ", ".join(f"{u['reference']!r} -> {u['device']!r}" for u in unused[:5])
+                     + (" ..." if len(unused) > 5 else ""))
+    unknown = cov.get("exclude_node_list_unknown") or []
+    if unknown:
+        lines.append(f"NOTE: exclude_node_list names no node of the reference: "
+                     + ", ".join(repr(n) for n in unknown[:5]) + (" ..." if len(unknown) > 5 else ""))
+    keys = cov.get("skip_keys_unused") or []
+    if keys:
+        lines.append("NOTE: skip_keys found in no reference name: " + ", ".join(repr(k) for k in keys))
+    return lines
 
 
 def _perf_lines(summary: dict, top: int) -> list[str]:

@@ -7,6 +7,14 @@ import signal
 import sys
 
 
+EXIT_STATUS_HELP = """exit status:
+  0  every compared node is within tolerance, and enough of the reference was compared
+  1  failing nodes found
+  2  bad input or usage (a missing, empty or unreadable file, a bad option, a model or dump refused)
+  3  no answer: too little of the reference could be compared (--min-coverage), or a service
+     or worker failed before the job could finish"""
+
+
 def _bool(v: str) -> bool:
     if v.lower() in ("1", "true", "yes", "y", "on"):
         return True
@@ -18,7 +26,8 @@ def _bool(v: str) -> bool:
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="compare every node of a model on a device against its FP32 CPU reference",
                        description="Compare every node of MODEL on the device against its FP32 CPU reference, "
-                                   "name the first node that departs, and write the reports into --out.")
+                                   "name the first node that departs, and write the reports into --out.",
+                       epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="reference model (FP32): ONNX, TensorFlow frozen GraphDef (.pb), SavedModel "
                                  "directory or Keras .keras file")
     p.add_argument("--inputs", required=True, help=".npz of named model inputs")
@@ -55,6 +64,10 @@ def _add_run(sub) -> None:
     p.add_argument("--force-compare", "--force_compare", nargs="?", const=True, default=False, type=_bool,
                    help="compare nodes whose shape differs but size matches")
     p.add_argument("--max-cores", "--max_cores", type=int, help="comparison workers (default: CPU count)")
+    p.add_argument("--min-coverage", "--min_coverage", type=float,
+                   help="share of the reference's computed tensors that must be compared for an answer; below "
+                        "it the run answers 'no answer' with exit status 3 (default 0.5; 0 accepts any partial "
+                        "dump)")
     p.add_argument("--show-graph", "--show_graph", nargs="?", const=True, default=False, type=_bool,
                    help="plots for every failing node: {op}_diff.png, {op}_diff_hist.png, {op}_hist.png")
     p.add_argument("--max-bins", "--max_bins", type=int, help="histogram bins at most (default 128)")
@@ -87,6 +100,11 @@ def _add_perf_options(p) -> None:
 def _cmd_run(a) -> int:
     from layerdiff.client.api import format_summary, run
 
+    if not a.verbose and not (a.analyzer and a.collector):
+        # the services run in this process: what they log is for operators
+        # (-v shows it); the job's own outcome reaches the user below
+        logging.getLogger("layerdiff").setLevel(logging.CRITICAL)
+
     result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,
                  dump=a.dump, dump_format=a.dump_format, default_concat_dim=a.default_concat_dim, watch=a.watch,
                  dump_mode=a.dump_mode,
@@ -96,13 +114,13 @@ def _cmd_run(a) -> int:
                  show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins, min_max=a.min_max,
                  progress=not a.no_progress, perf_mode=a.perf_mode, perf_all_nodes=a.perf_all_nodes,
                  perf_runs=a.perf_runs, clock_mhz=a.clock_mhz, perf_graph_optimization=a.perf_graph_optimization,
-                 signature=a.signature)
+                 signature=a.signature, min_coverage=a.min_coverage)
     print(format_summary(result.summary, result.out))
     if a.listing:
         from layerdiff.analyzer.listing import format_listing
 
         print(format_listing(result.summary))
-    return 0
+    return result.exit_status
 
 
 def _serve(server_cls, a, **kw) -> int:
@@ -339,13 +357,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from layerdiff.errors import LayerdiffError
+    # A library's warning is not a message for the user: with -v it is logged.
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
+    from layerdiff.errors import JobFailed, LayerdiffError
 
     try:
         return args.func(args)
+    except JobFailed as e:
+        print(f"layerdiff: error: {e}", file=sys.stderr)
+        return e.exit_status
     except LayerdiffError as e:
         print(f"layerdiff: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("layerdiff: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -47,3 +47,12 @@ def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, LayerdiffError):
         context.abort(exc.code, str(exc))
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class JobFailed(LayerdiffError):
+    """A job that ended without an answer. ``exit_status`` says why, as the
+    command line does: 2 for bad input or usage, 3 when a component failed."""
+
+    def __init__(self, message: str, exit_status: int = 2) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
