@@ -118,7 +118,10 @@ def _cause(rep, cov: dict, aligner, source: str, dump_path: str, expected: int) 
         elif len(pairs) * 4 < len(looked):
             text += "; few device names resemble a reference name: is this a dump of another model?"
         else:
-            text += "; map the names with --map-node-dict"
+            text += "; map the names with --map-node-dict, unless the dump comes from another model"
+        shapes = [n for n, r in rep.skipped if "differs from the reference" in r]
+        if shapes:
+            text += f" ({len(shapes)} names that do match have other shapes, e.g. {shapes[0]!r})"
         unused = cov["map_node_dict_unused"]
         if unused:
             text += (f"; {len(unused)} map_node_dict entries matched no device tensor "

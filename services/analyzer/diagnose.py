@@ -178,9 +178,22 @@ def run_isolated(model: onnx.ModelProto, node_index: int, device_inputs: dict[in
 
 # --------------------------------------------------------------- tensor evidence
 
+def _finite_pairs(ref: np.ndarray, dev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both tensors in float64 with every pair that is not finite on both
+    sides set to zero on both: the evidence below is about the values the
+    two sides share (non-finite values have their own reasoning), and
+    float64 keeps sums of FP16-range values from overflowing."""
+    r = ref.astype(np.float64)
+    d = dev.astype(np.float64)
+    bad = ~(np.isfinite(r) & np.isfinite(d))
+    if bad.any():
+        r[bad] = 0.0
+        d[bad] = 0.0
+    return r, d
+
+
 def _rel_mean_err(ref: np.ndarray, dev: np.ndarray) -> float:
-    r = np.nan_to_num(ref.astype(np.float64, copy=False))
-    d = np.nan_to_num(dev.astype(np.float64, copy=False))
+    r, d = _finite_pairs(ref, dev)
     scale = float(np.sqrt(np.mean(r * r))) or 1.0
     return float(np.mean(np.abs(d - r))) / scale
 
@@ -190,10 +203,9 @@ def uneven_axis(ref: np.ndarray, dev: np.ndarray, names: str = "") -> str:
     example: only the second half of H is wrong), else ''."""
     if ref.shape != dev.shape or ref.ndim == 0 or ref.size < 8:
         return ""
-    r = np.nan_to_num(ref.astype(np.float32, copy=False))
-    d = np.nan_to_num(dev.astype(np.float32, copy=False))
+    r, d = _finite_pairs(ref, dev)
     err = np.abs(d - r)
-    scale = float(np.sqrt(np.mean(r.astype(np.float64) ** 2))) or 1.0
+    scale = float(np.sqrt(np.mean(r * r))) or 1.0
     labels = names if len(names) == ref.ndim else ""
     best = ""
     best_ratio = 0.0
@@ -221,8 +233,7 @@ def layout_match(ref: np.ndarray, dev: np.ndarray) -> str:
     (two axes swapped, or NHWC data read as NCHW), else ''."""
     if ref.shape != dev.shape or ref.ndim < 2 or ref.size < 4:
         return ""
-    r = np.nan_to_num(ref.astype(np.float32, copy=False))
-    d = np.nan_to_num(dev.astype(np.float32, copy=False))
+    r, d = _finite_pairs(ref, dev)
     if _rel_mean_err(r, d) < 0.05:
         return ""
     candidates = []
@@ -634,6 +645,12 @@ class NodeExaminer:
         """Fill the row's evidence (a failing output row). A node whose error
         is plainly inherited is not re-run: the closer look costs a pass over
         its tensors and a session of its own."""
+        from layerdiff.analyzer.compare import SkipNode, compare_node, reconcile
+
+        with np.errstate(all="ignore"):
+            self._examine(row, ref, dev, tol, force_compare)
+
+    def _examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool) -> None:
         from layerdiff.analyzer.compare import SkipNode, compare_node, reconcile
 
         site = row.site
