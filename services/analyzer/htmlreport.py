@@ -139,6 +139,26 @@ def headline(summary: dict) -> str:
            "the reference within tolerance."
 
 
+def _verdict_class(summary: dict, failed: bool) -> str:
+    outcome = summary.get("outcome") if isinstance(summary.get("outcome"), dict) else {}
+    if outcome.get("status") == "no_answer":
+        return "noanswer"
+    return "fail" if failed else "pass"
+
+
+def _coverage(summary: dict) -> str:
+    """One line under the verdict: how much of the reference the answer rests on."""
+    cov = summary.get("coverage")
+    if not isinstance(cov, dict):
+        return ""
+    ratio = cov.get("ratio")
+    pct = f"{100 * ratio:.1f} %" if isinstance(ratio, (int, float)) else "n/a"
+    return (f'<p class="coverage" id="coverage">{esc(cov.get("compared"))} of {esc(cov.get("expected"))} reference '
+            f'tensors compared ({esc(pct)}); {esc(cov.get("device_tensors"))} device tensors, '
+            f'{esc(cov.get("device_unmatched"))} matching no reference tensor, {esc(cov.get("device_unreadable"))} '
+            'unreadable</p>')
+
+
 def _failed(summary: dict) -> bool:
     return isinstance(summary.get("first_failing_node"), dict) or bool(summary.get("failing_nodes"))
 
@@ -481,6 +501,7 @@ h1{margin:0 0 4px;font-size:22px}h2{margin:28px 0 8px;font-size:18px;border-bott
 .muted{color:#777}.meta{color:#555;margin:0 0 12px}
 .verdict{padding:14px 18px;border-radius:6px;font-size:17px;font-weight:600}
 .verdict.fail{background:#fdecea;border-left:6px solid #d32f2f}.verdict.pass{background:#e8f5e9;border-left:6px solid #2e7d32}
+.verdict.noanswer{background:#fff8e1;border-left:6px solid #ef6c00}.coverage{margin:6px 0 0;font-weight:400;font-size:14px}
 .cards{display:flex;gap:16px;flex-wrap:wrap}.card{flex:1 1 420px;background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px 14px}
 .card h3{margin:0 0 4px;font-size:15px}.card .name{font-family:ui-monospace,monospace;font-size:15px;word-break:break-all;margin:0 0 6px}
 table.kv th{text-align:left;font-weight:normal;color:#555;padding-right:12px;vertical-align:top}
@@ -612,7 +633,8 @@ def render(out_dir: Path, summary: dict) -> str:
                               if "first_computation_error" in summary else "No diagnosis in this summary."))
     body = [
         f'<header><h1>layerdiff report</h1><p class="meta">{meta}</p></header>',
-        f'<section id="verdict" class="verdict {"fail" if failed else "pass"}">{esc(headline(summary))}</section>',
+        f'<section id="verdict" class="verdict {_verdict_class(summary, failed)}">{esc(headline(summary))}'
+        f'{_coverage(summary)}</section>',
         f'<section id="first"><div class="cards">{cards}</div></section>',
         _diagnosis(summary),
         f'<section id="chart"><h2>Error along the graph</h2>{chart_svg(nodes, first)}</section>',
