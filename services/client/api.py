@@ -372,7 +372,7 @@ def _coverage_lines(cov) -> list[str]:
             f"; {cov.get('device_tensors')} device tensors, {cov.get('device_unmatched')} matching no reference "
             f"tensor, {cov.get('device_unreadable')} unreadable")
     lines = [line]
-    for e in cov.get("unmatched_examples") or []:
+    for e in (cov.get("unmatched_examples") or []) if not cov.get("adequate") else []:
         if e.get("closest"):
             lines.append(f"  device name {e['device']!r} matches nothing; did you mean "
                          + " or ".join(repr(c) for c in e["closest"]) + "?")

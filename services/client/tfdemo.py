@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")   # as layerdiff.tfgraph: no start-up chatter
 
 DAMAGED_LAYER = "branch_wide"
 
@@ -78,5 +79,7 @@ def main(out: Path) -> int:
                  ["run", str(files["savedmodel"]), "--inputs", str(files["inputs"]), "--device-model",
                   str(files["device"]), "--out", str(out / "savedmodel-device")]):
         print(f"\n$ layerdiff {' '.join(args)}", flush=True)
-        status |= cli(args)
+        # the demo shows failing nodes (exit status 1); only no answer is a failure
+        code = cli(args)
+        status = max(status, code if code not in (0, 1) else 0)
     return status

@@ -311,8 +311,12 @@ def on_tf_thread(fn):
 @on_tf_thread
 def import_tf():
     """TensorFlow, imported on first use with its start-up chatter kept to
-    warnings and errors."""
+    warnings and errors. oneDNN's custom kernels are off: they announce
+    themselves on the terminal before any log level applies, and a
+    reference computed in a fixed summation order is the one to compare
+    against."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     try:
         import tensorflow as tf
     except ImportError as e:  # pragma: no cover - depends on the installation
