@@ -1,8 +1,11 @@
 """Comparisons fanned out to Celery workers on a real Redis: identical
 reports to the local pool, no tensor bytes in messages, survival of a killed
-worker, a clear failure when Redis restarts, clear errors for bad tasks."""
+worker, a clear failure when Redis restarts, clear errors for bad tasks, and
+nodes the system kept from being compared retried, then failing the job,
+never passed over as skips."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,8 +55,27 @@ def _pings(r) -> bool:
 
 
 def start_worker(url: str, env: dict) -> subprocess.Popen:
+    # its own process group: a test can freeze the worker with its pool processes
     return subprocess.Popen([sys.executable, "-m", "layerdiff.client.cli", "worker", "--broker", url,
-                             "--max-cores", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--max-cores", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+@contextlib.contextmanager
+def frozen(workers):
+    """Workers stopped (SIGSTOP) for the block: what is sent meanwhile waits
+    in the queue, so a test can change the store before any worker reads it."""
+    stopped = []
+    try:
+        for w in workers:
+            if w.poll() is None:
+                os.killpg(w.pid, signal.SIGSTOP)
+                stopped.append(w)
+        yield
+    finally:
+        for w in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.pid, signal.SIGCONT)
 
 
 def _workers_ready(url: str, n: int) -> bool:
@@ -192,7 +214,7 @@ def test_bad_tasks_get_clear_errors(cluster):
             "ref": {"key": "layerdiff:job:ghost:1:r", "dtype": "float32", "shape": [2], "nbytes": 8, "parts": 1},
             "dev": {"key": "layerdiff:job:ghost:1:d", "dtype": "float32", "shape": [2], "nbytes": 8, "parts": 1}}
     res = app.send_task(TASK, args=["ghost", [item]], queue=QUEUE).get(timeout=30)
-    assert "job ghost no longer exists" in res[0]["error"]
+    assert "job ghost no longer exists" in res[0]["error"] and res[0]["kind"] == "job"
 
     store.open_job("j1")
     good_r = store.put("j1", "ok:r", np.arange(4, dtype=np.float32))
@@ -200,14 +222,106 @@ def test_bad_tasks_get_clear_errors(cluster):
     cut = store.put("j1", "cut:r", np.arange(4, dtype=np.float32))
     store.r.set(cut["key"] + ":0", b"\x00" * 6)       # truncated payload
     gone = dict(cut, key="layerdiff:job:j1:gone:r")    # missing payload
+    nowhere = dict(good_r, flight=f"127.0.0.1:{free_port()}")    # an analyzer endpoint nobody listens on
+    odd = dict(good_r, dtype="object")                 # a reference no worker may read
+    short = store.put("j1", "short:d", np.arange(3, dtype=np.float32))
     base = {"atol": 0.005, "rtol": 0.2, "diff_cnt": 4, "force_compare": False}
     items = [dict(base, id=1, ref=good_r, dev=good_d), dict(base, id=2, ref=cut, dev=good_d),
-             dict(base, id=3, ref=gone, dev=good_d)]
+             dict(base, id=3, ref=gone, dev=good_d), dict(base, id=4, ref=nowhere, dev=good_d),
+             dict(base, id=5, ref=odd, dev=good_d), dict(base, id=6, ref=good_r, dev=short)]
     res = {r["id"]: r for r in app.send_task(TASK, args=["j1", items], queue=QUEUE).get(timeout=30)}
     assert res[1]["metrics"]["errors"] == 4
+    # the system's failures are errors that say which component and why, never skips
     assert "payload truncated: 6 of 16 bytes" in res[2]["error"] and "cut:r" in res[2]["error"]
+    assert (res[2]["kind"], res[2]["source"]) == ("payload", "store") and "truncated" in res[2]["cause"]
     assert "payload missing" in res[3]["error"] and "gone:r" in res[3]["error"]
+    assert (res[3]["kind"], res[3]["source"]) == ("payload", "store") and "missing" in res[3]["cause"]
+    assert (res[4]["kind"], res[4]["source"], res[4]["at"]) == ("payload", "endpoint", nowhere["flight"])
+    assert res[4]["cause"] == "connection refused"
+    assert res[5]["kind"] == "task" and "'object' is not allowed" in res[5]["error"]
+    assert all(res[i]["worker"] and "skip" not in res[i] for i in (2, 3, 4, 5))
+    # the node's own data is a skip: 3 elements against 4
+    assert "error" not in res[6] and "differs from the reference" in res[6]["skip"]
     store.drop_job("j1")
+
+
+def _payload_keys(r, job_id: str, item_id: int, side: str = "r") -> list[bytes]:
+    return sorted(r.scan_iter(match=f"layerdiff:job:{job_id}:{item_id}:{side}:*"))
+
+
+def test_a_payload_unreadable_on_every_attempt_fails_the_job(cluster):
+    """A node whose payload is gone from the store is sent again, then fails
+    with the store named; the job's other nodes fail with it at once."""
+    from layerdiff.analyzer.fanout import CeleryPool
+    from layerdiff.analyzer.tolerances import Tolerance
+    from layerdiff.errors import UnavailableError
+
+    url = cluster["redis"].url
+    r = redis.Redis.from_url(url)
+    tol = Tolerance(0.005, 0.2)
+    ref = np.linspace(-1, 1, 512, dtype=np.float32)   # 2 KiB: held in Redis
+    pool = CeleryPool(url, "lostpayload", task_timeout_s=30, retry_delay_s=0.2)
+    try:
+        with frozen(cluster["workers"]):
+            good = pool.submit(ref, ref + 1e-4, tol, 4, False)
+            lost = [pool.submit(ref, ref * 1.5, tol, 4, False) for _ in range(2)]
+            for item_id in (1, 2):
+                keys = _payload_keys(r, "lostpayload", item_id)
+                assert keys and r.delete(*keys) == len(keys)
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as ei:
+            lost[0].result(timeout=60)
+        assert time.monotonic() - started < 30
+        msg = str(ei.value)
+        assert "\n" not in msg
+        assert f"tensor store at {url}" in msg and "payload missing" in msg and "after 3 attempts" in msg, msg
+        assert "layerdiff:job:lostpayload:1:r" in msg or "layerdiff:job:lostpayload:2:r" in msg, msg
+        assert lost[1].exception(timeout=0) is ei.value
+        assert pool.stats["retried"] >= 2
+        # what was compared stays compared; what comes after fails at once
+        assert good.result(timeout=0).metrics.passed
+        late = pool.submit(ref, ref, tol, 4, False)
+        assert late.exception(timeout=0) is ei.value
+    finally:
+        pool.close()
+    assert not list(r.scan_iter(match="layerdiff:job:lostpayload*"))
+
+
+def test_a_payload_readable_again_is_retried_and_compared(cluster):
+    """A transient failure (the payload back on a later attempt) costs an
+    attempt, not the node: every node is compared, as the local pool would."""
+    from layerdiff.analyzer.compare import compare_node
+    from layerdiff.analyzer.fanout import CeleryPool
+    from layerdiff.analyzer.tolerances import Tolerance
+
+    url = cluster["redis"].url
+    r = redis.Redis.from_url(url)
+    tol = Tolerance(0.005, 0.2)
+    rng = np.random.default_rng(3)
+    pairs = []
+    for n in (300, 700, 1500):
+        ref = rng.standard_normal(n).astype(np.float32)
+        pairs.append((ref, ref + rng.standard_normal(n).astype(np.float32) * np.float32(0.01)))
+    pool = CeleryPool(url, "latepayload", task_timeout_s=30, retry_delay_s=1.0)
+    try:
+        with frozen(cluster["workers"]):
+            futs = [pool.submit(a, b, tol, 5, False) for a, b in pairs]
+            keys = _payload_keys(r, "latepayload", 1)
+            saved = {k: (r.get(k), r.pttl(k)) for k in keys}
+            assert keys and r.delete(*keys) == len(keys)
+        # the first attempt fails; the payload is back before the next one
+        assert wait_for(lambda: pool.stats["retried"] >= 1, 30, every=0.005)
+        with frozen(cluster["workers"]):
+            for k, (v, ttl) in saved.items():
+                r.set(k, v, px=ttl)
+        outcomes = [f.result(timeout=60) for f in futs]
+    finally:
+        pool.close()
+    assert pool.stats["retried"] >= 1
+    for (a, b), got in zip(pairs, outcomes):
+        want = compare_node(a, b, tol, 5, False)
+        assert got.metrics.as_dict() == want.metrics.as_dict()
+        assert [list(w) for w in got.worst] == [list(w) for w in want.worst]
 
 
 def test_broker_refusing_connections_fails_the_submit(cnn_files, tmp_path):

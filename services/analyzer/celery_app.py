@@ -5,6 +5,17 @@ same plain comparison functions as the local pool and returns JSON (never a
 pickle). It is idempotent: the same (job, item) gives the same answer, so a
 redelivered task (its worker died before acknowledging) is harmless.
 
+Each item's result is one of: the comparison ("metrics", or "acc" for a
+chunk); {"skip": why} when the node's own data cannot be compared (shapes
+that do not reconcile), which the report lists as skipped; or {"error": text,
+"kind": ...} when the system kept the worker from comparing it, which the
+analyzer retries and then fails the job on, because a debugger that passes
+over nodes it could not read gives a verdict it has not earned. Kinds:
+"payload" (a referenced tensor could not be read; "source" is "store" or
+"endpoint", "at" the endpoint's address, "cause" why), "job" (the store holds
+no such job), "task" (a reference the worker refuses) and "worker" (any other
+exception). Every error names the worker that saw it.
+
 Configuration comes from the environment: LAYERDIFF_BROKER_URL (Redis; the
 result backend and the tensor store are the same server) and
 LAYERDIFF_VISIBILITY_TIMEOUT_S (how long an unacknowledged task waits before
@@ -51,13 +62,18 @@ def _store(url: str):
 
 def compare_batch(self, job_id: str, items: list[dict]) -> list[dict]:
     """Compare a batch of nodes (or chunks of large nodes) of one job."""
-    from layerdiff.analyzer.compare import SkipNode, compare_chunk, compare_node
-    from layerdiff.analyzer.tolerances import Tolerance
+    import redis
 
+    from layerdiff.analyzer.compare import SkipNode, compare_chunk, compare_node
+    from layerdiff.analyzer.store import PayloadError
+    from layerdiff.analyzer.tolerances import Tolerance
+    from layerdiff.errors import LayerdiffError
+
+    worker = getattr(self.request, "hostname", None) or f"pid {os.getpid()}"
     store = _store(self.app.conf.broker_url)
     if not store.job_alive(job_id):
-        return [{"id": it.get("id"), "error": f"job {job_id} no longer exists (finished, expired or cancelled)"}
-                for it in items]
+        return [{"id": it.get("id"), "kind": "job", "worker": worker,
+                 "error": f"job {job_id} no longer exists (finished, expired or cancelled)"} for it in items]
     out = []
     for it in items:
         try:
@@ -73,7 +89,18 @@ def compare_batch(self, job_id: str, items: list[dict]) -> list[dict]:
                 out.append({"id": it["id"], "metrics": res.metrics.as_dict(), "worst": res.worst, "note": res.note})
         except SkipNode as e:
             out.append({"id": it.get("id"), "skip": str(e)})
+        except PayloadError as e:
+            # the store's own URL stays out of results: it may carry a password
+            out.append({"id": it.get("id"), "error": str(e), "kind": "payload", "source": e.source,
+                        "at": e.at if e.source == "endpoint" else "", "key": e.key, "cause": e.cause,
+                        "worker": worker})
+        except redis.RedisError as e:
+            out.append({"id": it.get("id"), "error": f"{type(e).__name__}: {e}", "kind": "payload",
+                        "source": "store", "at": "", "key": "", "cause": f"{type(e).__name__}: {e}",
+                        "worker": worker})
+        except LayerdiffError as e:   # a reference the worker refuses (a dtype, a size)
+            out.append({"id": it.get("id"), "error": str(e), "kind": "task", "worker": worker})
         except Exception as e:  # reported per item: the rest of the batch goes on
-            out.append({"id": it.get("id"), "error": f"{type(e).__name__}: {e}"})
+            out.append({"id": it.get("id"), "error": f"{type(e).__name__}: {e}", "kind": "worker",
+                        "worker": worker})
     return out
-

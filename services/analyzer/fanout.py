@@ -16,6 +16,12 @@ workers on any host, with the same interface as the local pool.
   store that stays unreachable, or comes back without the job's data
   (restarted), fails the remaining nodes with a clear reason instead of
   waiting forever.
+- A node is skipped only for its own data (shapes that do not reconcile).
+  One the system kept from being compared (a payload the worker could not
+  read, an exception on the worker, a task that failed, an item left
+  unanswered) is sent again, ``max_attempts`` times in all, and then fails
+  the job with a message naming the component and the cause; the other
+  nodes fail with it at once rather than each wait out its own attempts.
 """
 from __future__ import annotations
 
@@ -44,6 +50,8 @@ DEFAULT_DEADLINE_S = int(os.environ.get("LAYERDIFF_JOB_DEADLINE_S", "3600"))
 # presumed lost with its worker.
 DEFAULT_TASK_TIMEOUT_S = float(os.environ.get("LAYERDIFF_TASK_TIMEOUT_S", "30"))
 STORE_GRACE_S = 20.0
+MAX_ATTEMPTS = 3
+RETRY_DELAY_S = 0.5       # before the n-th resend of an item: n times this
 
 
 class StoreLost(LayerdiffError):
@@ -59,10 +67,20 @@ class _Node:
     parts: list = field(default_factory=list)   # chunk results, in offset order
 
 
+@dataclass
+class _Item:
+    node: _Node
+    k: int               # chunk index
+    nbytes: int
+    msg: dict = field(default_factory=dict)     # what a task carries for it, kept to send it again
+    attempts: int = 1
+
+
 class CeleryPool:
     def __init__(self, broker_url: str, job_id: str, max_cores: int | None = None, *,
                  deadline_s: float = DEFAULT_DEADLINE_S, task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S, batch_bytes: int = 32 * 1024**2, linger_s: float = 0.05,
-                 max_inflight_bytes: int = 512 * 1024**2) -> None:
+                 max_inflight_bytes: int = 512 * 1024**2, max_attempts: int = MAX_ATTEMPTS,
+                 retry_delay_s: float = RETRY_DELAY_S) -> None:
         self.broker_url = broker_url
         self.job_id = job_id
         self.max_cores = max_cores or 1
@@ -76,8 +94,11 @@ class CeleryPool:
         self.batch_bytes = batch_bytes
         self.linger_s = linger_s
         self.max_inflight_bytes = max_inflight_bytes
+        self.max_attempts = max(1, max_attempts)
+        self.retry_delay_s = retry_delay_s
         self._ids = itertools.count()
-        self._items: dict[int, tuple[_Node, int, int]] = {}    # item id -> (node, chunk index, bytes)
+        self._items: dict[int, _Item] = {}
+        self._retries: list[tuple[float, dict]] = []    # (not before, item message)
         self._batch: list[dict] = []
         self._batch_nbytes = 0
         self._batch_since = 0.0
@@ -86,7 +107,7 @@ class CeleryPool:
         self._cv = threading.Condition()
         self._closed = False
         self._failure: LayerdiffError | None = None
-        self.stats = {"tasks": 0, "items": 0, "message_bytes": 0}
+        self.stats = {"tasks": 0, "items": 0, "message_bytes": 0, "retried": 0}
         self._poller = threading.Thread(target=self._poll, name=f"fanout-{job_id}", daemon=True)
         self._poller.start()
 
@@ -112,6 +133,12 @@ class CeleryPool:
                     r, d = ref.reshape(-1), dev.reshape(-1)
                     for k, (a, b) in enumerate(bounds):
                         self._add(node, k, r[a:b], d[a:b], dict(common, offset=a))
+                break
+            except LayerdiffError as e:
+                if e is not self._failure:
+                    raise
+                if not fut.done():     # the pool failed meanwhile: this node fails with the rest
+                    fut.set_exception(e)
                 break
             except (redis.RedisError, OperationalError) as e:
                 failure = self._outage(e)
@@ -151,10 +178,12 @@ class CeleryPool:
             if self._failure is not None:
                 raise self._failure
             item_id = next(self._ids)
-            self._items[item_id] = (node, k, nbytes)
+            self._items[item_id] = _Item(node, k, nbytes, item)
             self._inflight_bytes += nbytes
         item.update(id=item_id, ref=self._put(f"{item_id}:r", ref), dev=self._put(f"{item_id}:d", dev))
         with self._cv:
+            if self._failure is not None:
+                raise self._failure
             if not self._batch:
                 self._batch_since = time.monotonic()
             self._batch.append(item)
@@ -205,6 +234,13 @@ class CeleryPool:
 
     # ----------------------------------------------------------------- results
     def _poll(self) -> None:
+        try:
+            self._poll_loop()
+        except Exception as e:  # a bug here would leave every future unresolved: fail them instead
+            log.exception("job %s: the fan-out poller failed", self.job_id)
+            self._fail_all(LayerdiffError(f"internal error in the fan-out: {type(e).__name__}: {e}"))
+
+    def _poll_loop(self) -> None:
         down_since = None
         while True:
             with self._cv:
@@ -213,6 +249,7 @@ class CeleryPool:
                 try:
                     if self._batch and time.monotonic() - self._batch_since >= self.linger_s:
                         self._flush_locked()
+                    self._send_retries_locked()
                 except LayerdiffError as e:
                     self._fail_all_locked(e)
                 tasks = [(res, t[0]) for res, t in self._tasks.items()]
@@ -241,45 +278,132 @@ class CeleryPool:
             time.sleep(0.02)
 
     def _resolve_locked(self, ids: list[int], value) -> None:
+        resent: dict[tuple, list[int]] = {}     # (what went wrong, delay, attempt) -> items sent again
         if not isinstance(value, list):
-            # the task itself failed (an exception on the worker): every node in it is lost
+            # the task itself failed on the worker: no node in it was compared
+            cause = _one_line(f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else repr(value))
             for i in ids:
-                self._finish_item(i, error=f"worker task failed: {value!r}")
-            return
-        by_id = {r.get("id"): r for r in value if isinstance(r, dict)}
-        for i in ids:
-            r = by_id.get(i)
-            if r is None:
-                self._finish_item(i, error="worker returned no result for this node")
-            else:
-                self._finish_item(i, result=r)
+                self._not_compared_locked(i, {"kind": "task failed", "cause": cause}, resent)
+        else:
+            by_id = {r.get("id"): r for r in value if isinstance(r, dict)}
+            for i in ids:
+                r = by_id.get(i)
+                if r is None:
+                    self._not_compared_locked(i, {"kind": "no result"}, resent)
+                elif "error" in r:
+                    self._not_compared_locked(i, r, resent)
+                else:
+                    try:
+                        self._finish_item(i, r)
+                    except (KeyError, TypeError, ValueError, AttributeError) as e:
+                        self._not_compared_locked(i, {"kind": "unreadable", "cause": f"{type(e).__name__}: {e}"},
+                                                  resent)
+        if self._failure is None:
+            for (what, delay, attempt), items in resent.items():
+                log.warning("job %s: %d item%s not compared (%s); sending %s again in %.1f s, attempt %d of %d "
+                            "(items %s)", self.job_id, len(items), "s" if len(items) > 1 else "", what,
+                            "them" if len(items) > 1 else "it", delay, attempt, self.max_attempts,
+                            _id_list(items))
 
-    def _finish_item(self, item_id: int, result: dict | None = None, error: str | None = None) -> None:
-        entry = self._items.pop(item_id, None)
+    def _finish_item(self, item_id: int, result: dict) -> None:
+        """A worker's answer for one item: the comparison, or a skip for the
+        node's own data. Raises (and changes nothing) on a malformed answer."""
+        entry = self._items.get(item_id)
         if entry is None:
             return
-        node, k, nbytes = entry
-        self._inflight_bytes -= nbytes
-        if nbytes >= FLIGHT_MIN_BYTES:
-            drop_from_endpoint(f"layerdiff:job:{self.job_id}:{item_id}:")
-        self._cv.notify_all()
+        node, k = entry.node, entry.k
+        outcome = skip = None
+        parts = node.parts
+        if "skip" in result:
+            skip = SkipNode(str(result["skip"]))
+        elif "metrics" in result:
+            outcome = NodeOutcome(M.NodeMetrics.from_dict(result["metrics"]), [tuple(w) for w in result["worst"]],
+                                  result.get("note", ""))
+        else:
+            parts = list(node.parts)
+            parts[k] = (M.Accumulator.from_dict(result["acc"]), [tuple(w) for w in result["worst"]])
+            if all(p is not None for p in parts):
+                m, worst = merge_chunks(parts, node.shape, node.diff_cnt)
+                outcome = NodeOutcome(m, worst, node.note)
+        self._drop_item_locked(item_id)
+        node.parts = parts
         if node.future.done():
             return
-        if error is None and result is not None:
-            error = result.get("error")
-        if error is not None:
-            node.future.set_exception(SkipNode(f"worker: {error}"))
+        if skip is not None:
+            node.future.set_exception(skip)
+        elif outcome is not None:
+            node.future.set_result(outcome)
+
+    def _drop_item_locked(self, item_id: int) -> None:
+        entry = self._items.pop(item_id)
+        self._inflight_bytes -= entry.nbytes
+        if entry.nbytes >= FLIGHT_MIN_BYTES:
+            drop_from_endpoint(f"layerdiff:job:{self.job_id}:{item_id}:")
+        self._cv.notify_all()
+
+    def _not_compared_locked(self, item_id: int, err: dict, resent: dict) -> None:
+        """The system kept a worker from comparing an item: send it again
+        (later, and to whichever worker takes it), or, after max_attempts,
+        fail the job."""
+        entry = self._items.get(item_id)
+        if entry is None or self._failure is not None:
             return
-        if "skip" in result:
-            node.future.set_exception(SkipNode(result["skip"]))
-        elif "metrics" in result:
-            node.future.set_result(NodeOutcome(M.NodeMetrics.from_dict(result["metrics"]),
-                                               [tuple(w) for w in result["worst"]], result.get("note", "")))
-        else:
-            node.parts[k] = (M.Accumulator.from_dict(result["acc"]), [tuple(w) for w in result["worst"]])
-            if all(p is not None for p in node.parts):
-                m, worst = merge_chunks(node.parts, node.shape, node.diff_cnt)
-                node.future.set_result(NodeOutcome(m, worst, node.note))
+        if err.get("kind") == "job":
+            # the store answers but has no marker for this job: its data is gone, no attempt can bring it back
+            self._fail_all_locked(self._lost())
+            return
+        if entry.attempts >= self.max_attempts:
+            log.error("job %s: item %d not compared after %d attempts: %s", self.job_id, item_id, entry.attempts,
+                      _describe(err))
+            self._fail_all_locked(self._system_failure(err, entry.attempts))
+            return
+        delay = self.retry_delay_s * entry.attempts
+        entry.attempts += 1
+        self.stats["retried"] += 1
+        resent.setdefault((_describe(err), delay, entry.attempts), []).append(item_id)
+        self._retries.append((time.monotonic() + delay, entry.msg))
+
+    def _send_retries_locked(self) -> None:
+        if not self._retries:
+            return
+        now = time.monotonic()
+        due, later = [], []
+        for t, m in self._retries:
+            if m["id"] in self._items:
+                (due if t <= now else later).append((t, m))
+        self._retries = later
+        if due:
+            self._send_locked([m for _, m in due], self.task_timeout_s)
+
+    def _system_failure(self, err: dict, attempts: int) -> UnavailableError:
+        """One line for the user: which component failed, why, and what to do."""
+        err = {k: _one_line(str(v)) for k, v in err.items() if v not in (None, "")}
+        kind = err.get("kind")
+        tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+        worker = f" (worker {err['worker']})" if err.get("worker") else ""
+        if kind == "payload" and err.get("source") == "endpoint":
+            return UnavailableError(
+                f"workers cannot fetch tensors from the analyzer's tensor endpoint at {err.get('at') or '?'} "
+                f"({err.get('cause') or 'unknown error'}) after {tries}{worker}: set LAYERDIFF_TENSOR_HOST / "
+                "LAYERDIFF_ADVERTISE_HOST to an address the workers reach")
+        if kind == "payload":
+            return UnavailableError(
+                f"workers cannot read payload {err.get('key') or '?'} from the tensor store at {self.broker_url} "
+                f"({err.get('cause') or 'unknown error'}) after {tries}{worker}", field="broker")
+        if kind == "task failed":
+            return UnavailableError(f"a worker task failed {tries} in a row: {err.get('cause')}", field="workers")
+        if kind == "no result":
+            return UnavailableError(f"workers returned no result for a node in {tries} (are the workers and the "
+                                    "analyzer the same version?)", field="workers")
+        if kind == "unreadable":
+            return UnavailableError(f"workers returned an unreadable result for a node in {tries}: "
+                                    f"{err.get('cause')} (are the workers and the analyzer the same version?)",
+                                    field="workers")
+        if kind == "task":
+            return UnavailableError(f"workers refuse a node's task in {tries}{worker}: {err.get('error')}",
+                                    field="workers")
+        return UnavailableError(f"a worker failed comparing a node in {tries}{worker}: {err.get('error')}",
+                                field="workers")
 
     def _fail_all(self, exc: LayerdiffError) -> None:
         with self._cv:
@@ -287,11 +411,12 @@ class CeleryPool:
 
     def _fail_all_locked(self, exc: LayerdiffError) -> None:
         self._failure = exc
-        for node, _, _ in list(self._items.values()):
-            if not node.future.done():
-                node.future.set_exception(exc)
+        for entry in list(self._items.values()):
+            if not entry.node.future.done():
+                entry.node.future.set_exception(exc)
         self._items.clear()
         self._tasks.clear()
+        self._retries = []
         self._batch = []
         self._inflight_bytes = 0
         self._cv.notify_all()
@@ -310,3 +435,25 @@ class CeleryPool:
             self.store.drop_job(self.job_id)
         except redis.RedisError as e:  # the keys expire by themselves
             log.warning("could not delete job %s from the store: %s", self.job_id, e)
+
+
+def _describe(err: dict) -> str:
+    """An item's error as the log shows it."""
+    parts = [str(err.get("kind") or "error")]
+    for k in ("source", "at", "cause", "worker"):
+        if err.get(k):
+            parts.append(f"{k}={_one_line(str(err[k]))}")
+    if err.get("error") and not err.get("cause"):
+        parts.append(_one_line(str(err["error"])))
+    return ", ".join(parts)
+
+
+def _one_line(text: str, most: int = 300) -> str:
+    """A worker's text (a traceback's message may span lines) fit for a job's one-line failure reason."""
+    text = " ".join(text.split())
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
+def _id_list(ids: list[int], most: int = 10) -> str:
+    shown = ", ".join(str(i) for i in ids[:most])
+    return shown + (f" and {len(ids) - most} more" if len(ids) > most else "")

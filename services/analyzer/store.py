@@ -30,6 +30,38 @@ def _job_key(job_id: str) -> str:
     return f"{PREFIX}{job_id}"
 
 
+class PayloadError(LayerdiffError):
+    """A referenced payload could not be read. Unlike a bad reference, this
+    is the system's fault, not the data's: ``source`` is "store" (Redis) or
+    "endpoint" (an analyzer's tensor endpoint), ``at`` its address as the
+    reference gave it, ``cause`` the reason in a few words. The analyzer
+    sends such a node again, then fails the job naming the component."""
+
+    def __init__(self, message: str, *, source: str, at: str, key: str, cause: str) -> None:
+        super().__init__(message, field=key)
+        self.source = source
+        self.at = at
+        self.key = key
+        self.cause = cause
+
+
+# What a transport error comes down to, as the user would look it up.
+_CAUSES = (("connection refused", "connection refused"), ("network is unreachable", "network is unreachable"),
+           ("no route to host", "no route to host"), ("connection reset", "connection reset"),
+           ("deadline exceeded", "timed out"), ("timed out", "timed out"), ("timeout", "timed out"),
+           ("name or service not known", "unknown host"), ("dns resolution failed", "unknown host"),
+           ("not held by this analyzer", "payload no longer held"), ("status: 404", "not a tensor endpoint"))
+
+
+def short_cause(text: str) -> str:
+    low = text.lower()
+    for needle, cause in _CAUSES:
+        if needle in low:
+            return cause
+    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return line[:200]
+
+
 class TensorStore:
     def __init__(self, url: str, ttl_s: int = 3600) -> None:
         self.url = url
@@ -85,11 +117,13 @@ class TensorStore:
         values = self.r.mget([f"{key}:{i}" for i in range(parts)])
         missing = [i for i, v in enumerate(values) if v is None]
         if missing:
-            raise LayerdiffError(f"payload missing from the store (part {missing[0]} of {parts}; expired, deleted "
-                                 "or the store restarted)", field=key)
+            raise PayloadError(f"payload missing from the store (part {missing[0]} of {parts}; expired, deleted "
+                               "or the store restarted)", source="store", at=self.url, key=key,
+                               cause="payload missing (expired, deleted or the store restarted)")
         got = sum(len(v) for v in values)
         if got != nbytes:
-            raise LayerdiffError(f"payload truncated: {got} of {nbytes} bytes", field=key)
+            raise PayloadError(f"payload truncated: {got} of {nbytes} bytes", source="store", at=self.url, key=key,
+                               cause=f"payload truncated ({got} of {nbytes} bytes)")
         buf = values[0] if parts == 1 else b"".join(values)
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
@@ -187,14 +221,17 @@ def fetch_flight(ref: dict, nbytes: int) -> bytes | np.ndarray:
             for i in range(len(col)):
                 piece = data[offs[i]:offs[i + 1]]
                 if got + piece.size > nbytes:
-                    raise LayerdiffError(f"payload larger than the declared {nbytes} bytes", field=ref["key"])
+                    raise PayloadError(f"payload larger than the declared {nbytes} bytes", source="endpoint",
+                                       at=location, key=ref["key"], cause=f"payload larger than {nbytes} bytes")
                 out[got:got + piece.size] = piece
                 got += piece.size
     except (pa.ArrowException, KeyError) as e:
         from layerdiff.collector.service import flight_message
 
-        raise LayerdiffError(f"payload missing from the analyzer at {location}: {flight_message(e)}",
-                             field=ref["key"]) from None
+        text = flight_message(e)
+        raise PayloadError(f"payload missing from the analyzer at {location}: {text}", source="endpoint",
+                           at=location, key=ref["key"], cause=short_cause(text)) from None
     if got != nbytes:
-        raise LayerdiffError(f"payload truncated: {got} of {nbytes} bytes", field=ref["key"])
+        raise PayloadError(f"payload truncated: {got} of {nbytes} bytes", source="endpoint", at=location,
+                           key=ref["key"], cause=f"payload truncated ({got} of {nbytes} bytes)")
     return out
