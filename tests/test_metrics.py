@@ -23,7 +23,12 @@ EXACT_FIELDS = [
     "total", "errors", "first_mismatch_offset", "first_mismatch_index", "shape", "ref_value",
     "dev_value", "max_abs_err", "max_abs_diff", "max_rel_err", "rel_err_lt_0_001",
     "rel_err_lt_0_005", "ref_nan", "ref_inf", "dev_nan", "dev_inf", "fp16_overflow",
-    "dev_fp16_overflow", "atol", "rtol",
+    "dev_fp16_overflow", "finite_pairs", "both_nan", "nonfinite_errors", "atol", "rtol",
+]
+STAT_FIELDS = [
+    "max_abs_diff", "mean_abs_diff", "max_rel_err", "mean_rel_err", "ref_mean", "ref_std",
+    "ref_rms", "cosine", "mse", "rmse", "pearson", "sqnr_db", "rel_euclidean", "kl_div",
+    "rel_err_lt_0_001", "rel_err_lt_0_005",
 ]
 
 
@@ -85,6 +90,7 @@ def test_hand_computed_example():
     assert m.kl_div == pytest.approx(kl, abs=1e-6)
     assert (m.ref_nan, m.ref_inf, m.dev_nan, m.dev_inf) == (0, 0, 0, 0)
     assert (m.fp16_overflow, m.dev_fp16_overflow) == (0, 0)
+    assert (m.finite_pairs, m.both_nan, m.nonfinite_errors) == (4, 0, 0)
     assert (m.atol, m.rtol) == (0.005, 0.2)
 
 
@@ -117,23 +123,26 @@ def test_empty():
     assert m.first_mismatch_offset == -1 and m.first_mismatch_index == ()
     assert math.isnan(m.ref_value) and math.isnan(m.dev_value)
     assert m.max_abs_err == 0.0 and m.mean_abs_err == 0.0
-    for f in ("cosine", "pearson", "rel_err_lt_0_001", "rel_err_lt_0_005", "mse", "kl_div"):
+    assert (m.finite_pairs, m.both_nan, m.nonfinite_errors) == (0, 0, 0)
+    for f in STAT_FIELDS:
         assert math.isnan(getattr(m, f)), f
 
 
 def test_all_zero_both():
+    # Nothing to compare a direction or a spread with: cosine, pearson, sqnr,
+    # rel_euclidean and KL are undefined, not a perfect score.
     m = M.compare(np.zeros(10, np.float32), np.zeros(10, np.float32))
-    assert m.passed and m.cosine == 1.0 and m.pearson == 1.0
-    assert m.sqnr_db == math.inf and m.rel_euclidean == 0.0 and m.kl_div == 0.0
+    assert m.passed and math.isnan(m.cosine) and math.isnan(m.pearson)
+    assert math.isnan(m.sqnr_db) and math.isnan(m.rel_euclidean) and math.isnan(m.kl_div)
     assert m.mse == 0.0 and m.ref_std == 0.0 and m.max_rel_err == 0.0
-    assert m.rel_err_lt_0_001 == 1.0
+    assert m.rel_err_lt_0_001 == 1.0 and m.finite_pairs == 10
 
 
 def test_zero_ref_nonzero_dev():
     m = M.compare(np.zeros(4, np.float32), np.array([0, 0.001, 0, 1], np.float32))
     # |d| = [0, .001, 0, 1] vs tol 0.005 -> only the last mismatches
     assert m.errors == 1 and m.first_mismatch_offset == 3
-    assert m.cosine == 0.0 and math.isnan(m.kl_div)
+    assert math.isnan(m.cosine) and math.isnan(m.kl_div)
     assert m.sqnr_db == -math.inf and m.rel_euclidean == math.inf
     # rel uses REL_EPS for r == 0: max rel = 1 / 1e-10
     assert m.max_rel_err == pytest.approx(1e10)
@@ -142,19 +151,21 @@ def test_zero_ref_nonzero_dev():
 
 def test_nonzero_ref_zero_dev():
     m = M.compare(np.array([1, 2], np.float32), np.zeros(2, np.float32))
-    assert m.cosine == 0.0 and math.isnan(m.kl_div) and math.isnan(m.pearson)
+    assert math.isnan(m.cosine) and math.isnan(m.kl_div) and math.isnan(m.pearson)
     assert m.rel_euclidean == 1.0 and m.sqnr_db == 0.0
 
 
 def test_constant_tensors():
     eq = M.compare(np.full(100, 0.1, np.float32), np.full(100, 0.1, np.float32))
-    assert eq.pearson == 1.0 and eq.ref_std == 0.0 and eq.cosine == 1.0 and eq.kl_div == 0.0
+    assert math.isnan(eq.pearson) and eq.ref_std == 0.0 and eq.kl_div == 0.0
+    assert eq.cosine == pytest.approx(1.0, abs=1e-15)
+    assert eq.sqnr_db == math.inf and eq.rel_euclidean == 0.0
     ne = M.compare(np.full(100, 0.1, np.float32), np.full(100, 0.2, np.float32))
     assert math.isnan(ne.pearson) and ne.ref_std == 0.0
     assert ne.cosine == pytest.approx(1.0)
     # reference constant across many blocks (exercises the block merge)
     big = M.compare(np.full(10_000, 3.0, np.float32), np.full(10_000, 3.0, np.float16))
-    assert big.pearson == 1.0 and big.ref_std == 0.0
+    assert math.isnan(big.pearson) and big.ref_std == 0.0 and big.passed
     # device constant, reference not
     m = M.compare(np.arange(50, dtype=np.float32), np.full(50, 7.0, np.float32))
     assert math.isnan(m.pearson)
@@ -168,33 +179,40 @@ def test_large_offset_small_spread_std():
 
 
 @pytest.mark.parametrize("n", [5, 64, 5000])
-def test_nan_inf_counts_and_replacement(n):
+def test_nan_inf_counts_and_pairs(n):
     r = np.linspace(-1, 1, n).astype(np.float32)
     d = r.copy()
     r[1] = np.nan
     d[2] = np.nan
-    r[3] = d[3] = np.nan          # NaN on both sides: 0 vs 0, no mismatch
+    r[3] = d[3] = np.nan          # NaN on both sides: a mismatch all the same
     r[4] = np.inf
-    d[4] = np.inf                 # both +inf -> both float32 max: equal
+    d[4] = np.inf                 # the same infinity on both sides: equal
     m = M.compare(r, d)
     assert (m.ref_nan, m.dev_nan, m.ref_inf, m.dev_inf) == (2, 2, 1, 1)
-    assert m.dev_fp16_overflow == 1 and m.fp16_overflow == 0
-    # offsets 1 and 2 compare 0 against the other side's value
-    expect = M.reference_metrics(r, d)
-    assert_exact_fields(m, expect)
-    # offset 1: NaN -> 0 against linspace value |.| > 0.005
+    assert m.dev_fp16_overflow == 0 and m.fp16_overflow == 0
+    assert (m.errors, m.nonfinite_errors, m.both_nan) == (3, 3, 1)
+    assert m.finite_pairs == n - 4
+    assert_exact_fields(m, M.reference_metrics(r, d))
     assert m.first_mismatch_offset == 1
-    assert np.isfinite(m.mse) and np.isfinite(m.cosine)
+    assert (m.ref_value, m.dev_value) == (0.0, float(d[1]))   # NaN shown as 0
+    # the finite pairs agree exactly: no statistic sees the four others
+    assert m.mse == 0.0 and m.max_abs_diff == 0.0
+    assert math.isnan(m.max_abs_err) and math.isnan(m.mean_abs_err)
+    if n > 6:
+        assert m.cosine == pytest.approx(1.0, abs=1e-12)
 
 
 def test_inf_against_finite():
     r = np.array([1.0, -np.inf, 2.0], np.float32)
     d = np.array([1.0, 5.0, np.inf], np.float32)
     m = M.compare(r, d)
-    assert m.errors == 2 and m.first_mismatch_offset == 1
+    assert m.errors == 2 and m.nonfinite_errors == 2 and m.first_mismatch_offset == 1
     assert m.ref_value == -F32_MAX and m.dev_value == 5.0
-    assert m.max_abs_diff == pytest.approx(F32_MAX)
-    assert (m.ref_inf, m.dev_inf, m.dev_fp16_overflow) == (1, 1, 1)
+    # only the pair (1, 1) is finite
+    assert m.finite_pairs == 1 and m.max_abs_diff == 0.0 and m.mse == 0.0
+    assert math.isnan(m.max_abs_err) and math.isnan(m.mean_abs_err)
+    # an Inf is counted as Inf, not also as an FP16 overflow
+    assert (m.ref_inf, m.dev_inf, m.dev_fp16_overflow) == (1, 1, 0)
 
 
 def test_fp16_overflow_counts():
@@ -206,11 +224,14 @@ def test_fp16_overflow_counts():
     # dev: -70000 and -1e6
     assert m.dev_fp16_overflow == 2
     d16 = np.array([np.inf, -np.inf, 1, 1, 1, 1, 1], np.float16)
-    assert M.compare(r, d16).dev_fp16_overflow == 2
+    m16 = M.compare(r, d16)
+    assert m16.dev_fp16_overflow == 0 and m16.dev_inf == 2
+    m64 = M.compare(r.astype(np.float64), np.array([7e4, -1e300, np.inf, 0, 0, 0, 0]))
+    assert (m64.fp16_overflow, m64.dev_fp16_overflow, m64.dev_inf) == (3, 2, 1)
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32,
-                                   np.int64, np.bool_])
+                                   np.uint32, np.int64, np.uint64, np.bool_])
 def test_integer_dtypes(dtype):
     rng = np.random.default_rng(1)
     r = rng.integers(0, 2 if dtype == np.bool_ else 100, 300).astype(dtype)
@@ -221,15 +242,24 @@ def test_integer_dtypes(dtype):
     assert_exact_fields(m, expect)
     for f in FLOAT_FIELDS:
         assert same_float(getattr(m, f), getattr(expect, f), 1e-9, 1e-12), f
-    # mixed with float
+    # integers compare exactly: every changed element fails, however large
+    assert m.errors == 43 and m.first_mismatch_offset == 0
+    assert m.max_abs_err == 1.0 and m.finite_pairs == 300
+    assert (m.fp16_overflow, m.dev_fp16_overflow) == (0, 0)
+    # mixed with float: the float rules (with tolerance)
     m2 = M.compare(r.astype(np.float32), d)
-    assert m2.errors == m.errors
+    rf = r.astype(np.float64)
+    assert m2.errors == int((np.abs(d.astype(np.float64) - rf) > 0.005 + 0.2 * rf).sum())
 
 
 def test_int64_extremes():
-    r = np.array([2**62, -(2**62), 0], np.int64)
-    d = np.array([2**62, 0, 1], np.int64)
-    assert_exact_fields(M.compare(r, d), M.reference_metrics(r, d))
+    r = np.array([2**62, -(2**62), 0, 2**63 - 1, -(2**63)], np.int64)
+    d = np.array([2**62, 0, 1, -(2**63), 2**63 - 1], np.int64)
+    m = M.compare(r, d)
+    assert_exact_fields(m, M.reference_metrics(r, d))
+    assert m.errors == 4 and m.first_mismatch_offset == 1
+    # |e| up to 2**64 - 1, rounded once
+    assert m.max_abs_diff == float(2**64 - 1) and m.max_abs_err == float(2**64 - 1)
 
 
 def test_size_mismatch():
@@ -277,6 +307,274 @@ def test_tolerance_boundary_is_strict():
 
 
 # ---------------------------------------------------------------------------
+# NaN, Inf and integers: the kernel against the definition spelled out here
+# (independently of reference_metrics)
+# ---------------------------------------------------------------------------
+
+
+def _display(v):
+    # ref_value / dev_value only: NaN shown as 0, +-Inf as +-float32 max
+    if math.isnan(v):
+        return 0.0
+    return math.copysign(F32_MAX, v) if math.isinf(v) else v
+
+
+def finite_pair_oracle(r, d, atol=M.ATOL_DEFAULT, rtol=M.RTOL_DEFAULT):
+    """Every field the definition fixes, computed with numpy over the finite
+    pairs; non-finite pairs mismatch unless both are the same infinity;
+    integer tensors compare exactly."""
+    nan = math.nan
+    rf, df = np.asarray(r).reshape(-1), np.asarray(d).reshape(-1)
+    x, y = rf.astype(np.float64), df.astype(np.float64)
+    with np.errstate(all="ignore"):
+        if rf.dtype.kind in "iub" and df.dtype.kind in "iub":
+            exact = [int(b) - int(a) for a, b in zip(rf.tolist(), df.tolist())]
+            e = np.array([float(v) for v in exact], np.float64)
+            fin = np.ones(x.size, bool)
+            mis = np.array([v != 0 for v in exact], bool)
+        else:
+            e = y - x
+            fin = np.isfinite(x) & np.isfinite(y)
+            same_inf = np.isinf(x) & (x == y)
+            mis = np.where(fin, np.abs(e) > atol + rtol * np.abs(x), ~same_inf)
+        errors = int(mis.sum())
+        first = int(np.flatnonzero(mis)[0]) if errors else -1
+        at = max(first, 0)
+        out = dict(
+            total=x.size, errors=errors, first_mismatch_offset=first,
+            finite_pairs=int(fin.sum()), both_nan=int((np.isnan(x) & np.isnan(y)).sum()),
+            nonfinite_errors=int((mis & ~fin).sum()),
+            ref_value=_display(x[at]) if x.size else nan,
+            dev_value=_display(y[at]) if x.size else nan,
+            ref_nan=int(np.isnan(x).sum()), ref_inf=int(np.isinf(x).sum()),
+            dev_nan=int(np.isnan(y).sum()), dev_inf=int(np.isinf(y).sum()),
+            fp16_overflow=int((np.isfinite(x) & (np.abs(x) > 65504)).sum())
+            if rf.dtype.kind == "f" else 0,
+            dev_fp16_overflow=int((np.isfinite(y) & (np.abs(y) > 65504)).sum())
+            if df.dtype.kind == "f" else 0,
+        )
+        xs, ys, es = x[fin], y[fin], e[fin]
+        ae = np.abs(es)
+        fm = mis[fin]
+        out["max_abs_err"] = float(ae[fm].max()) if fm.any() else (nan if errors else 0.0)
+        out["mean_abs_err"] = float(ae[fm].mean()) if fm.any() else (nan if errors else 0.0)
+        if not fin.any():
+            out.update(dict.fromkeys(STAT_FIELDS, nan))
+            return out
+        rel = ae / np.where(xs == 0, 1e-10, np.abs(xs))
+        nr = math.sqrt(np.sum(xs * xs))
+        nd = math.sqrt(np.sum(ys * ys))
+        ne = math.sqrt(np.sum(es * es))
+        if nr == 0 or nd == 0:
+            cosine = nan
+        else:
+            cosine = float(np.sum(xs * ys)) / (nr * nd)
+        if xs.min() == xs.max() or ys.min() == ys.max():
+            pearson = nan
+        else:
+            pearson = float(np.corrcoef(xs, ys)[0, 1])
+        if nr == 0 and ne == 0:
+            sqnr = rel_euc = nan
+        elif ne == 0:
+            sqnr, rel_euc = math.inf, 0.0
+        elif nr == 0:
+            sqnr, rel_euc = -math.inf, math.inf
+        else:
+            sqnr, rel_euc = 20 * math.log10(nr / ne), ne / nr
+        sr, sd = np.abs(xs).sum(), np.abs(ys).sum()
+        if sr == 0 or sd == 0:
+            kl = nan
+        else:
+            kl = max(0.0, float(np.sum(np.abs(xs) / sr * (
+                np.log(np.maximum(np.abs(xs), 1e-10) / sr)
+                - np.log(np.maximum(np.abs(ys), 1e-10) / sd)))))
+        out.update(
+            max_abs_diff=float(ae.max()), mean_abs_diff=float(ae.mean()),
+            max_rel_err=float(rel.max()), mean_rel_err=float(rel.mean()),
+            ref_mean=float(xs.mean()), ref_std=float(xs.std()),
+            ref_rms=float(np.sqrt(np.mean(xs * xs))), cosine=cosine,
+            mse=float(np.mean(es * es)), rmse=float(np.sqrt(np.mean(es * es))),
+            pearson=pearson, sqnr_db=sqnr, rel_euclidean=rel_euc, kl_div=kl,
+            rel_err_lt_0_001=float(np.mean(rel < 0.001)),
+            rel_err_lt_0_005=float(np.mean(rel < 0.005)),
+        )
+    return out
+
+
+ORACLE_EXACT = ("total", "errors", "first_mismatch_offset", "finite_pairs", "both_nan",
+                "nonfinite_errors", "ref_value", "dev_value", "max_abs_err", "max_abs_diff",
+                "max_rel_err", "rel_err_lt_0_001", "rel_err_lt_0_005", "ref_nan", "ref_inf",
+                "dev_nan", "dev_inf", "fp16_overflow", "dev_fp16_overflow")
+
+
+def assert_matches_oracle(m, r, d, atol=M.ATOL_DEFAULT, rtol=M.RTOL_DEFAULT):
+    want = finite_pair_oracle(r, d, atol, rtol)
+    fast = is_fast(np.asarray(r), np.asarray(d))
+    scale, peak = data_scale(r), data_peak(r)
+    for f, w in want.items():
+        g = getattr(m, f)
+        if f in ORACLE_EXACT:
+            assert same_float(float(g), float(w), 0.0), (f, g, w)
+        else:
+            assert float_field_ok(f, g, w, fast, scale, peak), (f, g, w)
+    assert m.passed == (want["errors"] == 0)
+    return want
+
+
+def _blocky(dtype_r=np.float32, dtype_d=np.float32, seed=43):
+    """Three blocks and a bit, with NaN / Inf at block ends and starts."""
+    rng = np.random.default_rng(seed)
+    n = 3 * 2048 + 5
+    r = rng.standard_normal(n) * 4
+    d = r + rng.standard_normal(n) * 0.05
+    r[0] = np.nan                      # first element of the tensor / block 0
+    d[2047] = np.inf                   # last of block 0
+    r[2048] = d[2048] = np.nan         # first of block 1, NaN on both sides
+    r[4095] = d[4095] = -np.inf        # last of block 1, equal
+    d[4096] = -np.inf                  # first of block 2
+    r[4096] = np.inf
+    r[6144] = np.nan                   # first of the short last block
+    d[n - 1] = np.nan
+    with np.errstate(all="ignore"):
+        return r.astype(dtype_r), d.astype(dtype_d)
+
+
+def _block_of_nan():
+    r = np.linspace(-3, 3, 3 * 2048, dtype=np.float32)
+    d = r.copy()
+    d[2048:4096] = np.nan              # a whole block with no finite pair
+    return r, d
+
+
+def _edge_cases():
+    f32, f16, f64 = np.float32, np.float16, np.float64
+    nan, inf = np.nan, np.inf
+    a = lambda v, t=f32: np.array(v, t)
+    r_bl, d_bl = _blocky()
+    r_bn, d_bn = _block_of_nan()
+    return {
+        # a device NaN where the reference is 0 fails; the rest is judged alone
+        "dev_nan_vs_ref_zero": (a([0, 1, 2, 3]), a([nan, 1.1, 2, 3]),
+                                dict(errors=1, first_mismatch_offset=0, finite_pairs=3,
+                                     nonfinite_errors=1, ref_value=0.0, dev_value=0.0)),
+        "nan_both_sides": (a([nan, 1, 2]), a([nan, 1, 2]),
+                           dict(errors=1, both_nan=1, nonfinite_errors=1, mse=0.0)),
+        "one_dev_nan_in_4": (a([1, 2, 3, 4]), a([1, 2, 3, nan]),
+                             dict(errors=1, first_mismatch_offset=3, finite_pairs=3)),
+        "dev_inf_next_to_7e4": (a([7e4, 1, 2]), a([inf, 1, 2]),
+                                dict(errors=1, first_mismatch_offset=0, fp16_overflow=1,
+                                     dev_fp16_overflow=0, dev_inf=1, dev_value=F32_MAX)),
+        "same_inf_both": (a([inf, -inf, 1, 2]), a([inf, -inf, 1, 2]),
+                          dict(errors=0, finite_pairs=2, mse=0.0, max_abs_diff=0.0)),
+        "pos_inf_vs_neg_inf": (a([inf, 1, 2]), a([-inf, 1, 2]),
+                               dict(errors=1, nonfinite_errors=1, finite_pairs=2)),
+        "inf_vs_nan": (a([inf, 1, 2]), a([nan, 1, 2]), dict(errors=1, both_nan=0)),
+        "all_nan": (a([nan] * 5), a([nan] * 5),
+                    dict(errors=5, both_nan=5, finite_pairs=0, max_abs_err=nan,
+                         mean_abs_err=nan, **dict.fromkeys(STAT_FIELDS, nan))),
+        "all_nonfinite_pairs": (a([nan, inf, -inf, 1]), a([1, 1, -inf, nan]),
+                                dict(errors=3, finite_pairs=0, cosine=nan, mse=nan)),
+        "empty": (a([]), a([], f16), dict(errors=0, finite_pairs=0, cosine=nan)),
+        "constant": (np.full(3000, 0.7, f32), np.full(3000, 0.7, f32),
+                     dict(errors=0, pearson=nan, ref_std=0.0, mse=0.0, sqnr_db=math.inf)),
+        "all_zero": (np.zeros(3000, f32), np.zeros(3000, f16),
+                     dict(errors=0, cosine=nan, pearson=nan, sqnr_db=nan,
+                          rel_euclidean=nan, kl_div=nan, mse=0.0)),
+        "int64_beyond_2_53": (a([2**60 + 1, 3, 2**53 + 1], np.int64),
+                              a([2**60, 3, 2**53], np.int64),
+                              dict(errors=2, first_mismatch_offset=0, max_abs_diff=1.0,
+                                   max_abs_err=1.0, mean_abs_err=1.0)),
+        "uint64_vs_int64": (a([2**63, 5, 2**64 - 1, 0], np.uint64), a([-1, 5, -1, 0], np.int64),
+                            dict(errors=2, first_mismatch_offset=0,
+                                 max_abs_diff=float(2**64), ref_value=float(2**63),
+                                 dev_value=-1.0)),
+        "bool": (a([True, False, True, False], np.bool_), a([True, True, False, False], np.bool_),
+                 dict(errors=2, first_mismatch_offset=1, fp16_overflow=0)),
+        "bool_vs_uint8": (a([True, False, True], np.bool_), a([1, 0, 2], np.uint8),
+                          dict(errors=1, first_mismatch_offset=2)),
+        "ints_no_tolerance": (a([100, -7, 100000], np.int32), a([101, -7, 100000], np.int64),
+                              dict(errors=1, fp16_overflow=0, dev_fp16_overflow=0)),
+        "int_vs_float_nan": (a([1, 2, 70000], np.int32), a([1, nan, 70000.5]),
+                             dict(errors=1, nonfinite_errors=1, fp16_overflow=0,
+                                  dev_fp16_overflow=1)),
+        "f16_vs_f32": (a([1, nan, inf, -2, 0.5], f16), a([1, 1, inf, -2.2, 0.5]),
+                       dict(errors=1, first_mismatch_offset=1)),
+        "f32_vs_f16": (a([1, 70000, inf, -2, 0.5]), a([1, inf, inf, -2.2, nan], f16),
+                       dict(errors=2, fp16_overflow=1, dev_fp16_overflow=0)),
+        "f64_vs_f32": (a([1e30, nan, 3, -inf], f64), a([1e30, 3, 3, -inf]),
+                       dict(errors=1, fp16_overflow=1, dev_fp16_overflow=1)),
+        "block_boundaries_f32": (r_bl, d_bl, dict(first_mismatch_offset=0, both_nan=1)),
+        "block_boundaries_f16_dev": (r_bl, d_bl.astype(f16), dict(both_nan=1)),
+        "block_boundaries_f16_ref": (r_bl.astype(f16), d_bl, dict(both_nan=1)),
+        "block_boundaries_f64": (r_bl.astype(f64), d_bl.astype(f64), dict(both_nan=1)),
+        "block_without_finite_pair": (r_bn, d_bn, dict(errors=2048, finite_pairs=4096,
+                                                       first_mismatch_offset=2048)),
+    }
+
+
+EDGE_CASES = _edge_cases()
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_CASES))
+def test_nonfinite_and_integer_edge_cases(name):
+    r, d, expect = EDGE_CASES[name]
+    m = M.compare(r, d)
+    assert_matches_oracle(m, r, d)
+    for f, v in expect.items():
+        assert same_float(float(getattr(m, f)), float(v), 0.0), (f, getattr(m, f), v)
+    n = r.size
+    cut_sets = [[], [n // 2], list(range(1, n))] if n <= 8 else \
+        [[2048], [2047, 2049], [1, 2048, 4096, 4097], [100, 2500, 6000, 6144]]
+    for cuts in cut_sets:
+        c = chunked(r, d, [k for k in cuts if k <= n])
+        assert_matches_oracle(c, r, d)
+        assert_same_result(c, m, data_scale(r), is_fast(r, d), data_peak(r))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_block_shift_skips_nonfinite_first_element(dtype):
+    # A large mean with a small spread keeps its std only when the moments
+    # are taken about a value of the data: when a block starts with NaN or
+    # Inf the shift must come from a finite pair of the block.
+    n = 3 * 2048
+    r = (1000.0 + np.arange(n) % 3 * 1e-3).astype(dtype)
+    d = r.copy()
+    for at, (x, y) in zip((0, 2048, 4096), ((np.nan, 1.0), (np.inf, np.inf), (1.0, -np.inf))):
+        r[at], d[at] = x, y
+    fin = np.isfinite(r) & np.isfinite(d)
+    want = float(np.std(r[fin].astype(np.float64)))
+    for m in (M.compare(r, d), chunked(r, d, [1, 2049, 4097])):
+        assert m.ref_std == pytest.approx(want, rel=1e-9 if dtype == np.float64 else 1e-3)
+        assert m.finite_pairs == n - 3 and m.errors == 2 and m.mse == 0.0
+        assert m.pearson == pytest.approx(1.0, abs=1e-9)
+
+
+def test_int_difference_rounding_matches_python():
+    # |d - r| of integers up to 2**64 + 2**63, rounded once (ties to even)
+    rng = np.random.default_rng(47)
+    u = np.concatenate([rng.integers(0, 2**63, 2000, dtype=np.uint64) * np.uint64(2)
+                        + rng.integers(0, 2, 2000, dtype=np.uint64),
+                        np.array([2**64 - 1, 2**64 - 2**11, 2**64 - 2**11 - 1, 2**63 + 2**11,
+                                  2**63 + 2**10, 2**63 + 3 * 2**10, 2**53 + 1], np.uint64)])
+    i = np.concatenate([rng.integers(-2**63, 2**63 - 1, 2000, dtype=np.int64),
+                        np.array([-2**63, -2**63 + 1, -2**11, -1, -2**10 - 1, 0, -1], np.int64)])
+    rows = M.worst_elements(u, i, count=u.size)
+    m = M.compare(u, i)
+    exact = [abs(int(b) - int(a)) for a, b in zip(u.tolist(), i.tolist())]
+    assert m.errors == sum(v != 0 for v in exact)
+    assert m.max_abs_diff == float(max(exact))
+    assert m.mean_abs_diff == pytest.approx(sum(float(v) for v in exact) / len(exact), rel=1e-12)
+    got = {row[0]: row[3] for row in rows}
+    for k, v in enumerate(exact):
+        if v:
+            assert got[k] == float(v), (k, u[k], i[k])
+    for a, b in ((i, i[::-1].copy()), (u, u[::-1].copy())):
+        mm = M.compare(a, b)
+        ex = [abs(int(y) - int(x)) for x, y in zip(a.tolist(), b.tolist())]
+        assert mm.max_abs_diff == float(max(ex)) and mm.errors == sum(v != 0 for v in ex)
+
+
+# ---------------------------------------------------------------------------
 # The fast kernel against the reference definition
 # ---------------------------------------------------------------------------
 
@@ -310,9 +608,13 @@ def float_field_ok(f, a, b, fast, scale, peak):
     return same_float(a, b, FAST_RTOL if fast else 1e-9, 1e-300)
 
 
+def finite_ref(r):
+    rr = np.asarray(r).reshape(-1).astype(np.float64)
+    return rr[np.isfinite(rr)]
+
+
 def data_peak(r):
-    rr = np.nan_to_num(np.asarray(r, np.float64).reshape(-1), nan=0.0, posinf=F32_MAX,
-                       neginf=-F32_MAX)
+    rr = finite_ref(r)
     return float(np.max(np.abs(rr))) if rr.size else 0.0
 
 
@@ -353,28 +655,59 @@ def test_special_values_in_some_blocks_only():
     check_against_reference(r, d.astype(np.float16))
 
 
+# Integers that float64 cannot tell apart, the int64/uint64 extremes and
+# their neighbours.
+BIG_INTS = [0, 1, -1, 2**53, 2**53 + 1, 2**60, 2**60 + 1, 2**62, 2**63 - 1, 2**63,
+            2**64 - 1, -(2**63), -(2**63) + 1, -(2**60) - 1]
+
+
 def _tensor_pairs():
     dtypes = st.sampled_from([np.float32, np.float16, np.float64, np.int8, np.int32,
-                              np.uint8, np.bool_])
+                              np.int64, np.uint8, np.uint64, np.bool_])
 
     @st.composite
     def pair(draw):
         shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=40))
         rdt, ddt = draw(dtypes), draw(dtypes)
-        base = draw(st.sampled_from(["normal", "wide", "ints", "special"]))
+        base = draw(st.sampled_from(["normal", "wide", "ints", "special", "sprinkled",
+                                     "bigints"]))
         n = int(np.prod(shape))
         seed = draw(st.integers(0, 2**32 - 1))
         rng = np.random.default_rng(seed)
+        kind = draw(st.sampled_from(["close", "noisy", "independent", "equal"]))
+        if base == "bigints":
+            r = [BIG_INTS[i] for i in rng.integers(0, len(BIG_INTS), n)]
+            if kind == "close":
+                d = [v + int(k) for v, k in zip(r, rng.integers(-1, 2, n))]
+            elif kind == "noisy":
+                d = [v + int(k) for v, k in zip(r, rng.integers(-1000, 1001, n))]
+            elif kind == "independent":
+                d = [BIG_INTS[i] for i in rng.integers(0, len(BIG_INTS), n)]
+            else:
+                d = list(r)
+
+            def cast(x, dt):
+                dt = np.dtype(dt)
+                if dt.kind == "b":
+                    return np.array([v > 0 for v in x], bool).reshape(shape)
+                if dt.kind in "iu":
+                    info = np.iinfo(dt)
+                    x = [min(max(v, int(info.min)), int(info.max)) for v in x]
+                    return np.array(x, dt).reshape(shape)
+                with np.errstate(all="ignore"):
+                    return np.array([float(v) for v in x], np.float64).astype(dt).reshape(shape)
+
+            return cast(r, rdt), cast(d, ddt)
         if base == "normal":
             r = rng.standard_normal(n)
         elif base == "wide":
             r = rng.standard_normal(n) * 10.0 ** rng.uniform(-8, 6, n)
-        elif base == "ints":
-            r = rng.integers(-5, 6, n).astype(np.float64)
+        elif base in ("ints", "sprinkled"):
+            r = rng.integers(-5, 6, n).astype(np.float64) if base == "ints" \
+                else rng.standard_normal(n) * 3
         else:
             r = rng.choice([0.0, -0.0, 1.0, -2.5, 65504.0, 7e4, 1e-30, 1e38, np.nan,
                             np.inf, -np.inf], n)
-        kind = draw(st.sampled_from(["close", "noisy", "independent", "equal"]))
         if kind == "close":
             d = r * (1 + rng.standard_normal(n) * 1e-3)
         elif kind == "noisy":
@@ -384,6 +717,18 @@ def _tensor_pairs():
                 else rng.standard_normal(n)
         else:
             d = r.copy()
+        if base == "sprinkled" and n:
+            # NaN / Inf on either side or both, anywhere (block starts and
+            # ends included when the tensor spans several blocks)
+            specials = np.array([np.nan, np.inf, -np.inf])
+            for x in (r, d):
+                at = rng.integers(0, n, rng.integers(1, 1 + max(1, n // 50)))
+                x[at] = specials[rng.integers(0, 3, at.size)]
+            both = rng.integers(0, n, rng.integers(0, 4))
+            r[both] = d[both] = specials[rng.integers(0, 3, both.size)]
+            starts = np.arange(0, n, 2048)
+            pick = starts[rng.random(starts.size) < 0.5]
+            r[pick] = specials[rng.integers(0, 3, pick.size)]
 
         def cast(x, dt):
             with np.errstate(all="ignore"):
@@ -392,7 +737,8 @@ def _tensor_pairs():
                     if dt == np.bool_:
                         return (x > 0.5).reshape(shape)
                     info = np.iinfo(dt)
-                    return np.clip(np.round(x), info.min, info.max).astype(dt).reshape(shape)
+                    lo, hi = max(int(info.min), -2**62), min(int(info.max), 2**62)
+                    return np.clip(np.round(x), lo, hi).astype(dt).reshape(shape)
                 return x.astype(dt).reshape(shape)
 
         return cast(r, rdt), cast(d, ddt)
@@ -425,8 +771,7 @@ def chunked(r, d, cuts, atol=M.ATOL_DEFAULT, rtol=M.RTOL_DEFAULT, order=None):
 
 
 def data_scale(r):
-    rr = np.nan_to_num(np.asarray(r, np.float64).reshape(-1), nan=0.0, posinf=F32_MAX,
-                       neginf=-F32_MAX)
+    rr = finite_ref(r)
     return float(np.sqrt(np.mean(rr * rr))) if rr.size else 0.0
 
 
@@ -504,23 +849,76 @@ def test_worst_elements_order_and_limit():
     assert M.worst_elements(r, d, count=0) == []
 
 
+def worst_by_sort(r, d, atol=M.ATOL_DEFAULT, rtol=M.RTOL_DEFAULT):
+    """Indices of every mismatch in worst_elements order: non-finite pairs
+    by index, then finite ones by |d - r| descending, then index."""
+    rr, dd = r.reshape(-1).astype(np.float64), d.reshape(-1).astype(np.float64)
+    with np.errstate(all="ignore"):
+        diff = np.abs(dd - rr)
+        fin = np.isfinite(rr) & np.isfinite(dd)
+        mis = np.where(fin, diff > atol + rtol * np.abs(rr), ~(rr == dd))
+    return sorted(np.flatnonzero(mis), key=lambda i: (1, -diff[i], i) if fin[i] else (0, 0, i))
+
+
 def test_worst_elements_matches_sort():
     rng = np.random.default_rng(5)
     r = rng.standard_normal(20_000).astype(np.float32)
     d = (r + rng.standard_normal(r.size) * 0.3).astype(np.float16)
     d[::97] = np.float16(1.0)
     r[3] = np.nan
+    d[5000] = np.inf
+    r[7000] = d[7000] = -np.inf          # equal: not a row
+    r[9000] = d[9000] = np.nan           # a row
     rows = M.worst_elements(r, d, count=128)
-    rr = np.nan_to_num(r.astype(np.float64), nan=0.0, posinf=F32_MAX, neginf=-F32_MAX)
-    dd = d.astype(np.float64)
-    diff = np.abs(dd - rr)
-    mis = np.flatnonzero(diff > 0.005 + 0.2 * np.abs(rr))
-    order = sorted(mis, key=lambda i: (-diff[i], i))[:128]
-    assert [row[0] for row in rows] == order
-    for i, rv, dv, ad, rel in rows[:5]:
-        assert (rv, dv, ad) == (rr[i], dd[i], diff[i])
-        assert rel == diff[i] / (abs(rr[i]) if rr[i] != 0 else 1e-10)
-    assert M.compare(r, d).errors == len(mis)
+    order = worst_by_sort(r, d)
+    assert [row[0] for row in rows] == order[:128]
+    assert [row[0] for row in rows[:3]] == [3, 5000, 9000]
+    rr, dd = r.astype(np.float64), d.astype(np.float64)
+    for i, rv, dv, ad, rel in rows[3:8]:
+        assert (rv, dv, ad) == (rr[i], dd[i], abs(dd[i] - rr[i]))
+        assert rel == ad / (abs(rr[i]) if rr[i] != 0 else 1e-10)
+    m = M.compare(r, d)
+    assert m.errors == len(order) and m.nonfinite_errors == 3
+    assert sorted(rows, key=M.worst_row_key) == rows
+
+
+def test_worst_elements_raw_values():
+    r = np.array([1.0, np.nan, 2.0, np.inf, 0.0, np.inf, 5.0, 0.0], np.float32)
+    d = np.array([9.0, 1.0, np.nan, -np.inf, np.nan, np.inf, 5.0, 3.0], np.float32)
+    rows = M.worst_elements(r, d)
+    assert [row[0] for row in rows] == [1, 2, 3, 4, 0, 7]
+    by = {row[0]: row for row in rows}
+    _, rv, dv, ad, rel = by[1]
+    assert math.isnan(rv) and dv == 1.0 and math.isnan(ad) and math.isnan(rel)
+    _, rv, dv, ad, rel = by[3]
+    assert (rv, dv, ad) == (math.inf, -math.inf, math.inf) and math.isnan(rel)
+    _, rv, dv, ad, rel = by[4]
+    assert rv == 0.0 and math.isnan(dv) and math.isnan(ad)
+    assert by[0][1:] == (1.0, 9.0, 8.0, 8.0)
+    assert by[7][1:] == (0.0, 3.0, 3.0, 3.0 / 1e-10)
+    assert [row[0] for row in M.worst_elements(r, d, count=3)] == [1, 2, 3]
+    # across chunks: merging the rows of each by worst_row_key gives the same
+    parts = [[(i + a, *rest) for i, *rest in M.worst_elements(r[a:b], d[a:b])]
+             for a, b in ((0, 3), (3, 5), (5, 8))]
+    merged = sorted((row for p in parts for row in p), key=M.worst_row_key)
+    assert [row[0] for row in merged] == [row[0] for row in rows]
+
+
+def test_worst_elements_integers_exact():
+    r = np.array([2**60, 5, 2**63 - 1, 7, -(2**63)], np.int64)
+    d = np.array([2**60 + 1, 5, -(2**63), 7, -(2**63)], np.int64)
+    rows = M.worst_elements(r, d)
+    assert [row[0] for row in rows] == [2, 0]
+    assert rows[0][3] == float(2**64 - 1) and rows[1][3] == 1.0
+    assert rows[1][1] == float(2**60) and rows[1][4] == 1.0 / float(2**60)
+    u = np.array([2**63, 2**64 - 1, 3], np.uint64)
+    i = np.array([-1, -(2**63), 3], np.int64)
+    rows = M.worst_elements(u, i)
+    assert [(row[0], row[3]) for row in rows] == [(1, float(2**64 - 1 + 2**63)),
+                                                 (0, float(2**63 + 1))]
+    # no tolerance for integers: 100 vs 101 is a row
+    assert [row[0] for row in M.worst_elements(np.array([100, 3], np.int32),
+                                               np.array([101, 3], np.int16))] == [0]
 
 
 # ---------------------------------------------------------------------------
@@ -556,7 +954,10 @@ def test_half_conversion_exact():
     m = M.compare(r, r.astype(np.float32))
     assert m.errors == 0 and m.max_abs_diff == 0.0
     m = M.compare(h, h)      # includes NaN and Inf bit patterns
-    assert m.errors == 0 and m.ref_nan == 2046 and m.ref_inf == 2
+    # NaN never equals NaN; the two infinities equal themselves
+    assert m.ref_nan == 2046 and m.ref_inf == 2 and m.both_nan == 2046
+    assert m.errors == m.nonfinite_errors == 2046 and m.finite_pairs == 65536 - 2048
+    assert m.max_abs_diff == 0.0 and math.isnan(m.max_abs_err)
 
 
 def test_warmup_idempotent():
@@ -630,11 +1031,13 @@ def test_fast_constant_sides_exact():
     c = np.full(r.size, 0.3, np.float32)
     assert math.isnan(M.compare(r, c).pearson)       # device constant
     assert math.isnan(M.compare(c, r).pearson)       # reference constant
-    assert M.compare(c, c).pearson == 1.0
+    assert math.isnan(M.compare(c, c).pearson)       # both: no spread to correlate
     q = np.full(r.size, 0.25, np.float32)                     # exact in float16
     m = M.compare(q, q.astype(np.float16))
-    assert m.ref_std == 0.0 and m.pearson == 1.0
-    assert math.isnan(M.compare(c, c.astype(np.float16)).pearson)   # 0.3 != fp16(0.3)
+    assert m.ref_std == 0.0 and math.isnan(m.pearson) and m.mse == 0.0
+    assert m.cosine == pytest.approx(1.0, abs=1e-15) and m.sqnr_db == math.inf
+    m = M.compare(c, c.astype(np.float16))           # 0.3 != fp16(0.3)
+    assert math.isnan(m.pearson) and m.ref_std == 0.0 and m.mse > 0.0
 
 
 def test_fast_similarity_near_one_keeps_relative_accuracy():

@@ -104,7 +104,7 @@ def merge_chunks(parts: list[tuple[M.Accumulator, list]], shape: tuple, diff_cnt
     """Combine chunk results given in offset order."""
     m = M.finalize(M.merge(a for a, _ in parts), tuple(shape))
     rows = [r for _, w in parts for r in w]
-    rows.sort(key=lambda r: (-r[3], r[0]))
+    rows.sort(key=M.worst_row_key)
     return m, rows[:diff_cnt]
 
 

@@ -266,7 +266,8 @@ def _f(v) -> str:
 
 
 def _mean_rel(m: M.NodeMetrics) -> float:
-    return m.mean_rel_err if m.total else 0.0
+    # no finite pair to compare: nothing says the error jumped or not
+    return m.mean_rel_err if m.finite_pairs and math.isfinite(m.mean_rel_err) else 0.0
 
 
 def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) -> dict[int, Finding]:
@@ -294,7 +295,7 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) 
             f.verdict, f.cause = COMPUTATION, "overflow"
             f.evidence.append(f"{dev_bad} Inf/NaN values appear on the device here while every input it read was "
                               "finite and the reference has none")
-            if m.dev_fp16_overflow or m.fp16_overflow:
+            if m.fp16_overflow:
                 f.evidence.append(f"{m.fp16_overflow} reference values here lie beyond the FP16 range (65504)")
         elif row.inherited:
             f.verdict = ACCUMULATED
@@ -308,7 +309,7 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) 
             # themselves. Rounding in the node's own reduced precision (FP16,
             # a quantized layer) does neither: that is precision loss.
             gross = (not math.isnan(iso.cosine) and iso.cosine < cos_floor) or (
-                own >= 0.01 and own > 0.5 * full and iso.max_abs_diff > 0.5 * (m.ref_rms or 1.0))
+                own >= 0.01 and own > 0.5 * full and iso.max_abs_diff > 0.5 * (m.ref_rms if m.ref_rms > 0 else 1.0))
             if not gross:
                 f.verdict = ACCUMULATED
                 if own > 0.5 * full:

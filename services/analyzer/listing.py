@@ -4,9 +4,13 @@ order, in the layout of the vendor's per-layer debug script::
     3.conv1                                 OP_TYPE:Conv        MSE:0.000046    COS:0.999898    RMSE:0.014310
     4.relu1                                 OP_TYPE:Relu        MSE:0.000057    COS:0.999931    RMSE:0.011018  FAIL computation error (weight)  <- first failing node
 
-The op-type column widens to the longest op type, so the metric columns
-always line up.  ``index`` is the node's execution order; a node input reads
-``{order}.{node}.input{N}``, and a node with several outputs names the
+The op-type column widens to the longest op type, and the MSE and COS
+columns to their longest number, so the metric columns always line up.
+Numbers print with 6 decimals between 1e-5 and 1e6 in magnitude (and 0),
+in scientific notation with 6 significant digits outside that range (an MSE
+of 1e70 as ``1e+70``, not 77 digits; 3.2e-9 as ``3.2e-09``, not
+``0.000000``), and NaN as ``nan``.  ``index`` is the node's execution
+order; a node input reads ``{order}.{node}.input{N}``, and a node with several outputs names the
 output tensor as ``{order}.{node}:{tensor}``.  Failing tensors carry
 ``FAIL`` with the diagnosis' verdict and cause where the summary has them.
 Names are printed with control characters escaped, so a hostile node name
@@ -20,6 +24,10 @@ from collections import Counter
 NAME_WIDTH_MIN = 40
 NAME_WIDTH_MAX = 72
 OP_WIDTH = 12
+NUM_WIDTH = 11
+# Magnitudes printed with 6 decimals; outside, 6 significant digits.
+FIXED_MIN = 1e-5
+FIXED_MAX = 1e6
 
 
 def _num(v: object) -> str:
@@ -36,7 +44,9 @@ def _num(v: object) -> str:
         return "nan"
     if math.isinf(f):
         return "inf" if f > 0 else "-inf"
-    return f"{f:.6f}"
+    if f == 0.0 or FIXED_MIN <= abs(f) < FIXED_MAX:
+        return f"{f:.6f}"
+    return f"{f:.6g}"
 
 
 def printable(text: object) -> str:
@@ -64,12 +74,16 @@ def format_listing(summary: dict) -> str:
     width = min(NAME_WIDTH_MAX, max([NAME_WIDTH_MIN - 2] + [len(s) for s in labels]) + 2)
     ops = [printable(n.get("op_type") or "?") for n in nodes]
     op_width = max([OP_WIDTH] + [len(o) for o in ops])  # the metric columns stay aligned
+    mses = [_num(n.get("mse")) for n in nodes]
+    coss = [_num(n.get("cosine")) for n in nodes]
+    mse_width = max([NUM_WIDTH] + [len(v) for v in mses])
+    cos_width = max([NUM_WIDTH] + [len(v) for v in coss])
     lines = []
-    for n, label, op in zip(nodes, labels, ops):
+    for n, label, op, mse, cos in zip(nodes, labels, ops, mses, coss):
         if len(label) > width - 1:
             label = label[:width - 4] + "..."
-        line = (f"{label:<{width}}OP_TYPE:{op:<{op_width}} MSE:{_num(n.get('mse')):<11} "
-                f"COS:{_num(n.get('cosine')):<11} RMSE:{_num(n.get('rmse'))}")
+        line = (f"{label:<{width}}OP_TYPE:{op:<{op_width}} MSE:{mse:<{mse_width}} "
+                f"COS:{cos:<{cos_width}} RMSE:{_num(n.get('rmse'))}")
         if n.get("passed") is False:
             line += "  FAIL"
             if n.get("constant"):

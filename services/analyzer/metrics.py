@@ -9,12 +9,38 @@ Accuracy below).
 
 Definitions (``reference_metrics`` is the executable form of this list):
 
-* Before comparing, NaN -> 0 and +-Inf -> +-float32 max on both sides (what
-  the seed comparison tool does); the NaN/Inf/overflow counters are taken on
-  the raw values.
-* e_i = d_i - r_i, a_i = |e_i|; element i mismatches when
-  ``a_i > atol + rtol * |r_i|``.
-* rel_i = a_i / |r_i|, with |r_i| replaced by REL_EPS where r_i == 0.
+* A pair (r_i, d_i) is *finite* when both values are finite.  Only finite
+  pairs enter a statistic: every sum, moment, maximum, relative error, the
+  KL divergence, cosine, pearson, mse, rmse, sqnr_db, rel_euclidean, the
+  rel_err_lt_* fractions and the reference mean / std / rms.  A finite pair
+  mismatches when ``|d_i - r_i| > atol + rtol * |r_i|``.
+* A non-finite pair (NaN or +-Inf on either side) enters no statistic and
+  mismatches, except when both sides are the same infinity (+Inf/+Inf,
+  -Inf/-Inf), which is equal: NaN against anything (NaN included), Inf
+  against a finite value, +Inf against -Inf and Inf against NaN all fail.
+  Substituting numbers for NaN/Inf before comparing (what the vendor tool
+  does) would let a device NaN pass against a reference 0 and blend a
+  float32-max stand-in into every statistic.
+* ``errors`` counts finite and non-finite mismatches; ``nonfinite_errors``
+  the non-finite ones, ``both_nan`` the pairs NaN on both sides and
+  ``finite_pairs`` the finite pairs; ``total`` is the element count.
+* When both tensors have integer or bool dtypes (any mix), a pair
+  mismatches iff the values differ as integers: no tolerance, and int64
+  beyond 2**53 or uint64 against int64 are told apart.  |e_i| is the exact
+  integer difference rounded once to float64; the other statistics use the
+  values converted to float64.  Every integer pair is finite.  An integer
+  tensor against a float one follows the float rules.
+* e_i = d_i - r_i, a_i = |e_i|, rel_i = a_i / |r_i| with |r_i| replaced by
+  REL_EPS where r_i == 0.  max/mean_abs_diff, max/mean_rel_err, mse and the
+  rel_err_lt_* fractions are over the finite pairs; max/mean_abs_err (the
+  vendor's columns) over the finite mismatching pairs: 0 when nothing
+  mismatches, NaN when every mismatch is a non-finite pair.
+* Undefined is NaN, never a plausible number: with no finite pair every
+  statistic is NaN; cosine is NaN when either side is all zero, pearson
+  when either side is constant, kl_div when either side's sum of |x| is 0;
+  sqnr_db is +inf when the error energy is 0 and the reference's is not,
+  -inf the other way round, NaN when both are 0; rel_euclidean is inf when
+  the reference is all zero and the error is not, NaN when both are.
 * KL(P||Q) with P = |r| / sum|r|, Q = |d| / sum|d|, computed as
   ``(1/Sr) * sum |r_i| (ln max(|r_i|, REL_EPS) - ln max(|d_i|, REL_EPS))
   + ln(Sd/Sr)``: the floor is applied to the magnitudes, not to the
@@ -22,6 +48,15 @@ Definitions (``reference_metrics`` is the executable form of this list):
   would need a second pass (and could not be merged across chunks).  Exactly
   KL whenever no non-zero magnitude lies below 1e-10.  Clamped at 0 (it can
   only come out negative through rounding).
+* ``ref_value``/``dev_value`` (the vendor's ref_value / npu_value columns)
+  are the values at the first mismatch, or at element 0 when nothing
+  mismatches, shown with the vendor's display rule: NaN as 0 and +-Inf as
+  +-float32 max.  That rule applies to these two fields only;
+  ``worst_elements`` rows show the raw values.
+* ``ref_nan``/``ref_inf``/``dev_nan``/``dev_inf`` count the raw values of
+  each side.  ``fp16_overflow``/``dev_fp16_overflow`` count finite values
+  with |x| > 65504 in float tensors (Inf is counted as Inf); they are 0 for
+  integer and bool tensors, which no FP16 range applies to.
 
 Implementation: float32 and float16 pairs go through a hand-vectorised
 kernel (LLVM IR emitted from numba intrinsics: 16 float32 lanes with
@@ -29,15 +64,17 @@ AVX-512, 8 elsewhere; blocks of 2048 elements kept in L1 while the next one is
 prefetched, no tensor-sized temporaries, float16 read as bits and widened in
 registers).  Blocks containing NaN, Inf, magnitudes above
 65504 or non-zero magnitudes below 2**-80 fall back to a scalar float64 path
-that applies the replacement; every other dtype combination is widened to
-float64 in bounded pieces and takes the scalar path.  First-, second- and
-co-moments are accumulated about a per-block shift and merged with Chan's
-pairwise formulas, so a large mean does not eat the variance and constant
-tensors have exactly zero variance.  The device moments are rebuilt from
-those of u = r - shift and w = (d - shift_d) - u, so 1 - cosine and
-1 - pearson keep relative accuracy when the tensors nearly agree; where
-they do not, and building the device moments that way would cancel (more
-than two bits lost), the block's moments are summed again in float64.
+that sets the non-finite pairs aside; integer/bool pairs take an exact
+integer path, and every other dtype combination is widened to float64 in
+bounded pieces and takes the scalar path.  First-, second- and
+co-moments are accumulated about a per-block shift (a finite pair of the
+block) and merged with Chan's pairwise formulas, so a large mean does not
+eat the variance and constant tensors have exactly zero variance.  The
+device moments are rebuilt from those of u = r - shift and
+w = (d - shift_d) - u, so 1 - cosine and 1 - pearson keep relative
+accuracy when the tensors nearly agree; where they do not, and building
+the device moments that way would cancel (more than two bits lost), the
+block's moments are summed again in float64.
 
 Accuracy: every count, offset and maximum is exact, i.e. agrees with
 ``reference_metrics``.  The float32 kernel decides them with a safety band
@@ -60,10 +97,11 @@ accumulated as above, and sum |d| is taken as sum |r| + sum (|d| - |r|)
 where that does not cancel; KL then differs from the float64 definition by
 at most ~2e-6 times the |r|-weighted mean of |ln(|r|/|d|)| (below 1e-7
 absolute on typical data).  Other dtypes use float64 throughout (sums to
-float64 summation order).  The per-element formulas never depend on how a
-tensor is chunked, so chunked and whole results differ only in summation
-order: for float32/float16 pairs that is the float32 accuracy above, for
-other dtypes relative 1e-9 is far more than enough.
+float64 summation order; integer |e| from the exact difference).  The
+per-element formulas never depend on how a tensor is chunked, so chunked
+and whole results differ only in summation order: for float32/float16
+pairs that is the float32 accuracy above, for other dtypes relative 1e-9 is
+far more than enough.
 """
 
 from __future__ import annotations
@@ -93,6 +131,7 @@ __all__ = [
     "merge",
     "finalize",
     "worst_elements",
+    "worst_row_key",
     "reference_metrics",
     "warmup",
 ]
@@ -123,9 +162,11 @@ _BLOCK = 2048
 class NodeMetrics:
     """Metrics of one node (see the module docstring for the definitions).
 
-    ``ref_value``/``dev_value`` are after NaN/Inf replacement.  For an empty
-    tensor every statistic over elements is NaN, while the mismatch fields
-    are 0 / -1 / ().
+    ``ref_value``/``dev_value`` follow the vendor's display rule (NaN shown
+    as 0, +-Inf as +-float32 max); every other field is computed on the raw
+    values.  Statistics are over the ``finite_pairs`` finite pairs and NaN
+    when there are none (an empty tensor included), while the mismatch
+    fields are then 0 / -1 / ().
     """
 
     total: int
@@ -159,6 +200,9 @@ class NodeMetrics:
     dev_inf: int
     fp16_overflow: int
     dev_fp16_overflow: int
+    finite_pairs: int
+    both_nan: int
+    nonfinite_errors: int
     atol: float
     rtol: float
 
@@ -186,10 +230,12 @@ class NodeMetrics:
 _I_N, _I_NERR, _I_FIRST, _I_V0 = 0, 1, 2, 3
 _I_REF_NAN, _I_REF_INF, _I_DEV_NAN, _I_DEV_INF, _I_REF_OVF, _I_DEV_OVF = 4, 5, 6, 7, 8, 9
 _I_REL1, _I_REL5 = 10, 11
-_NI = 12
+_I_NFIN, _I_BOTH_NAN, _I_NFE = 12, 13, 14
+_NI = 15
 _INT_FIELDS = (
     "n", "errors", "first_offset", "v0_offset", "ref_nan", "ref_inf", "dev_nan",
     "dev_inf", "ref_overflow", "dev_overflow", "n_rel_lt_0_001", "n_rel_lt_0_005",
+    "finite_pairs", "both_nan", "nonfinite_errors",
 )
 # Float part.  Moments are kept centred (Chan et al. parallel form): a
 # reference with a large mean and a small spread keeps its std, and a
@@ -210,13 +256,16 @@ _FLOAT_FIELDS = (
 class Accumulator:
     """Mergeable partial result of the metric pass (numbers only).
 
-    ``mean_ref/m2_ref``, ``mean_dev/m2_dev`` and ``c_ref_dev`` are the
-    centred first and second moments of r and d and their co-moment;
-    ``sum_sq_diff`` is sum (d - r)^2 (kept directly: it cannot be recovered
-    from the moments without cancellation).  ``v0_*`` hold the values at the smallest offset seen
+    ``n`` counts every element, ``finite_pairs`` the finite pairs that all
+    sums, moments and maxima are over; ``errors`` includes the
+    ``nonfinite_errors``.  ``mean_ref/m2_ref``, ``mean_dev/m2_dev`` and
+    ``c_ref_dev`` are the centred first and second moments of r and d over
+    the finite pairs and their co-moment; ``sum_sq_diff`` is sum (d - r)^2
+    (kept directly: it cannot be recovered from the moments without
+    cancellation).  ``v0_*`` hold the values at the smallest offset seen
     (offset 0 once all chunks are merged), ``first_*`` those at the first
-    mismatch; offsets are -1 when absent.  Values are after NaN/Inf
-    replacement.
+    mismatch; offsets are -1 when absent.  These four values follow the
+    display rule (NaN as 0, +-Inf as +-float32 max).
     """
 
     atol: float = ATOL_DEFAULT
@@ -233,6 +282,9 @@ class Accumulator:
     dev_overflow: int = 0
     n_rel_lt_0_001: int = 0
     n_rel_lt_0_005: int = 0
+    finite_pairs: int = 0
+    both_nan: int = 0
+    nonfinite_errors: int = 0
     first_ref: float = math.nan
     first_dev: float = math.nan
     v0_ref: float = math.nan
@@ -469,17 +521,21 @@ def _emit_h2f(b, h):
 
 
 # Order of the per-block sums written by the kernels (and by the scalar path).
-# u = r - shift_r, v = d - shift_d (shifts: first values of the block).
+# u = r - shift_r, v = d - shift_d (shifts: the values of the block's first
+# finite pair).
 # _B_NERRP and _B_AMB are only written by the float32 sweep: the number of
 # lanes that may mismatch, and the number whose relative error lies too close
 # to 0.001 or 0.005 for float32 to decide (both 0 means its counts are exact).
 # _B_SUW and _B_SW2 are the float32 sweep's sum u*w and sum w*w (w = v - u):
 # when the device moments built from them cancel, the block's moments are
-# summed again in float64 (_redo_moments).
+# summed again in float64 (_redo_moments).  _B_NFIN is the number of finite
+# pairs the sums are over (set by the caller for the vector part: the kernel
+# only accepts blocks of finite pairs); _B_NERR also counts the non-finite
+# mismatches, which add to no sum.
 (_B_SU, _B_SU2, _B_SV, _B_SV2, _B_SUV, _B_SE2, _B_SAE, _B_MAE, _B_SAR, _B_SAD,
  _B_NERR, _B_SERR, _B_MERR, _B_SREL, _B_MREL, _B_C1, _B_C5, _B_SKL,
- _B_NERRP, _B_AMB, _B_SUW, _B_SW2) = range(22)
-_NB = 22
+ _B_NERRP, _B_AMB, _B_SUW, _B_SW2, _B_NFIN) = range(23)
+_NB = 23
 
 # Groups of _W elements summed in float32 before a partial sum is widened to
 # float64: each float32 lane then adds at most 32 terms, which bounds the
@@ -1016,6 +1072,7 @@ def _ov_ld32(a, i):
 
 @njit(inline="always", error_model="numpy")
 def _replace64(v):
+    # The vendor's display rule, for ref_value/dev_value only.
     if v != v:
         return 0.0
     if v == np.inf:
@@ -1026,31 +1083,62 @@ def _replace64(v):
 
 
 @njit(inline="always", error_model="numpy")
-def _count_special(x, y, spc):
-    if x != x:
-        spc[0] += 1
-    elif abs(x) == np.inf:
-        spc[1] += 1
-    elif abs(x) > FP16_MAX:
-        spc[4] += 1
-    if y != y:
-        spc[2] += 1
-    elif abs(y) == np.inf:
-        spc[3] += 1
-        spc[5] += 1
-    elif abs(y) > FP16_MAX:
-        spc[5] += 1
+def _finite(v):
+    return abs(v) < np.inf
 
 
 @njit(inline="always", error_model="numpy")
-def _elem_common(x, y, sr, sd, atol, rtol, blk):
-    # x, y: replaced values as float64.  Same operations, with the same
-    # rounding, as the float64 sweep (_build_exact_fn) and reference_metrics.
+def _mismatch64(x, y, atol, rtol):
+    """Element mismatch test (module docstring): tolerance on a finite pair,
+    anything but the same infinity on both sides otherwise."""
+    if _finite(x) and _finite(y):
+        return abs(y - x) > abs(x) * rtol + atol
+    return not (x == y)
+
+
+# Per-call integer counters (spc) of the scalar paths.
+_S_REF_NAN, _S_REF_INF, _S_DEV_NAN, _S_DEV_INF, _S_REF_OVF, _S_DEV_OVF = 0, 1, 2, 3, 4, 5
+_S_BOTH_NAN, _S_NFE = 6, 7
+_NS = 8
+
+
+@njit(inline="always", error_model="numpy")
+def _count_special(x, y, ovf_r, ovf_d, spc):
+    # Only called for pairs with a value outside [-65504, 65504] or NaN.
+    # ovf_*: whether the side is a float tensor (an FP16 range applies).
+    if x != x:
+        spc[_S_REF_NAN] += 1
+    elif abs(x) == np.inf:
+        spc[_S_REF_INF] += 1
+    elif ovf_r and abs(x) > FP16_MAX:
+        spc[_S_REF_OVF] += 1
+    if y != y:
+        spc[_S_DEV_NAN] += 1
+    elif abs(y) == np.inf:
+        spc[_S_DEV_INF] += 1
+    elif ovf_d and abs(y) > FP16_MAX:
+        spc[_S_DEV_OVF] += 1
+
+
+@njit(inline="always", error_model="numpy")
+def _nonfinite_pair(x, y, blk, spc):
+    # Enters no statistic; a mismatch unless both sides are the same infinity.
+    if x != x and y != y:
+        spc[_S_BOTH_NAN] += 1
+    if not (x == y):
+        blk[_B_NERR] += 1.0
+        spc[_S_NFE] += 1
+
+
+@njit(inline="always", error_model="numpy")
+def _elem_stats(x, y, e, ae, mis, sr, sd, blk):
+    # One finite pair: x, y the values as float64, e = d - r, ae = |e|.
+    # Same operations, with the same rounding, as the float64 sweep
+    # (_build_exact_fn) and reference_metrics.
     u = x - sr
     v = y - sd
-    e = y - x
-    ae = abs(e)
     ax = abs(x)
+    blk[_B_NFIN] += 1.0
     blk[_B_SU] += u
     blk[_B_SU2] += u * u
     blk[_B_SV] += v
@@ -1062,7 +1150,7 @@ def _elem_common(x, y, sr, sd, atol, rtol, blk):
         blk[_B_MAE] = ae
     blk[_B_SAR] += ax
     blk[_B_SAD] += abs(y)
-    if ae > ax * rtol + atol:
+    if mis:
         blk[_B_NERR] += 1.0
         blk[_B_SERR] += ae
         if ae > blk[_B_MERR]:
@@ -1076,6 +1164,14 @@ def _elem_common(x, y, sr, sd, atol, rtol, blk):
         blk[_B_C1] += 1.0
     if rel < 0.005:
         blk[_B_C5] += 1.0
+
+
+@njit(inline="always", error_model="numpy")
+def _elem_common(x, y, sr, sd, atol, rtol, blk):
+    # x, y: a finite pair as float64.
+    e = y - x
+    ae = abs(e)
+    _elem_stats(x, y, e, ae, ae > abs(x) * rtol + atol, sr, sd, blk)
 
 
 @njit(inline="always", error_model="numpy")
@@ -1094,27 +1190,73 @@ def _elem32(rr, dd, sr, sd, atol, rtol, blk, spc):
     else:
         x = np.float64(rr)
         y = np.float64(dd)
-        _count_special(x, y, spc)
-        x = _replace64(x)
-        y = _replace64(y)
-        _elem_common(x, y, sr, sd, atol, rtol, blk)
-        blk[_B_SKL] += abs(x) * _log_term64(x, y)
+        _count_special(x, y, True, True, spc)
+        if _finite(x) and _finite(y):
+            _elem_common(x, y, sr, sd, atol, rtol, blk)
+            blk[_B_SKL] += abs(x) * _log_term64(x, y)
+        else:
+            _nonfinite_pair(x, y, blk, spc)
 
 
 @njit(inline="always", error_model="numpy")
-def _elem64(x, y, sr, sd, atol, rtol, blk, spc):
+def _elem64(x, y, sr, sd, atol, rtol, blk, spc, ovf_r, ovf_d):
     if not (abs(x) <= FP16_MAX and abs(y) <= FP16_MAX):
-        _count_special(x, y, spc)
-        x = _replace64(x)
-        y = _replace64(y)
+        _count_special(x, y, ovf_r, ovf_d, spc)
+        if not (_finite(x) and _finite(y)):
+            _nonfinite_pair(x, y, blk, spc)
+            return
     _elem_common(x, y, sr, sd, atol, rtol, blk)
     blk[_B_SKL] += abs(x) * _log_term64(x, y)
+
+
+# The top bit of a uint64 (2**63).
+_U63 = np.uint64(1 << 63)
+
+
+@njit(inline="always", error_model="numpy")
+def _isplit(v, uns):
+    """(negative, magnitude as uint64) of an integer given as int64; with
+    ``uns`` the int64 holds the bits of a uint64."""
+    if uns or v >= 0:
+        return False, np.uint64(v)
+    return True, np.uint64(-(v + 1)) + np.uint64(1)
+
+
+@njit(inline="always", error_model="numpy")
+def _ifloat(neg, mag):
+    f = np.float64(mag)
+    return -f if neg else f
+
+
+@njit(inline="always", error_model="numpy")
+def _idiff(rn, rm, dn, dm):
+    """d - r of two sign/magnitude integers, rounded once to float64.
+
+    The magnitude of the difference can reach 2**64 + 2**63 (uint64 max
+    against int64 min): when the sum of magnitudes carries past 2**64, half
+    of it (with the dropped bit kept as a sticky bit, so that the rounding
+    is still the correct one) fits a uint64 and is converted instead."""
+    if rn == dn:
+        if dm >= rm:
+            ae = np.float64(dm - rm)
+            pos = not dn
+        else:
+            ae = np.float64(rm - dm)
+            pos = dn
+    else:
+        t = rm + dm
+        if t < rm:
+            ae = 2.0 * np.float64((t >> np.uint64(1)) | (t & np.uint64(1)) | _U63)
+        else:
+            ae = np.float64(t)
+        pos = rn
+    return ae if pos else -ae
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
 def _merge_moments(iv, fv, n_b, mean_r, m2_r, mean_d, m2_d, c_rd):
     """Chan et al. pairwise update of the centred moments in (iv, fv)."""
-    n_a = iv[_I_N]
+    n_a = iv[_I_NFIN]
     if n_b == 0:
         return
     if n_a == 0:
@@ -1138,15 +1280,19 @@ def _merge_moments(iv, fv, n_b, mean_r, m2_r, mean_d, m2_d, c_rd):
 
 @njit(error_model="numpy", nogil=True, cache=True)
 def _merge_block(iv, fv, blk, m, sr, sd):
-    mu = blk[_B_SU] / m
-    mv = blk[_B_SV] / m
-    # The shifts are elements of the block, so these differences lose at
-    # most ~m ulps even when a shift is an outlier; a constant block has
-    # u == 0 (v == 0) everywhere and gets exactly zero variance.
-    m2_r = max(blk[_B_SU2] - blk[_B_SU] * mu, 0.0)
-    m2_d = max(blk[_B_SV2] - blk[_B_SV] * mv, 0.0)
-    c_rd = blk[_B_SUV] - blk[_B_SU] * mv
-    _merge_moments(iv, fv, m, sr + mu, m2_r, sd + mv, m2_d, c_rd)
+    # m: elements of the block; the sums are over its blk[_B_NFIN] finite pairs.
+    mf = np.int64(blk[_B_NFIN])
+    if mf > 0:
+        mu = blk[_B_SU] / mf
+        mv = blk[_B_SV] / mf
+        # The shifts are values of the block, so these differences lose at
+        # most ~m ulps even when a shift is an outlier; a constant block has
+        # u == 0 (v == 0) everywhere and gets exactly zero variance.
+        m2_r = max(blk[_B_SU2] - blk[_B_SU] * mu, 0.0)
+        m2_d = max(blk[_B_SV2] - blk[_B_SV] * mv, 0.0)
+        c_rd = blk[_B_SUV] - blk[_B_SU] * mv
+        _merge_moments(iv, fv, mf, sr + mu, m2_r, sd + mv, m2_d, c_rd)
+        iv[_I_NFIN] += mf
     iv[_I_N] += m
     nerr = np.int64(blk[_B_NERR])
     iv[_I_NERR] += nerr
@@ -1169,12 +1315,14 @@ def _merge_block(iv, fv, blk, m, sr, sd):
 
 @njit(error_model="numpy", nogil=True, cache=True)
 def _finish_specials(iv, spc):
-    iv[_I_REF_NAN] += spc[0]
-    iv[_I_REF_INF] += spc[1]
-    iv[_I_DEV_NAN] += spc[2]
-    iv[_I_DEV_INF] += spc[3]
-    iv[_I_REF_OVF] += spc[4]
-    iv[_I_DEV_OVF] += spc[5]
+    iv[_I_REF_NAN] += spc[_S_REF_NAN]
+    iv[_I_REF_INF] += spc[_S_REF_INF]
+    iv[_I_DEV_NAN] += spc[_S_DEV_NAN]
+    iv[_I_DEV_INF] += spc[_S_DEV_INF]
+    iv[_I_REF_OVF] += spc[_S_REF_OVF]
+    iv[_I_DEV_OVF] += spc[_S_DEV_OVF]
+    iv[_I_BOTH_NAN] += spc[_S_BOTH_NAN]
+    iv[_I_NFE] += spc[_S_NFE]
 
 
 # Bounds on the relative error of the float32 |e| (one rounding) and of a
@@ -1201,9 +1349,9 @@ def _moments_cancel(blk):
 @njit(error_model="numpy", nogil=True, cache=True)
 def _redo_moments(r, d, lo, hi, sr, sd, blk):
     """The moment sums of elements [lo, hi) in float64, with the operations
-    and rounding of the scalar path (_elem_common). The float32 sweep only
-    takes blocks free of NaN, Inf and out-of-range values, so no value needs
-    replacing here."""
+    and rounding of the scalar path (_elem_stats). The float32 sweep only
+    takes blocks free of NaN, Inf and out-of-range values, so every pair
+    here is finite."""
     su = su2 = sv = sv2 = suv = 0.0
     for i in range(lo, hi):
         u = np.float64(_ld32(r, i)) - sr
@@ -1220,6 +1368,18 @@ def _redo_moments(r, d, lo, hi, sr, sd, blk):
     blk[_B_SUV] = suv
 
 
+@njit(inline="always", error_model="numpy")
+def _shift32(r, d, lo, hi):
+    """Moment shifts of block [lo, hi): its first finite pair (0 if none).
+    A non-finite value would turn every u = r - shift into NaN or Inf."""
+    for i in range(lo, hi):
+        x = np.float64(_ld32(r, i))
+        y = np.float64(_ld32(d, i))
+        if _finite(x) and _finite(y):
+            return x, y
+    return 0.0, 0.0
+
+
 @njit(error_model="numpy", nogil=True, cache=True)
 def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
     """Metric pass over float32 / float16-bits arrays (1-D, C order).
@@ -1230,17 +1390,18 @@ def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
     """
     n = r.size
     blk = np.empty(_NB, np.float64)
-    spc = np.zeros(6, np.int64)
+    spc = np.zeros(_NS, np.int64)
     for s in range(0, n, _BLOCK):
         m = min(_BLOCK, n - s)
-        sr = _replace64(np.float64(_ld32(r, s)))
-        sd = _replace64(np.float64(_ld32(d, s)))
+        sr, sd = _shift32(r, d, s, s + m)
         ng = m // _W
         blk[:] = 0.0
         start = s
         if ng > 0:
             if _block_kernel(r, d, s, ng, rtol_lo, atol_lo, sr, sd, blk) == 0:
                 start = s + ng * _W
+                # The kernel only accepts groups of finite pairs.
+                blk[_B_NFIN] = np.float64(ng * _W)
                 # When a count was not decided (or relative errors are huge)
                 # the float64 sweep replaces the block's tolerance and
                 # relative-error results.  The float32 maxima of |e| and of
@@ -1267,12 +1428,12 @@ def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
             _elem32(_ld32(r, i), _ld32(d, i), sr, sd, atol, rtol, blk, spc)
         if blk[_B_NERR] > 0.0 and iv[_I_FIRST] < 0:
             for i in range(s, s + m):
-                x = _replace64(np.float64(_ld32(r, i)))
-                y = _replace64(np.float64(_ld32(d, i)))
-                if abs(y - x) > abs(x) * rtol + atol:
+                x = np.float64(_ld32(r, i))
+                y = np.float64(_ld32(d, i))
+                if _mismatch64(x, y, atol, rtol):
                     iv[_I_FIRST] = base + i
-                    fv[_F_FIRST_REF] = x
-                    fv[_F_FIRST_DEV] = y
+                    fv[_F_FIRST_REF] = _replace64(x)
+                    fv[_F_FIRST_DEV] = _replace64(y)
                     break
         _merge_block(iv, fv, blk, m, sr, sd)
     _finish_specials(iv, spc)
@@ -1283,26 +1444,31 @@ def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
-def _acc_f64(r, d, atol, rtol, base, iv, fv):
-    """Same pass, all in float64, for every other dtype (float64 inputs)."""
+def _acc_f64(r, d, atol, rtol, base, iv, fv, ovf_r, ovf_d):
+    """Same pass, all in float64, for every other dtype (float64 inputs).
+
+    ``ovf_r``/``ovf_d``: whether that side is a float tensor (an integer
+    side mixed with a float one counts no FP16 overflow)."""
     n = r.size
     blk = np.empty(_NB, np.float64)
-    spc = np.zeros(6, np.int64)
+    spc = np.zeros(_NS, np.int64)
     for s in range(0, n, _BLOCK):
         m = min(_BLOCK, n - s)
-        sr = _replace64(r[s])
-        sd = _replace64(d[s])
+        sr = sd = 0.0
+        for i in range(s, s + m):
+            if _finite(r[i]) and _finite(d[i]):
+                sr = r[i]
+                sd = d[i]
+                break
         blk[:] = 0.0
         for i in range(s, s + m):
-            _elem64(r[i], d[i], sr, sd, atol, rtol, blk, spc)
+            _elem64(r[i], d[i], sr, sd, atol, rtol, blk, spc, ovf_r, ovf_d)
         if blk[_B_NERR] > 0.0 and iv[_I_FIRST] < 0:
             for i in range(s, s + m):
-                x = _replace64(r[i])
-                y = _replace64(d[i])
-                if abs(y - x) > abs(x) * rtol + atol:
+                if _mismatch64(r[i], d[i], atol, rtol):
                     iv[_I_FIRST] = base + i
-                    fv[_F_FIRST_REF] = x
-                    fv[_F_FIRST_DEV] = y
+                    fv[_F_FIRST_REF] = _replace64(r[i])
+                    fv[_F_FIRST_DEV] = _replace64(d[i])
                     break
         _merge_block(iv, fv, blk, m, sr, sd)
     _finish_specials(iv, spc)
@@ -1313,14 +1479,53 @@ def _acc_f64(r, d, atol, rtol, base, iv, fv):
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
+def _acc_int(r, d, ru, du, base, iv, fv):
+    """Same pass for two integer/bool tensors given as int64 arrays (``ru``/
+    ``du``: the array holds uint64 bits).  Pairs compare exactly as
+    integers; |e| is the exact difference rounded once to float64, the
+    other sums use the values as float64.  Every pair is finite."""
+    n = r.size
+    blk = np.empty(_NB, np.float64)
+    for s in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - s)
+        rn, rm = _isplit(r[s], ru)
+        dn, dm = _isplit(d[s], du)
+        sr = _ifloat(rn, rm)
+        sd = _ifloat(dn, dm)
+        blk[:] = 0.0
+        for i in range(s, s + m):
+            rn, rm = _isplit(r[i], ru)
+            dn, dm = _isplit(d[i], du)
+            x = _ifloat(rn, rm)
+            y = _ifloat(dn, dm)
+            e = _idiff(rn, rm, dn, dm)
+            _elem_stats(x, y, e, abs(e), rn != dn or rm != dm, sr, sd, blk)
+            blk[_B_SKL] += abs(x) * _log_term64(x, y)
+        if blk[_B_NERR] > 0.0 and iv[_I_FIRST] < 0:
+            for i in range(s, s + m):
+                rn, rm = _isplit(r[i], ru)
+                dn, dm = _isplit(d[i], du)
+                if rn != dn or rm != dm:
+                    iv[_I_FIRST] = base + i
+                    fv[_F_FIRST_REF] = _ifloat(rn, rm)
+                    fv[_F_FIRST_DEV] = _ifloat(dn, dm)
+                    break
+        _merge_block(iv, fv, blk, m, sr, sd)
+    if n > 0 and (iv[_I_V0] < 0 or base < iv[_I_V0]):
+        iv[_I_V0] = base
+        rn, rm = _isplit(r[0], ru)
+        dn, dm = _isplit(d[0], du)
+        fv[_F_V0_REF] = _ifloat(rn, rm)
+        fv[_F_V0_DEV] = _ifloat(dn, dm)
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
 def _merge_state(iv, fv, jv, gv):
     """(iv, fv) <- (iv, fv) merged with (jv, gv)."""
-    n_b = jv[_I_N]
-    _merge_moments(iv, fv, n_b, gv[_F_MEAN_R], gv[_F_M2_R], gv[_F_MEAN_D], gv[_F_M2_D],
-                   gv[_F_C_RD])
-    iv[_I_N] += n_b
-    for k in (_I_NERR, _I_REF_NAN, _I_REF_INF, _I_DEV_NAN, _I_DEV_INF, _I_REF_OVF,
-              _I_DEV_OVF, _I_REL1, _I_REL5):
+    _merge_moments(iv, fv, jv[_I_NFIN], gv[_F_MEAN_R], gv[_F_M2_R], gv[_F_MEAN_D],
+                   gv[_F_M2_D], gv[_F_C_RD])
+    for k in (_I_N, _I_NFIN, _I_NERR, _I_REF_NAN, _I_REF_INF, _I_DEV_NAN, _I_DEV_INF,
+              _I_REF_OVF, _I_DEV_OVF, _I_REL1, _I_REL5, _I_BOTH_NAN, _I_NFE):
         iv[k] += jv[k]
     if jv[_I_FIRST] >= 0 and (iv[_I_FIRST] < 0 or jv[_I_FIRST] < iv[_I_FIRST]):
         iv[_I_FIRST] = jv[_I_FIRST]
@@ -1360,13 +1565,22 @@ def _kind(a: np.ndarray) -> str:
         return "f16"
     if dt == np.float64:
         return "f64"
-    if dt.kind in "iufb":
-        return "other"
+    if dt.kind == "f":
+        return "float"
+    if dt.kind in "iub":
+        return "int"
     raise TypeError(f"unsupported tensor dtype {dt}")
 
 
 def _as_f64(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.float64 else a.astype(np.float64)
+
+
+def _as_i64(a: np.ndarray) -> np.ndarray:
+    """An integer/bool piece as int64 (uint64 as its bits: see ``_isplit``)."""
+    if a.dtype == np.uint64:
+        return a.view(np.int64)
+    return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
 _warm_lock = threading.Lock()
@@ -1389,7 +1603,9 @@ def warmup() -> None:
             iv, fv = _new_state()
             _acc_fast(r, d, ATOL_DEFAULT, RTOL_DEFAULT, rtol_lo, atol_lo, False, 0, iv, fv)
         iv, fv = _new_state()
-        _acc_f64(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv)
+        _acc_f64(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv, True, True)
+        i64 = np.zeros(16, np.int64)
+        _acc_int(i64, i64, False, False, 0, iv, fv)
         _merge_state(iv, fv, iv.copy(), fv.copy())
         _warmed = True
 
@@ -1414,11 +1630,16 @@ def _run(ref, dev, atol, rtol, base):
         rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
         _acc_fast(rv, dv, atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv)
     elif kr == "f64" and kd == "f64":
-        _acc_f64(r, d, atol, rtol, base, iv, fv)
+        _acc_f64(r, d, atol, rtol, base, iv, fv, True, True)
+    elif kr == "int" and kd == "int":
+        ru, du = r.dtype == np.uint64, d.dtype == np.uint64
+        for s in range(0, r.size, _PIECE):
+            _acc_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, base + s,
+                     iv, fv)
     else:
         for s in range(0, r.size, _PIECE):
             _acc_f64(_as_f64(r[s:s + _PIECE]), _as_f64(d[s:s + _PIECE]), atol, rtol,
-                     base + s, iv, fv)
+                     base + s, iv, fv, kr != "int", kd != "int")
     return iv, fv
 
 
@@ -1464,6 +1685,32 @@ def _clip1(x: float) -> float:
     return min(max(x, -1.0), 1.0) if x == x else x
 
 
+_STAT_FIELDS = ("max_abs_diff", "mean_abs_diff", "max_rel_err", "mean_rel_err", "ref_mean",
+                "ref_std", "ref_rms", "cosine", "mse", "rmse", "pearson", "sqnr_db",
+                "rel_euclidean", "kl_div", "rel_err_lt_0_001", "rel_err_lt_0_005")
+
+
+def _sqnr_db(r_zero: bool, e_zero: bool, sum_r2: float, sum_e2: float) -> float:
+    """10 log10(reference energy / error energy); r_zero / e_zero say whether
+    the reference / the error is all zero (decided exactly, while a sum of
+    squares can underflow)."""
+    if r_zero or e_zero:
+        return math.nan if r_zero and e_zero else (-math.inf if r_zero else math.inf)
+    if sum_e2 == 0.0:
+        return math.inf if sum_r2 > 0.0 else math.nan
+    q = sum_r2 / sum_e2
+    return 10.0 * math.log10(q) if q > 0.0 else -math.inf
+
+
+def _rel_euclidean(r_zero: bool, e_zero: bool, sum_r2: float, sum_e2: float) -> float:
+    """||d - r|| / ||r||; undefined (NaN) when both are zero."""
+    if r_zero:
+        return math.nan if e_zero else math.inf
+    if sum_r2 == 0.0:
+        return math.inf if sum_e2 > 0.0 else math.nan
+    return math.sqrt(sum_e2) / math.sqrt(sum_r2)
+
+
 def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetrics:
     """NodeMetrics from a (merged) accumulator.
 
@@ -1478,6 +1725,8 @@ def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetr
         raise ValueError(f"shape {shape} does not hold {n} elements")
     nan = math.nan
     errors = int(acc.errors)
+    nfe = int(acc.nonfinite_errors)
+    nf = int(acc.finite_pairs)
     first = int(acc.first_offset) if errors > 0 else -1
     if first >= 0:
         ref_value, dev_value = acc.first_ref, acc.first_dev
@@ -1485,66 +1734,52 @@ def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetr
         ref_value, dev_value = acc.v0_ref, acc.v0_dev
     else:
         ref_value = dev_value = nan
-    max_abs_err = float(acc.max_err) if errors else 0.0
-    mean_abs_err = float(acc.sum_err) / errors if errors else 0.0
+    # Over the finite mismatching pairs; undefined when every mismatch is
+    # a non-finite pair.
+    finite_errors = errors - nfe
+    if finite_errors > 0:
+        max_abs_err = float(acc.max_err)
+        mean_abs_err = float(acc.sum_err) / finite_errors
+    else:
+        max_abs_err = mean_abs_err = nan if errors else 0.0
 
-    if n == 0:
-        vals = dict.fromkeys(
-            ("max_abs_diff", "mean_abs_diff", "max_rel_err", "mean_rel_err", "ref_mean",
-             "ref_std", "ref_rms", "cosine", "mse", "rmse", "pearson", "sqnr_db",
-             "rel_euclidean", "kl_div", "rel_err_lt_0_001", "rel_err_lt_0_005"), nan)
+    if nf == 0:
+        vals = dict.fromkeys(_STAT_FIELDS, nan)
     else:
         m2_r = max(acc.m2_ref, 0.0)
         m2_d = max(acc.m2_dev, 0.0)
-        sum_r2 = m2_r + n * acc.mean_ref * acc.mean_ref
-        sum_d2 = m2_d + n * acc.mean_dev * acc.mean_dev
-        sum_rd = acc.c_ref_dev + n * acc.mean_ref * acc.mean_dev
+        sum_r2 = m2_r + nf * acc.mean_ref * acc.mean_ref
+        sum_d2 = m2_d + nf * acc.mean_dev * acc.mean_dev
+        sum_rd = acc.c_ref_dev + nf * acc.mean_ref * acc.mean_dev
         sum_e2 = acc.sum_sq_diff
+        # Sums of magnitudes are 0 exactly when every term is.
         r_zero = acc.sum_abs_ref == 0.0
         d_zero = acc.sum_abs_dev == 0.0
-        same = acc.sum_abs_diff == 0.0
-        if r_zero and d_zero:
-            cosine = 1.0
-        elif r_zero or d_zero:
-            cosine = 0.0
+        e_zero = acc.sum_abs_diff == 0.0
+        if r_zero or d_zero:
+            cosine = nan
         else:
             cosine = _clip1(_ratio(sum_rd, math.sqrt(sum_r2) * math.sqrt(sum_d2)))
         # Exact zero variance: a constant block has u == 0 (v == 0) and the
         # Chan merge of equal means adds exactly 0.
-        r_const = m2_r == 0.0
-        d_const = m2_d == 0.0
-        if r_const and d_const:
-            pearson = 1.0 if acc.mean_ref == acc.mean_dev else nan
-        elif r_const or d_const:
+        if m2_r == 0.0 or m2_d == 0.0:
             pearson = nan
         else:
             pearson = _clip1(_ratio(acc.c_ref_dev, math.sqrt(m2_r) * math.sqrt(m2_d)))
-        if same or sum_e2 == 0.0:
-            sqnr = math.inf
-        elif r_zero or sum_r2 == 0.0:
-            sqnr = -math.inf
-        else:
-            q = sum_r2 / sum_e2
-            sqnr = 10.0 * math.log10(q) if q > 0.0 else -math.inf
-        if r_zero or sum_r2 == 0.0:
-            rel_euc = 0.0 if same else math.inf
-        else:
-            rel_euc = math.sqrt(sum_e2) / math.sqrt(sum_r2)
         sr, sd = acc.sum_abs_ref, acc.sum_abs_dev
-        if sr == 0.0 and sd == 0.0:
-            kl = 0.0
-        elif sr == 0.0 or sd == 0.0:
+        if sr == 0.0 or sd == 0.0:
             kl = nan
         else:
             kl = max(acc.sum_kl / sr + math.log(sd / sr), 0.0)
-        mse = sum_e2 / n
+        mse = sum_e2 / nf
         vals = dict(
-            max_abs_diff=float(acc.max_abs_diff), mean_abs_diff=acc.sum_abs_diff / n,
-            max_rel_err=float(acc.max_rel), mean_rel_err=acc.sum_rel / n,
-            ref_mean=float(acc.mean_ref), ref_std=math.sqrt(m2_r / n),
-            ref_rms=math.sqrt(sum_r2 / n), cosine=cosine, mse=mse, rmse=math.sqrt(mse),
-            pearson=pearson, sqnr_db=sqnr, rel_euclidean=rel_euc, kl_div=kl,
-            rel_err_lt_0_001=acc.n_rel_lt_0_001 / n, rel_err_lt_0_005=acc.n_rel_lt_0_005 / n,
+            max_abs_diff=float(acc.max_abs_diff), mean_abs_diff=acc.sum_abs_diff / nf,
+            max_rel_err=float(acc.max_rel), mean_rel_err=acc.sum_rel / nf,
+            ref_mean=float(acc.mean_ref), ref_std=math.sqrt(m2_r / nf),
+            ref_rms=math.sqrt(sum_r2 / nf), cosine=cosine, mse=mse, rmse=math.sqrt(mse),
+            pearson=pearson, sqnr_db=_sqnr_db(r_zero, e_zero, sum_r2, sum_e2),
+            rel_euclidean=_rel_euclidean(r_zero, e_zero, sum_r2, sum_e2), kl_div=kl,
+            rel_err_lt_0_001=acc.n_rel_lt_0_001 / nf, rel_err_lt_0_005=acc.n_rel_lt_0_005 / nf,
         )
     return NodeMetrics(
         total=n, errors=errors, first_mismatch_offset=first,
@@ -1553,8 +1788,9 @@ def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetr
         max_abs_err=max_abs_err, mean_abs_err=mean_abs_err,
         ref_nan=int(acc.ref_nan), ref_inf=int(acc.ref_inf), dev_nan=int(acc.dev_nan),
         dev_inf=int(acc.dev_inf), fp16_overflow=int(acc.ref_overflow),
-        dev_fp16_overflow=int(acc.dev_overflow), atol=float(acc.atol), rtol=float(acc.rtol),
-        **vals,
+        dev_fp16_overflow=int(acc.dev_overflow), finite_pairs=nf,
+        both_nan=int(acc.both_nan), nonfinite_errors=nfe,
+        atol=float(acc.atol), rtol=float(acc.rtol), **vals,
     )
 
 
@@ -1572,55 +1808,90 @@ def compare(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
 
 
 @njit(inline="always")
-def _worse(a_diff, a_idx, b_diff, b_idx):
+def _worse(a_cls, a_diff, a_idx, b_cls, b_diff, b_idx):
+    # Class 0 (non-finite pairs, |e| kept at 0 so that they go by index)
+    # before class 1 (finite pairs: larger |e| first), then smaller index.
+    if a_cls != b_cls:
+        return a_cls < b_cls
     return a_diff > b_diff or (a_diff == b_diff and a_idx < b_idx)
 
 
-@njit(error_model="numpy", nogil=True, cache=True)
-def _worst(r, d, atol, rtol, base, k, hidx, hdiff):
-    """Bounded heap (root = least bad kept) of the worst mismatches.
-
-    ``k`` entries of (hidx, hdiff) are in use on entry; returns the new k.
-    """
-    count = hidx.size
-    for j in range(r.size):
-        x = _replace64(r[j])
-        y = _replace64(d[j])
-        ae = abs(y - x)
-        if not ae > abs(x) * rtol + atol:
-            continue
-        i = base + j
-        if k < count:
-            c = k
-            k += 1
-            while c > 0:
-                p = (c - 1) // 2
-                if _worse(hdiff[p], hidx[p], ae, i):
-                    hdiff[c] = hdiff[p]
-                    hidx[c] = hidx[p]
-                    c = p
-                else:
-                    break
-            hdiff[c] = ae
-            hidx[c] = i
-        elif _worse(ae, i, hdiff[0], hidx[0]):
-            c = 0
-            while True:
-                lft = 2 * c + 1
-                if lft >= k:
-                    break
-                ch = lft
-                if lft + 1 < k and _worse(hdiff[lft], hidx[lft], hdiff[lft + 1], hidx[lft + 1]):
-                    ch = lft + 1
-                if _worse(ae, i, hdiff[ch], hidx[ch]):
-                    hdiff[c] = hdiff[ch]
-                    hidx[c] = hidx[ch]
-                    c = ch
-                else:
-                    break
-            hdiff[c] = ae
-            hidx[c] = i
+@njit(inline="always")
+def _heap_add(k, hidx, hdiff, hcls, i, ae, cls):
+    """Add (i, ae, cls) to the bounded heap (root = least bad kept) of ``k``
+    entries; returns the new k."""
+    if k < hidx.size:
+        c = k
+        k += 1
+        while c > 0:
+            p = (c - 1) // 2
+            if _worse(hcls[p], hdiff[p], hidx[p], cls, ae, i):
+                hdiff[c] = hdiff[p]
+                hidx[c] = hidx[p]
+                hcls[c] = hcls[p]
+                c = p
+            else:
+                break
+    elif _worse(cls, ae, i, hcls[0], hdiff[0], hidx[0]):
+        c = 0
+        while True:
+            lft = 2 * c + 1
+            if lft >= k:
+                break
+            ch = lft
+            if lft + 1 < k and _worse(hcls[lft], hdiff[lft], hidx[lft],
+                                      hcls[lft + 1], hdiff[lft + 1], hidx[lft + 1]):
+                ch = lft + 1
+            if _worse(cls, ae, i, hcls[ch], hdiff[ch], hidx[ch]):
+                hdiff[c] = hdiff[ch]
+                hidx[c] = hidx[ch]
+                hcls[c] = hcls[ch]
+                c = ch
+            else:
+                break
+    else:
+        return k
+    hdiff[c] = ae
+    hidx[c] = i
+    hcls[c] = cls
     return k
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _worst(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
+    """The worst mismatches of float64 arrays into the heap (see _heap_add)."""
+    for j in range(r.size):
+        x = r[j]
+        y = d[j]
+        if _finite(x) and _finite(y):
+            ae = abs(y - x)
+            if not ae > abs(x) * rtol + atol:
+                continue
+            k = _heap_add(k, hidx, hdiff, hcls, base + j, ae, 1)
+        elif not (x == y):
+            k = _heap_add(k, hidx, hdiff, hcls, base + j, 0.0, 0)
+    return k
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _worst_int(r, d, ru, du, base, k, hidx, hdiff, hcls):
+    """The same for integer arrays given as in ``_acc_int``."""
+    for j in range(r.size):
+        rn, rm = _isplit(r[j], ru)
+        dn, dm = _isplit(d[j], du)
+        if rn != dn or rm != dm:
+            k = _heap_add(k, hidx, hdiff, hcls, base + j, abs(_idiff(rn, rm, dn, dm)), 1)
+    return k
+
+
+def worst_row_key(row) -> tuple:
+    """Sort key of ``worst_elements`` rows, also for rows of several chunks
+    merged: non-finite pairs first by index, then finite pairs by abs_diff
+    descending, then index."""
+    i, rv, dv, ad = row[:4]
+    if not (math.isfinite(rv) and math.isfinite(dv)):
+        return (0, 0.0, i)
+    return (1, -ad, i)
 
 
 def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
@@ -1628,37 +1899,56 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     """Up to ``count`` mismatching elements, worst first.
 
     Rows are ``(flat index, ref value, dev value, abs_diff, relative_diff)``
-    after NaN/Inf replacement, sorted by abs_diff descending then index.
+    with the raw values (NaN and Inf as they are), abs_diff = |d - r| and
+    relative_diff = abs_diff / |r| (REL_EPS for r == 0) in IEEE float64, so
+    NaN or inf for a non-finite pair; for two integer tensors abs_diff is
+    the exact difference rounded once.  Pairs with NaN or Inf come first (by
+    index), then the rest by abs_diff descending then index
+    (``worst_row_key``).
     """
     r = _flat(ref)
     d = _flat(dev)
     if r.size != d.size:
         raise ValueError(
             f"element count mismatch: reference has {r.size} elements, device has {d.size}")
-    _kind(r), _kind(d)
+    kr, kd = _kind(r), _kind(d)
     count = int(count)
     if count <= 0 or r.size == 0:
         return []
     hidx = np.empty(count, np.int64)
     hdiff = np.empty(count, np.float64)
+    hcls = np.empty(count, np.int64)
     k = 0
+    integer = kr == "int" and kd == "int"
+    ru, du = r.dtype == np.uint64, d.dtype == np.uint64
     for s in range(0, r.size, _PIECE):
-        k = _worst(_as_f64(r[s:s + _PIECE]), _as_f64(d[s:s + _PIECE]), float(atol),
-                   float(rtol), s, k, hidx, hdiff)
-    order = sorted(range(k), key=lambda j: (-hdiff[j], hidx[j]))
+        if integer:
+            k = _worst_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, s, k,
+                           hidx, hdiff, hcls)
+        else:
+            k = _worst(_as_f64(r[s:s + _PIECE]), _as_f64(d[s:s + _PIECE]), float(atol),
+                       float(rtol), s, k, hidx, hdiff, hcls)
     rows = []
-    for j in order:
+    for j in range(k):
         i = int(hidx[j])
-        x = _replace_py(r[i])
-        y = _replace_py(d[i])
-        ae = abs(y - x)
+        x, y = float(r[i]), float(d[i])
+        if integer:
+            ae = float(abs(int(d[i]) - int(r[i])))
+        else:
+            ae = abs(y - x)
         den = abs(x) if x != 0.0 else REL_EPS
         rows.append((i, x, y, ae, ae / den))
+    rows.sort(key=worst_row_key)
     return rows
 
 
-def _replace_py(v) -> float:
-    v = float(v)
+# ---------------------------------------------------------------------------
+# Reference definition
+# ---------------------------------------------------------------------------
+
+
+def _display(v: float) -> float:
+    """The vendor's display rule (ref_value / dev_value only)."""
     if v != v:
         return 0.0
     if v == math.inf:
@@ -1668,69 +1958,71 @@ def _replace_py(v) -> float:
     return v
 
 
-# ---------------------------------------------------------------------------
-# Reference definition
-# ---------------------------------------------------------------------------
-
-
 def reference_metrics(ref, dev, atol: float = ATOL_DEFAULT,
                       rtol: float = RTOL_DEFAULT) -> NodeMetrics:
-    """Plain float64 numpy definition of every metric (slow; for checking)."""
+    """Plain numpy definition of every metric (slow; for checking)."""
     shape = tuple(np.shape(ref))
-    r0 = np.asarray(ref).reshape(-1).astype(np.float64)
-    d0 = np.asarray(dev).reshape(-1).astype(np.float64)
-    if r0.size != d0.size:
+    ra = np.asarray(ref).reshape(-1)
+    da = np.asarray(dev).reshape(-1)
+    if ra.size != da.size:
         raise ValueError(
-            f"element count mismatch: reference has {r0.size} elements, device has {d0.size}")
-    n = r0.size
-    big = _F32_MAX
-    r = np.nan_to_num(r0, nan=0.0, posinf=big, neginf=-big)
-    d = np.nan_to_num(d0, nan=0.0, posinf=big, neginf=-big)
-    diff = np.abs(d - r)
-    mis = diff > atol + rtol * np.abs(r)
-    errors = int(mis.sum())
-    first = int(np.argmax(mis)) if errors else -1
-    at = first if first >= 0 else 0
-    rel = diff / np.where(r == 0, REL_EPS, np.abs(r))
+            f"element count mismatch: reference has {ra.size} elements, device has {da.size}")
+    n = ra.size
+    r0 = ra.astype(np.float64)
+    d0 = da.astype(np.float64)
     nan = math.nan
     with np.errstate(all="ignore"):
+        if ra.dtype.kind in "iub" and da.dtype.kind in "iub":
+            # Exact: Python integers, the difference rounded once to float64.
+            exact = da.astype(object) - ra.astype(object)
+            e0 = exact.astype(np.float64)
+            fin = np.ones(n, bool)
+            mis = np.array([v != 0 for v in exact], bool)
+        else:
+            e0 = d0 - r0
+            fin = np.isfinite(r0) & np.isfinite(d0)
+            mis = np.where(fin, np.abs(e0) > atol + rtol * np.abs(r0), ~(r0 == d0))
+        r, d, e = r0[fin], d0[fin], e0[fin]
+        nf = r.size
+        diff = np.abs(e)
+        fmis = mis[fin]
+        errors = int(mis.sum())
+        first = int(np.argmax(mis)) if errors else -1
+        at = first if first >= 0 else 0
         counts = dict(
             ref_nan=int(np.isnan(r0).sum()), ref_inf=int(np.isinf(r0).sum()),
             dev_nan=int(np.isnan(d0).sum()), dev_inf=int(np.isinf(d0).sum()),
-            fp16_overflow=int((np.isfinite(r0) & (np.abs(r0) > FP16_MAX)).sum()),
-            dev_fp16_overflow=int(((np.isfinite(d0) & (np.abs(d0) > FP16_MAX))
-                                   | np.isinf(d0)).sum()),
+            fp16_overflow=int((np.isfinite(r0) & (np.abs(r0) > FP16_MAX)).sum())
+            if ra.dtype.kind == "f" else 0,
+            dev_fp16_overflow=int((np.isfinite(d0) & (np.abs(d0) > FP16_MAX)).sum())
+            if da.dtype.kind == "f" else 0,
+            finite_pairs=nf, both_nan=int((np.isnan(r0) & np.isnan(d0)).sum()),
+            nonfinite_errors=int((mis & ~fin).sum()),
         )
-        if n == 0:
-            vals = dict.fromkeys(
-                ("max_abs_diff", "mean_abs_diff", "max_rel_err", "mean_rel_err", "ref_mean",
-                 "ref_std", "ref_rms", "cosine", "mse", "rmse", "pearson", "sqnr_db",
-                 "rel_euclidean", "kl_div", "rel_err_lt_0_001", "rel_err_lt_0_005"), nan)
+        if nf == 0:
+            vals = dict.fromkeys(_STAT_FIELDS, nan)
         else:
-            nr, nd, ne = np.linalg.norm(r), np.linalg.norm(d), np.linalg.norm(d - r)
-            r_zero, d_zero, same = not r.any(), not d.any(), not (d - r).any()
-            if r_zero and d_zero:
-                cosine = 1.0
-            elif r_zero or d_zero:
-                cosine = 0.0
+            rel = diff / np.where(r == 0, REL_EPS, np.abs(r))
+            r_zero, d_zero, e_zero = not r.any(), not d.any(), not e.any()
+            if r_zero or d_zero:
+                cosine = nan
             else:
-                cosine = float(np.clip(np.dot(r, d) / (nr * nd), -1.0, 1.0))
-            r_const, d_const = np.ptp(r) == 0, np.ptp(d) == 0
-            if r_const and d_const:
-                pearson = 1.0 if r[0] == d[0] else nan
-            elif r_const or d_const:
+                cosine = float(np.clip(np.dot(r, d) / (np.linalg.norm(r) * np.linalg.norm(d)),
+                                       -1.0, 1.0))
+            if np.ptp(r) == 0 or np.ptp(d) == 0:
                 pearson = nan
             else:
                 rc, dc = r - r.mean(), d - d.mean()
                 pearson = float(np.clip(np.dot(rc, dc) / (np.linalg.norm(rc)
                                                           * np.linalg.norm(dc)), -1.0, 1.0))
-            sqnr = (math.inf if same else -math.inf if r_zero
-                    else float(10.0 * np.log10(np.sum(r * r) / np.sum((r - d) ** 2))))
-            rel_euc = (0.0 if same else math.inf) if r_zero else float(ne / nr)
+            if r_zero or e_zero:
+                sqnr = nan if r_zero and e_zero else -math.inf if r_zero else math.inf
+                rel_euc = (nan if e_zero else math.inf) if r_zero else 0.0
+            else:
+                sqnr = float(10.0 * np.log10(np.sum(r * r) / np.sum(e * e)))
+                rel_euc = float(np.linalg.norm(e) / np.linalg.norm(r))
             sr, sd = np.abs(r).sum(), np.abs(d).sum()
-            if sr == 0 and sd == 0:
-                kl = 0.0
-            elif sr == 0 or sd == 0:
+            if sr == 0 or sd == 0:
                 kl = nan
             else:
                 p = np.abs(r) / sr
@@ -1742,17 +2034,21 @@ def reference_metrics(ref, dev, atol: float = ATOL_DEFAULT,
                 max_rel_err=float(rel.max()), mean_rel_err=float(rel.mean()),
                 ref_mean=float(r.mean()), ref_std=float(r.std()),
                 ref_rms=float(np.sqrt(np.mean(r * r))), cosine=cosine,
-                mse=float(np.mean((d - r) ** 2)), rmse=float(np.sqrt(np.mean((d - r) ** 2))),
+                mse=float(np.mean(e * e)), rmse=float(np.sqrt(np.mean(e * e))),
                 pearson=pearson, sqnr_db=sqnr, rel_euclidean=rel_euc, kl_div=kl,
                 rel_err_lt_0_001=float(np.mean(rel < 0.001)),
                 rel_err_lt_0_005=float(np.mean(rel < 0.005)),
             )
+    if fmis.any():
+        max_abs_err, mean_abs_err = float(diff[fmis].max()), float(diff[fmis].mean())
+    else:
+        max_abs_err = mean_abs_err = nan if errors else 0.0
     return NodeMetrics(
         total=n, errors=errors, first_mismatch_offset=first,
         first_mismatch_index=_unravel(first, shape) if len(shape) else (),
         shape=shape,
-        ref_value=float(r[at]) if n else nan, dev_value=float(d[at]) if n else nan,
-        max_abs_err=float(diff[mis].max()) if errors else 0.0,
-        mean_abs_err=float(diff[mis].mean()) if errors else 0.0,
+        ref_value=_display(float(r0[at])) if n else nan,
+        dev_value=_display(float(d0[at])) if n else nan,
+        max_abs_err=max_abs_err, mean_abs_err=mean_abs_err,
         atol=float(atol), rtol=float(rtol), **counts, **vals,
     )

@@ -32,7 +32,8 @@ SEED_COLUMNS = ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_di
 EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", "atol", "rtol",
                  "max_abs_diff", "mean_abs_diff", "cosine", "mse", "rmse", "pearson", "sqnr_db", "rel_euclidean",
                  "kl_div", "rel_err_lt_0.001", "rel_err_lt_0.005", "ref_nan", "ref_inf", "npu_nan", "npu_inf",
-                 "fp16_overflow", "npu_fp16_overflow", "note", "role", "overflow", "verdict", "cause", "evidence"]
+                 "fp16_overflow", "npu_fp16_overflow", "finite_pairs", "both_nan", "nonfinite_errors", "note", "role",
+                 "overflow", "verdict", "cause", "evidence"]
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
 CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 
@@ -159,7 +160,8 @@ def _extra_cells(i: int, r: Row) -> list[str]:
             g6(m.atol), g6(m.rtol), g6(m.max_abs_diff), g6(m.mean_abs_diff), g6(m.cosine), g6(m.mse), g6(m.rmse),
             g6(m.pearson), g6(m.sqnr_db), g6(m.rel_euclidean), g6(m.kl_div), g6(m.rel_err_lt_0_001),
             g6(m.rel_err_lt_0_005), str(m.ref_nan), str(m.ref_inf), str(m.dev_nan), str(m.dev_inf),
-            str(m.fp16_overflow), str(m.dev_fp16_overflow), r.outcome.note, r.role, r.overflow,
+            str(m.fp16_overflow), str(m.dev_fp16_overflow), str(m.finite_pairs), str(m.both_nan),
+            str(m.nonfinite_errors), r.outcome.note, r.role, r.overflow,
             r.finding.verdict if r.finding else "", r.finding.cause if r.finding else "",
             " | ".join(r.finding.evidence) if r.finding else ""]
 
