@@ -96,7 +96,7 @@ def _run(services, case, dump: Path, out: Path, **kw):
 def baseline(services, detector):
     out = detector["base"] / "baseline"
     res = _run(services, detector, detector["bug"], out)
-    assert res.summary["first_computation_error"]["node"] == PLANTED
+    assert res.summary["first_computation_error"]["node"] == PLANTED and res.exit_status == 1
     return reports(out)
 
 
@@ -113,6 +113,7 @@ def test_any_stream_order_gives_the_same_reports_on_the_local_pool(services, det
                    max_cores=cores)
         c = own.summary["counts"]
         assert (c["compared"], c["failed"], c["failed_constants"]) == (N_TENSORS, 0, 0), own.summary["diagnosis"]
+        assert own.exit_status == 0
         _run(services, detector, permuted(detector["bug"], order, tmp / "bug"), tmp / "bug-out", max_cores=cores)
         assert reports(tmp / "bug-out") == baseline
 

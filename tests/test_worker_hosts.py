@@ -296,8 +296,9 @@ def test_workers_that_cannot_reach_the_tensor_endpoint_fail_the_job(hosts, wide_
     assert "FAILED" in msg and "tensor endpoint at 127.0.0.1:" in msg, msg
     assert "connection refused" in msg and "LAYERDIFF_TENSOR_HOST" in msg, msg
     assert elapsed < 45, f"the failure took {elapsed:.0f} s"
+    assert ei.value.exit_status == 3      # no answer: a component failed, not the user's input
     last = events[-1]
-    assert last.state == pb.FAILED and not last.first_failing_node
+    assert last.state == pb.FAILED and not last.first_failing_node and last.exit_status == 3
     # no verdict anywhere: nothing fetched, nothing written by the analyzer
     assert not (tmp_path / "out" / "summary.json").exists()
     assert not list((hosts["base"] / "analyzer-loopback").rglob("summary.json"))
