@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from layerdiff.errors import EXIT_FAIL, EXIT_NO_ANSWER, EXIT_PASS
+
 MIN_COVERAGE_DEFAULT = 0.5
-CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
-EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_NO_ANSWER = 0, 1, 2, 3
 _EXAMPLES = 3
 
 
@@ -55,7 +55,7 @@ def assess(rep, sites: list, aligner, *, min_coverage: float | None = None, sour
            dump_path: str = "") -> dict:
     """The ``coverage`` section of summary.json."""
     floor = MIN_COVERAGE_DEFAULT if min_coverage is None else float(min_coverage)
-    computed = [s for s in sites if s.op_type not in CONSTANT_OPS]
+    computed = [s for s in sites if not s.is_constant]
     expected = [s for s in computed if s.tensor not in rep.user_skipped]
     compared_tensors = {r.site.tensor for r in rep.rows}
     compared = sum(1 for s in expected if s.tensor in compared_tensors)
@@ -80,9 +80,22 @@ def assess(rep, sites: list, aligner, *, min_coverage: float | None = None, sour
         "skip_keys_unused": list(aligner.unused_skip_keys),
         "cause": "",
     }
+    # the sentence every view of the job shows (terminal, report.html)
+    out["text"] = (f"{compared} of {len(expected)} reference tensors compared ({_pct(ratio)}); "
+                   f"{out['device_tensors']} device tensors, {out['device_unmatched']} matching no reference "
+                   f"tensor, {out['device_unreadable']} unreadable")
     if not adequate:
         out["cause"] = _cause(rep, out, aligner, source, dump_path, len(expected))
     return out
+
+
+def unmatched_options(cov: dict) -> list[tuple[str, str]]:
+    """What the options named and the job never met (options_unmatched.log)."""
+    return ([(f"map_node_dict {e['reference']!r}", f"its device name {e['device']!r} matched no device tensor")
+             for e in cov["map_node_dict_unused"]]
+            + [(f"exclude_node_list {n!r}", "no such node or tensor in the reference model")
+               for n in cov["exclude_node_list_unknown"]]
+            + [(f"skip_keys {k!r}", "no reference node or tensor name contains it") for k in cov["skip_keys_unused"]])
 
 
 def _cause(rep, cov: dict, aligner, source: str, dump_path: str, expected: int) -> str:
@@ -135,10 +148,13 @@ def _cause(rep, cov: dict, aligner, source: str, dump_path: str, expected: int) 
             "pass --min-coverage to accept a partial dump")
 
 
-def outcome(rep, cov: dict, perf_only: bool = False) -> dict:
+def perf_only_outcome() -> dict:
+    """A performance-only job compares nothing and is not asked to."""
+    return {"status": "perf_only", "exit_status": EXIT_PASS, "reason": "performance data only"}
+
+
+def outcome(rep, cov: dict) -> dict:
     """What the job answers, and the exit status that says it."""
-    if perf_only:
-        return {"status": "perf_only", "exit_status": EXIT_PASS, "reason": "performance data only"}
     pct = _pct(cov["ratio"] if cov["ratio"] is not None else math.nan)
     if not cov["adequate"]:
         return {"status": "no_answer", "exit_status": EXIT_NO_ANSWER,

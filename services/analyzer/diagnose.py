@@ -192,8 +192,8 @@ def _finite_pairs(ref: np.ndarray, dev: np.ndarray) -> tuple[np.ndarray, np.ndar
     return r, d
 
 
-def _rel_mean_err(ref: np.ndarray, dev: np.ndarray) -> float:
-    r, d = _finite_pairs(ref, dev)
+def _rel_mean_err(r: np.ndarray, d: np.ndarray) -> float:
+    """Mean |d - r| over the reference's RMS, of a pair from _finite_pairs."""
     scale = float(np.sqrt(np.mean(r * r))) or 1.0
     return float(np.mean(np.abs(d - r))) / scale
 
@@ -540,11 +540,9 @@ class NodeExaminer:
         return keys
 
     def settle(self, key) -> None:
-        """A tensor (or a node's input k) is settled without a comparison:
-        its record was refused, or it was skipped."""
-        self._settle(key)
-
-    def _settle(self, key) -> None:
+        """A tensor (or a node's input k) is settled: compared, or its record
+        refused or skipped. The nodes waiting for it are examined once it
+        was the last thing they lacked."""
         if key in self._settled:
             return
         self._settled.add(key)
@@ -573,7 +571,7 @@ class NodeExaminer:
                     self._output_done(row.site.node)
             else:
                 self._output_done(row.site.node)
-        self._settle(key)
+        self.settle(key)
 
     def _wait(self, w: _Waiting) -> None:
         self._waiting[id(w)] = w
@@ -646,8 +644,6 @@ class NodeExaminer:
         """Fill the row's evidence (a failing output row). A node whose error
         is plainly inherited is not re-run: the closer look costs a pass over
         its tensors and a session of its own."""
-        from layerdiff.analyzer.compare import SkipNode, compare_node, reconcile
-
         with np.errstate(all="ignore"):
             self._examine(row, ref, dev, tol, force_compare)
 

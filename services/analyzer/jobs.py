@@ -13,7 +13,7 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from layerdiff.analyzer.tfreference import TFReference, open_reference
 from layerdiff.analyzer.report import JobReport, write_report
 from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.artifacts import ArtifactStore
-from layerdiff.errors import LayerdiffError, NotFoundError, UnavailableError
+from layerdiff.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, LayerdiffError, NotFoundError, UnavailableError
 from layerdiff.onnxgraph import load_inputs
 from layerdiff.collector.service import CollectorClient, flight_message
 from layerdiff.schema import BufferPool, TensorAssembler, check_dump_mode
@@ -417,8 +417,6 @@ def collector_error(address: str, e: BaseException) -> LayerdiffError:
 def failure_exit_status(e: BaseException) -> int:
     """2 for bad input or usage; 3 when a component failed and the job
     could not answer."""
-    from layerdiff.analyzer.coverage import EXIT_BAD_INPUT, EXIT_NO_ANSWER
-
     if isinstance(e, LayerdiffError) and not isinstance(e, UnavailableError):
         return EXIT_BAD_INPUT
     return EXIT_NO_ANSWER

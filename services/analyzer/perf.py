@@ -691,6 +691,7 @@ def write_perf_only(out: Path, data: PerfData, aligner: Aligner, sites, settings
     """DUMP_OP_PERF 1: performance files and a summary.json without any
     accuracy file (nothing was compared)."""
     from layerdiff import __version__
+    from layerdiff.analyzer.coverage import perf_only_outcome
 
     table = build_table(data, aligner, settings)
     sections = write_perf_report(out, table, [], None, _reference_order(sites), _title(job))
@@ -702,7 +703,7 @@ def write_perf_only(out: Path, data: PerfData, aligner: Aligner, sites, settings
                    "inputs_compared": 0, "inputs_failed": 0, "overflowing_nodes": 0},
         "failing_nodes": [], "failing_constants": [], "failing_inputs": [], "overflow_nodes": [], "detail_files": {},
         "nodes": [],
-        "outcome": {"status": "perf_only", "exit_status": 0, "reason": "performance data only"},
+        "outcome": perf_only_outcome(),
         **sections,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")

@@ -31,7 +31,7 @@ class OnnxReference:
         for s in self.sites:
             self.node_inputs.setdefault(s.node, list(self.model.graph.node[s.order].input))
         self._constants = {i.name: i for i in self.model.graph.initializer}
-        self._const_nodes = {s.tensor for s in self.sites if s.op_type in ("Constant", "ConstantOfShape")}
+        self._const_nodes = {s.tensor for s in self.sites if s.is_constant}
 
     def constant(self, tensor: str) -> np.ndarray | None:
         """The value of an initializer (a weight), None for computed tensors."""

@@ -35,7 +35,6 @@ EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", 
                  "fp16_overflow", "npu_fp16_overflow", "finite_pairs", "both_nan", "nonfinite_errors", "note", "role",
                  "overflow", "verdict", "cause", "evidence"]
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
-CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 
 
 def g6(v: float) -> str:
@@ -79,7 +78,7 @@ class Row:
 
     @property
     def is_constant(self) -> bool:
-        return self.site.op_type in CONSTANT_OPS
+        return self.site.is_constant
 
 
 @dataclass
@@ -229,6 +228,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     for r in rows:
         r.finding = findings.get(id(r))
     nan_overflow = diagnose.nan_and_overflow(rows)
+    cov = coverage.assess(rep, all_sites, aligner, min_coverage=min_coverage, source=job.get("source", ""),
+                          dump_path=job.get("dump_path") or "")
     taken: set[str] = set()
     detail_files: dict[str, str] = {}
     with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
@@ -249,12 +250,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     _write_log(out / "compare_skip.log", rep.skipped +
                [(s.tensor, "not dumped by the device (fused away or not produced)") for s in rep.not_dumped])
     _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
-    _write_log(out / "options_unmatched.log",
-               [(f"map_node_dict {ref!r}", f"its device name {dev!r} matched no device tensor")
-                for ref, dev in aligner.unused_map_entries()]
-               + [(f"exclude_node_list {n!r}", "no such node or tensor in the reference model")
-                  for n in aligner.unknown_excludes]
-               + [(f"skip_keys {k!r}", "no reference node or tensor name contains it") for k in aligner.unused_skip_keys])
+    _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
     _write_log(out / "check_skip.log", rep.check_skip)
     _write_log(out / "concate_skip.log", rep.concat_skip)
     _write_log(out / "overflow_nodename.log", list(rep.overflow.items()))
@@ -275,8 +271,6 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
 
     first = rep.first_failing()
     first_comp = next((r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION), None)
-    cov = coverage.assess(rep, all_sites, aligner, min_coverage=min_coverage, source=job.get("source", ""),
-                          dump_path=job.get("dump_path") or "")
     answer = coverage.outcome(rep, cov)
     text = diagnose.headline(first_comp, first, nan_overflow)
     if answer["status"] == "no_answer":

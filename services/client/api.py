@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from layerdiff.artifacts import upload
-from layerdiff.errors import JobFailed, LayerdiffError
+from layerdiff.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
 from layerdiff.net import channel, wait_ready
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
@@ -51,7 +51,7 @@ class RunResult:
         """What ``layerdiff run`` exits with: 0 pass, 1 failing nodes, 3 too
         little compared to answer (2, bad input, is raised as JobFailed or
         LayerdiffError instead)."""
-        return int((self.summary.get("outcome") or {}).get("exit_status", 3))
+        return int((self.summary.get("outcome") or {}).get("exit_status", EXIT_NO_ANSWER))
 
 
 def read_artifact(path_or_bytes, field: str) -> tuple[bytes, str]:
@@ -129,8 +129,8 @@ def rpc_failure(what: str, e: grpc.RpcError) -> LayerdiffError:
     details = (e.details() if hasattr(e, "details") else "") or str(code)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS):
-        return JobFailed(details, 2)
-    return JobFailed(f"{what}: {details}", 3)
+        return JobFailed(details, EXIT_BAD_INPUT)
+    return JobFailed(f"{what}: {details}", EXIT_NO_ANSWER)
 
 
 class AnalyzerClient:
@@ -291,7 +291,8 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
                 bar.close()
         if last is None or last.state != pb.DONE:
             reason = last.message if last is not None else "no progress received"
-            status = last.exit_status if last is not None and last.state == pb.FAILED and last.exit_status else 3
+            status = last.exit_status if last is not None and last.state == pb.FAILED and last.exit_status \
+                else EXIT_NO_ANSWER
             raise JobFailed(f"job {job_id} {pb.JobState.Name(last.state) if last else 'lost'}: {reason}", status)
         try:
             client.fetch(job_id, out)
@@ -366,12 +367,7 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
 def _coverage_lines(cov) -> list[str]:
     if not isinstance(cov, dict):
         return []
-    ratio = cov.get("ratio")
-    pct = f"{100 * ratio:.1f} %" if isinstance(ratio, (int, float)) else "n/a"
-    line = (f"COVERAGE: {cov.get('compared')} of {cov.get('expected')} reference tensors compared ({pct})"
-            f"; {cov.get('device_tensors')} device tensors, {cov.get('device_unmatched')} matching no reference "
-            f"tensor, {cov.get('device_unreadable')} unreadable")
-    lines = [line]
+    lines = [f"COVERAGE: {cov.get('text')}"]
     for e in (cov.get("unmatched_examples") or []) if not cov.get("adequate") else []:
         if e.get("closest"):
             lines.append(f"  device name {e['device']!r} matches nothing; did you mean "
@@ -383,7 +379,7 @@ def _coverage_lines(cov) -> list[str]:
                      + (" ..." if len(unused) > 5 else ""))
     unknown = cov.get("exclude_node_list_unknown") or []
     if unknown:
-        lines.append(f"NOTE: exclude_node_list names no node of the reference: "
+        lines.append("NOTE: exclude_node_list names no node of the reference: "
                      + ", ".join(repr(n) for n in unknown[:5]) + (" ..." if len(unknown) > 5 else ""))
     keys = cov.get("skip_keys_unused") or []
     if keys:

@@ -49,10 +49,14 @@ def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
+# What ``layerdiff run`` exits with, and what a job's outcome carries.
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_NO_ANSWER = 0, 1, 2, 3
+
+
 class JobFailed(LayerdiffError):
     """A job that ended without an answer. ``exit_status`` says why, as the
     command line does: 2 for bad input or usage, 3 when a component failed."""
 
-    def __init__(self, message: str, exit_status: int = 2) -> None:
+    def __init__(self, message: str, exit_status: int = EXIT_BAD_INPUT) -> None:
         super().__init__(message)
         self.exit_status = exit_status

@@ -27,6 +27,10 @@ class GraphInput:
     shape: tuple          # ints for fixed dims, None for symbolic ones; () for scalars
 
 
+# Ops whose output is a parameter (a weight), not a computation.
+CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
+
+
 @dataclass(frozen=True)
 class TensorSite:
     """Where a tensor comes from: the node that produces it and its position."""
@@ -35,6 +39,10 @@ class TensorSite:
     op_type: str
     order: int            # index of the producing node in execution order
     output_index: int
+
+    @property
+    def is_constant(self) -> bool:
+        return self.op_type in CONSTANT_OPS
 
 
 def load_model(data: bytes, name: str) -> onnx.ModelProto:
