@@ -65,9 +65,13 @@ def _conv(name, x, w, b, out):
     return helper.make_node("Conv", [x, w, b], [out], name=name, pads=[1, 1, 1, 1])
 
 
-def small_cnn(seed: int = 0, bug_in: str | None = None, bug_scale: float = 1.8) -> onnx.ModelProto:
-    """conv1 -> relu1 -> conv2 -> relu2 -> add(residual relu1) -> conv3 -> pool -> flatten -> fc.
-    ``bug_in`` perturbs the weights of that conv (a planted kernel bug)."""
+def small_cnn(seed: int = 0, bug_in: str | None = None, bug_scale: float = 1.8, *, in_channels: int = 3,
+              width: int = 8, side: int = 16) -> onnx.ModelProto:
+    """conv1 -> relu1 -> conv2 -> relu2 -> add(residual relu1) -> conv3 -> pool -> flatten -> fc
+    on a 1 x in_channels x side x side input; conv1 and conv2 have ``width``
+    channels, conv3 twice as many. ``bug_in`` perturbs the weights of that
+    conv (a planted kernel bug)."""
+    c, c3 = width, 2 * width
     rng = np.random.default_rng(seed)
     inits = []
 
@@ -79,20 +83,21 @@ def small_cnn(seed: int = 0, bug_in: str | None = None, bug_scale: float = 1.8) 
         return name
 
     nodes = [
-        _conv("conv1", "input", w("conv1.weight", (8, 3, 3, 3), 0.3), w("conv1.bias", (8,), 0.1), "conv1_out"),
+        _conv("conv1", "input", w("conv1.weight", (c, in_channels, 3, 3), 0.3), w("conv1.bias", (c,), 0.1),
+              "conv1_out"),
         helper.make_node("Relu", ["conv1_out"], ["relu1_out"], name="relu1"),
-        _conv("conv2", "relu1_out", w("conv2.weight", (8, 8, 3, 3), 0.15), w("conv2.bias", (8,), 0.1), "conv2_out"),
+        _conv("conv2", "relu1_out", w("conv2.weight", (c, c, 3, 3), 0.15), w("conv2.bias", (c,), 0.1), "conv2_out"),
         helper.make_node("Relu", ["conv2_out"], ["relu2_out"], name="relu2"),
         helper.make_node("Add", ["relu2_out", "relu1_out"], ["add_out"], name="residual/add"),
-        _conv("conv3", "add_out", w("conv3.weight", (16, 8, 3, 3), 0.15), w("conv3.bias", (16,), 0.1), "conv3_out"),
+        _conv("conv3", "add_out", w("conv3.weight", (c3, c, 3, 3), 0.15), w("conv3.bias", (c3,), 0.1), "conv3_out"),
         helper.make_node("GlobalAveragePool", ["conv3_out"], ["pool_out"], name="pool"),
         helper.make_node("Flatten", ["pool_out"], ["flat_out"], name="flatten"),
-        helper.make_node("Gemm", ["flat_out", w("fc.weight", (10, 16), 0.3), w("fc.bias", (10,), 0.1)],
+        helper.make_node("Gemm", ["flat_out", w("fc.weight", (10, c3), 0.3), w("fc.bias", (10,), 0.1)],
                          ["logits"], name="fc", transB=1),
     ]
     graph = helper.make_graph(
         nodes, "small_cnn",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, in_channels, side, side])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])],
         initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -28,18 +28,23 @@ CHUNK = "4096"   # small chunks so that the tests' nodes are split and merged
 
 
 class RedisServer:
-    def __init__(self, workdir) -> None:
+    """A redis-server of the test's own on a free port of ``host`` (loopback,
+    or an address of a test network that other namespaces reach)."""
+
+    def __init__(self, workdir, host: str = "127.0.0.1") -> None:
         self.port = free_port()
+        self.host = host
         self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"redis://{host}:{self.port}/0"
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", self.host,
+                                      "--protected-mode", "no", "--save", "", "--appendonly", "no",
+                                      "--dir", str(self.workdir)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        r = redis.Redis(port=self.port)
-        assert wait_for(lambda: _pings(r), 10), "redis-server did not start"
+        r = redis.Redis(host=self.host, port=self.port, socket_timeout=2)
+        assert wait_for(lambda: _pings(r), 10), f"redis-server did not start on {self.host}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -26,7 +26,7 @@ from layerdiff.client.demo import packaged_model
 from layerdiff.collector.dumpdir import write_dump
 from layerdiff.collector.live import LiveRunner
 
-from conftest import ServiceProcess, small_cnn, wait_for
+from conftest import ServiceProcess, wait_for
 from test_distributed import RedisServer, _workers_ready as workers_ready, start_worker
 
 PLANTED = "p2o.Conv.31"

@@ -25,15 +25,13 @@ import time
 import numpy as np
 import onnx
 import pytest
-import redis
-from onnx import TensorProto, helper, numpy_helper
 
 from layerdiff.client.api import run
 from layerdiff.errors import LayerdiffError
-from layerdiff.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
 
-from conftest import ServiceProcess, wait_for
+from conftest import ServiceProcess, small_cnn, wait_for
+from test_distributed import RedisServer, _workers_ready
 
 # Large enough that every activation goes through the tensor endpoint;
 # chunks small enough that the 1-2 MiB activations are cut and merged.
@@ -163,54 +161,6 @@ def _stop_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _workers_ready(url: str, n: int) -> bool:
-    from layerdiff.analyzer.celery_app import make_app
-
-    try:
-        return len(make_app(url).control.ping(timeout=1.0)) >= n
-    except Exception:
-        return False
-
-
-def wide_cnn(bug_in: str | None = None) -> onnx.ModelProto:
-    """conv1 -> relu1 -> conv2 -> relu2 -> add -> conv3 -> pool -> flatten -> fc on a
-    1x4x128x128 input: every activation up to the pool is 1 or 2 MiB."""
-    rng = np.random.default_rng(5)
-    inits = []
-
-    def w(name, shape, scale):
-        a = (rng.standard_normal(shape) * scale).astype(np.float32)
-        if bug_in and name.startswith(bug_in + "."):
-            a = a * 1.8 + 0.05
-        inits.append(numpy_helper.from_array(a, name))
-        return name
-
-    def conv(name, x, cin, cout, out):
-        return helper.make_node("Conv", [x, w(f"{name}.weight", (cout, cin, 3, 3), 0.25),
-                                         w(f"{name}.bias", (cout,), 0.1)], [out], name=name, pads=[1, 1, 1, 1])
-
-    nodes = [
-        conv("conv1", "input", 4, 16, "conv1_out"),
-        helper.make_node("Relu", ["conv1_out"], ["relu1_out"], name="relu1"),
-        conv("conv2", "relu1_out", 16, 16, "conv2_out"),
-        helper.make_node("Relu", ["conv2_out"], ["relu2_out"], name="relu2"),
-        helper.make_node("Add", ["relu2_out", "relu1_out"], ["add_out"], name="residual/add"),
-        conv("conv3", "add_out", 16, 32, "conv3_out"),
-        helper.make_node("GlobalAveragePool", ["conv3_out"], ["pool_out"], name="pool"),
-        helper.make_node("Flatten", ["pool_out"], ["flat_out"], name="flatten"),
-        helper.make_node("Gemm", ["flat_out", w("fc.weight", (10, 32), 0.3), w("fc.bias", (10,), 0.1)],
-                         ["logits"], name="fc", transB=1),
-    ]
-    graph = helper.make_graph(nodes, "wide_cnn",
-                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 4, 128, 128])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])],
-                              initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model
-
-
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     why = _netns_usable()
@@ -222,16 +172,11 @@ def hosts(tmp_path_factory):
     _remove_leftovers()
     h = Hosts()
     procs: list = []
-    worker = redis_proc = worker_log = None
+    worker = rs = worker_log = None
     try:
         h.create()
-        port = free_port()
-        redis_proc = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", h.bridge_ip, "--protected-mode", "no", "--save", "",
-             "--appendonly", "no", "--dir", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"redis://{h.bridge_ip}:{port}/0"
-        r = redis.Redis.from_url(url, socket_timeout=2)
-        assert wait_for(lambda: _pings(r), 10), "redis-server did not start on the bridge"
+        rs = RedisServer(base, host=h.bridge_ip)
+        url = rs.url
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
         env.update(LAYERDIFF_CHUNK_ELEMENTS=CHUNK, LAYERDIFF_FLIGHT_MIN_BYTES=FLIGHT_MIN_BYTES,
                    LAYERDIFF_VISIBILITY_TIMEOUT_S="10", LAYERDIFF_TASK_TIMEOUT_S="10", LAYERDIFF_JOB_DEADLINE_S="120")
@@ -260,25 +205,18 @@ def hosts(tmp_path_factory):
             _stop_group(worker)
         if worker_log is not None:
             worker_log.close()
-        if redis_proc is not None and redis_proc.poll() is None:
-            redis_proc.kill()
-            redis_proc.wait(timeout=10)
+        if rs is not None:
+            rs.stop()
         problems = h.delete()
         assert not problems and not h.exists(), f"namespaces left behind: {problems}"
-
-
-def _pings(r) -> bool:
-    try:
-        return r.ping()
-    except redis.RedisError:
-        return False
 
 
 @pytest.fixture(scope="module")
 def wide_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("wide")
-    onnx.save_model(wide_cnn(), str(d / "model.onnx"))
-    onnx.save_model(wide_cnn(bug_in="conv2"), str(d / "device.onnx"))
+    # every activation up to the pool is 1 or 2 MiB: all of them go through the tensor endpoint
+    for name, bug in (("model.onnx", None), ("device.onnx", "conv2")):
+        onnx.save_model(small_cnn(5, bug_in=bug, in_channels=4, width=16, side=128), str(d / name))
     np.savez(d / "inputs.npz",
              input=np.random.default_rng(2).standard_normal((1, 4, 128, 128)).astype(np.float32))
     return d / "model.onnx", d / "inputs.npz", d / "device.onnx"
