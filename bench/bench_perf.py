@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from procs import serve  # noqa: E402
 
 from layerdiff.analyzer.perf import PerfSettings, build_table, receive  # noqa: E402
+from layerdiff.analyzer.receive import CollectorStream  # noqa: E402
 from layerdiff.collector.service import CollectorClient  # noqa: E402
 from layerdiff.perfschema import COUNTER_COLUMNS  # noqa: E402
 from layerdiff.v1 import layerdiff_pb2 as pb  # noqa: E402
@@ -58,8 +59,12 @@ def bench_counters(nodes: int, runs: int, repeats: int) -> dict:
             t_stream = float("inf")
             for _ in range(repeats):
                 t = time.perf_counter()
-                data = receive(client.capture(pb.CaptureRequest(job_id="bench", dump=pb.DumpSource(path=str(dump)),
-                                                                stream=pb.CAPTURE_STREAM_PERF)))
+                stream = CollectorStream(client, pb.CaptureRequest(job_id="bench", dump=pb.DumpSource(path=str(dump)),
+                                                                   stream=pb.CAPTURE_STREAM_PERF)).open()
+                try:
+                    data = receive(stream)
+                finally:
+                    stream.close()
                 table = build_table(data, None, PerfSettings())
                 t_stream = min(t_stream, time.perf_counter() - t)
             assert len(table.nodes) == nodes and not data.errors

@@ -12,11 +12,12 @@ import bench_job  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_perf  # noqa: E402
 import bench_stream  # noqa: E402
+import soak  # noqa: E402
 
 
 def main() -> None:
     results = {"stream": bench_stream.main([]), "metrics": bench_metrics.main([]), "job": bench_job.main([]),
-               "fanout": bench_fanout.main([]), "perf": bench_perf.main([])}
+               "fanout": bench_fanout.main([]), "perf": bench_perf.main([]), "soak": soak.main([])}
     out = Path("bench-out")
     out.mkdir(exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

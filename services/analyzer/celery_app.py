@@ -26,23 +26,48 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from celery.backends.redis import RedisBackend
 
 QUEUE = "layerdiff"
 TASK = "layerdiff.compare_batch"
 DEFAULT_VISIBILITY_TIMEOUT_S = 60
 
 
+class PolledRedisBackend(RedisBackend):
+    """Celery's Redis result backend without its pub/sub consumer: the
+    analyzer polls each task's result key. The consumer subscribes on every
+    send; while Redis is down it retries inside the send for seconds, and
+    once its retries are spent it refuses every later send until the process
+    restarts. A broker restart must cost a job a clear failure, never the
+    analyzer its ability to send."""
+
+    def on_task_call(self, producer, task_id):
+        pass
+
+
+def _backend_url(url: str) -> str:
+    """The result backend: PolledRedisBackend on the broker's server."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return url
+    return f"{__name__}:PolledRedisBackend+{url}"
+
+
 def make_app(broker_url: str | None = None, visibility_timeout_s: int | None = None) -> Celery:
     url = broker_url or os.environ.get("LAYERDIFF_BROKER_URL", "")
     vt = visibility_timeout_s or int(os.environ.get("LAYERDIFF_VISIBILITY_TIMEOUT_S",
                                                     DEFAULT_VISIBILITY_TIMEOUT_S))
-    app = Celery("layerdiff", broker=url, backend=url, set_as_current=False)
+    app = Celery("layerdiff", broker=url, backend=_backend_url(url), set_as_current=False)
     app.conf.update(
         task_serializer="json", result_serializer="json", accept_content=["json"], result_accept_content=["json"],
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
         task_default_queue=QUEUE, result_expires=3600, broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": vt}, result_backend_transport_options={
-            "retry_policy": {"timeout": 5.0}},
+        # Every Redis call is bounded: a broker gone or cut off is noticed in
+        # seconds, and the analyzer's grace period decides what it means.
+        broker_transport_options={"visibility_timeout": vt, "socket_timeout": 10, "socket_connect_timeout": 5},
+        broker_connection_timeout=5, task_publish_retry_policy={
+            "max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0},
+        redis_socket_timeout=10, redis_socket_connect_timeout=5,
+        result_backend_transport_options={"retry_policy": {"timeout": 5.0}},
         worker_hijack_root_logger=False, worker_send_task_events=False,
     )
     app.task(name=TASK, bind=True)(compare_batch)

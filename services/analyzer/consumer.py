@@ -186,6 +186,11 @@ class StreamConsumer:
             raise
         self.pending[fut] = _Pending(site, rec, ref, tol, lease)
 
+    def finish_done(self) -> None:
+        """Record the comparisons already finished at the head (the stream
+        is quiet: their rows and progress need not wait for more records)."""
+        self._drain(len(self.pending))
+
     def _drain(self, keep: int) -> None:
         """Finish comparisons in the order they were submitted until at most
         ``keep`` are pending, and any already done at the head."""

@@ -12,10 +12,13 @@ workers on any host, with the same interface as the local pool.
 - Reliability: tasks are acknowledged late; results are idempotent per
   (job, item). A task without a result after ``task_timeout_s`` (its worker
   died, or the broker lost it) is sent again, with a doubled timeout each
-  time, and whichever copy answers first counts. A job has a deadline; a
-  store that stays unreachable, or comes back without the job's data
-  (restarted), fails the remaining nodes with a clear reason instead of
-  waiting forever.
+  time, and whichever copy answers first counts. A job has a deadline.
+- Every wait is bounded. A broker that stops answering (sending, polling
+  results, writing tensors) fails the job after ``store_grace_s``; one that
+  comes back without the job's data (restarted) fails it as soon as it
+  answers again; tasks that could not be sent meanwhile wait in ``_unsent``
+  and go out when the broker is back with the job's data. ``cancel()`` ends
+  every future at once.
 - A node is skipped only for its own data (shapes that do not reconcile).
   One the system kept from being compared (a payload the worker could not
   read, an exception on the worker, a task that failed, an item left
@@ -49,13 +52,21 @@ DEFAULT_DEADLINE_S = int(os.environ.get("LAYERDIFF_JOB_DEADLINE_S", "3600"))
 # A batch holds well under a second of work; a task silent for this long is
 # presumed lost with its worker.
 DEFAULT_TASK_TIMEOUT_S = float(os.environ.get("LAYERDIFF_TASK_TIMEOUT_S", "30"))
-STORE_GRACE_S = 20.0
+# No result for this long: are there workers at all? Asked by a ping, so that
+# workers busy with other jobs' tasks keep the job waiting and hung or absent
+# ones fail it.
+DEFAULT_WORKER_SILENCE_S = float(os.environ.get("LAYERDIFF_WORKER_SILENCE_S", "60"))
+STORE_GRACE_S = float(os.environ.get("LAYERDIFF_STORE_GRACE_S", "20"))
 MAX_ATTEMPTS = 3
 RETRY_DELAY_S = 0.5       # before the n-th resend of an item: n times this
 
 
-class StoreLost(LayerdiffError):
-    pass
+class StoreLost(UnavailableError):
+    """The broker answers again but without the job's data (it restarted)."""
+
+
+class PoolCancelled(LayerdiffError):
+    """The job was cancelled: what it still waited for is not needed."""
 
 
 @dataclass
@@ -80,12 +91,14 @@ class CeleryPool:
     def __init__(self, broker_url: str, job_id: str, max_cores: int | None = None, *,
                  deadline_s: float = DEFAULT_DEADLINE_S, task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S, batch_bytes: int = 32 * 1024**2, linger_s: float = 0.05,
                  max_inflight_bytes: int = 512 * 1024**2, max_attempts: int = MAX_ATTEMPTS,
-                 retry_delay_s: float = RETRY_DELAY_S) -> None:
+                 retry_delay_s: float = RETRY_DELAY_S, store_grace_s: float = STORE_GRACE_S,
+                 worker_silence_s: float = DEFAULT_WORKER_SILENCE_S) -> None:
         self.broker_url = broker_url
         self.job_id = job_id
         self.max_cores = max_cores or 1
         self.max_in_flight = 4096          # nodes; memory is bounded by bytes below
         self.app = make_app(broker_url)
+        self.app.conf.result_backend_thread_safe = True   # one backend (one connection pool) for the job's threads
         self.store = TensorStore(broker_url, ttl_s=int(deadline_s) + 600)
         self.store.ping()
         self.store.open_job(job_id)
@@ -96,6 +109,9 @@ class CeleryPool:
         self.max_inflight_bytes = max_inflight_bytes
         self.max_attempts = max(1, max_attempts)
         self.retry_delay_s = retry_delay_s
+        self.store_grace_s = store_grace_s
+        self.worker_silence_s = worker_silence_s
+        self._heard = time.monotonic()      # the last result, or the last time a worker answered a ping
         self._ids = itertools.count()
         self._items: dict[int, _Item] = {}
         self._retries: list[tuple[float, dict]] = []    # (not before, item message)
@@ -103,6 +119,9 @@ class CeleryPool:
         self._batch_nbytes = 0
         self._batch_since = 0.0
         self._tasks: dict = {}            # AsyncResult -> (item ids, items, sent at, timeout)
+        self._unsent: list[dict] = []     # item messages the broker refused; sent again when it is back
+        self._down_since: float | None = None    # the broker stopped answering then (None: it answers)
+        self._down_error: Exception | None = None
         self._inflight_bytes = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -154,8 +173,8 @@ class CeleryPool:
         """What a store error seen while sending means: wait for the store to
         answer again (at most STORE_GRACE_S); None when it is back with this
         job's data, else the reason the job cannot go on."""
-        end = time.monotonic() + STORE_GRACE_S
-        while time.monotonic() < end:
+        end = time.monotonic() + self.store_grace_s
+        while time.monotonic() < end and self._failure is None:
             try:
                 return None if self.store.job_alive(self.job_id) else self._lost()
             except (redis.RedisError, OperationalError, ConnectionError, OSError):
@@ -163,12 +182,13 @@ class CeleryPool:
         return self._unreachable(e)
 
     def _lost(self) -> StoreLost:
-        return StoreLost(f"the store {self.broker_url} came back without this job's data (restarted?); the "
-                         "remaining nodes were lost", field="broker")
+        return StoreLost(f"broker {self.broker_url} came back without this job's data (restarted?); the remaining "
+                         "nodes cannot be compared: run the job again", field="broker")
 
     def _unreachable(self, e: Exception) -> UnavailableError:
-        return UnavailableError(f"broker {self.broker_url} unreachable for {STORE_GRACE_S:.0f} s: {e}",
-                                field="broker")
+        return UnavailableError(f"broker {self.broker_url} unreachable for {self.store_grace_s:.0f} s: "
+                                f"{_one_line(str(e))}; check that Redis runs and this host reaches it "
+                                "(the interval is LAYERDIFF_STORE_GRACE_S)", field="broker")
 
     def _add(self, node: _Node, k: int, ref, dev, item: dict) -> None:
         nbytes = ref.nbytes + dev.nbytes
@@ -206,11 +226,51 @@ class CeleryPool:
         self.stats["message_bytes"] += len(json.dumps([self.job_id, items]))
 
     def _send_locked(self, items: list[dict], timeout: float) -> None:
+        """Send a task; a broker that refuses it keeps the items in
+        ``_unsent`` for the poller (never raises: the items are registered
+        and must either go out or fail with the job)."""
+        if self._down_since is not None:
+            self._unsent.extend(items)
+            return
         try:
             res = self.app.send_task(TASK, args=[self.job_id, items], queue=QUEUE)
-        except (OperationalError, redis.RedisError) as e:
-            raise UnavailableError(f"broker {self.broker_url} refuses the task: {e}", field="broker") from e
+        except (OperationalError, redis.RedisError, ConnectionError, OSError) as e:
+            log.warning("job %s: broker %s refuses a task (%s); its %d items wait for it", self.job_id,
+                        self.broker_url, _one_line(str(e)), len(items))
+            self._unsent.extend(items)
+            self._mark_down_locked(e)
+            return
         self._tasks[res] = ([it["id"] for it in items], items, time.monotonic(), timeout)
+
+    def _mark_down_locked(self, e: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+        self._down_error = e
+
+    def _check_broker(self) -> None:
+        """While the broker is down: has it come back (with this job's data:
+        send what waits; without: the job's data is lost), or has it been
+        down too long? Raises the job's failure."""
+        with self._cv:
+            since = self._down_since
+        if since is None:
+            return
+        try:
+            alive = self.store.job_alive(self.job_id)
+        except (redis.RedisError, OperationalError, ConnectionError, OSError) as e:
+            if time.monotonic() - since > self.store_grace_s:
+                raise self._unreachable(e) from None
+            return
+        if not alive:
+            raise self._lost()
+        with self._cv:
+            log.warning("job %s: broker %s answers again after %.1f s", self.job_id, self.broker_url,
+                        time.monotonic() - since)
+            self._down_since = self._down_error = None
+            unsent, self._unsent = self._unsent, []
+            live = [m for m in unsent if m["id"] in self._items]
+            if live:
+                self._send_locked(live, self.task_timeout_s)
 
     def _resend_overdue(self) -> None:
         now = time.monotonic()
@@ -219,8 +279,7 @@ class CeleryPool:
         if not overdue:
             return
         if not self.store.job_alive(self.job_id):
-            raise StoreLost(f"the store {self.broker_url} lost this job's data (restarted?); the remaining nodes "
-                            "cannot be compared", field="broker")
+            raise self._lost()
         with self._cv:
             for res, (ids, items, _, timeout) in overdue:
                 if self._tasks.pop(res, None) is None:
@@ -241,19 +300,16 @@ class CeleryPool:
             self._fail_all(LayerdiffError(f"internal error in the fan-out: {type(e).__name__}: {e}"))
 
     def _poll_loop(self) -> None:
-        down_since = None
         while True:
             with self._cv:
                 if self._closed and not self._items:
                     return
-                try:
-                    if self._batch and time.monotonic() - self._batch_since >= self.linger_s:
-                        self._flush_locked()
-                    self._send_retries_locked()
-                except LayerdiffError as e:
-                    self._fail_all_locked(e)
-                tasks = [(res, t[0]) for res, t in self._tasks.items()]
+                if self._batch and time.monotonic() - self._batch_since >= self.linger_s:
+                    self._flush_locked()
+                self._send_retries_locked()
+                tasks = [(res, t[0]) for res, t in self._tasks.items()] if self._down_since is None else []
             try:
+                self._check_broker()
                 for res, ids in tasks:
                     if res.ready():
                         value = res.get(propagate=False, disable_sync_subtasks=False)
@@ -261,21 +317,36 @@ class CeleryPool:
                         with self._cv:
                             self._tasks.pop(res, None)
                             self._resolve_locked(ids, value)
-                self._resend_overdue()
-                if down_since is not None:
-                    if not self.store.job_alive(self.job_id):
-                        raise self._lost()
-                    down_since = None
-            except StoreLost as e:
+                        self._heard = time.monotonic()
+                if tasks:
+                    self._resend_overdue()
+                    self._check_workers()
+            except LayerdiffError as e:
                 self._fail_all(e)
             except (redis.RedisError, OperationalError, ConnectionError, OSError) as e:
-                down_since = down_since or time.monotonic()
-                if time.monotonic() - down_since > STORE_GRACE_S:
-                    self._fail_all(self._unreachable(e))
+                with self._cv:
+                    self._mark_down_locked(e)
             if time.monotonic() > self.deadline and self._items:
                 self._fail_all(LayerdiffError(f"deadline exceeded with {len(self._items)} comparisons outstanding",
                                               field="deadline"))
-            time.sleep(0.02)
+            time.sleep(0.02 if self._down_since is None else 0.2)
+
+    def _check_workers(self) -> None:
+        """Tasks outstanding and no result for ``worker_silence_s``: fail the
+        job unless some worker answers a ping (it is busy, not gone)."""
+        if time.monotonic() - self._heard <= self.worker_silence_s:
+            return
+        try:
+            answered = self.app.control.ping(timeout=2.0)
+        except (OperationalError, redis.RedisError, ConnectionError, OSError):
+            return    # the broker itself: its own bound applies
+        if answered:
+            self._heard = time.monotonic()
+            return
+        raise UnavailableError(
+            f"no worker has answered for {self.worker_silence_s:.0f} s on broker {self.broker_url}: start workers "
+            f"(layerdiff worker --broker {self.broker_url}) or check that they run (the interval is "
+            "LAYERDIFF_WORKER_SILENCE_S)", field="workers")
 
     def _resolve_locked(self, ids: list[int], value) -> None:
         resent: dict[tuple, list[int]] = {}     # (what went wrong, delay, attempt) -> items sent again
@@ -410,31 +481,42 @@ class CeleryPool:
             self._fail_all_locked(exc)
 
     def _fail_all_locked(self, exc: LayerdiffError) -> None:
-        self._failure = exc
+        if self._failure is None:     # the first reason stands (a cancel is not turned into an outage)
+            self._failure = exc
         for entry in list(self._items.values()):
             if not entry.node.future.done():
-                entry.node.future.set_exception(exc)
+                entry.node.future.set_exception(self._failure)
         self._items.clear()
         self._tasks.clear()
+        self._unsent = []
         self._retries = []
         self._batch = []
         self._inflight_bytes = 0
         self._cv.notify_all()
 
     # ------------------------------------------------------------------- close
+    def cancel(self) -> None:
+        """The job is cancelled: every pending comparison ends now."""
+        with self._cv:
+            if self._failure is None:
+                self._fail_all_locked(PoolCancelled("cancelled"))
+
     def close(self) -> None:
         with self._cv:
-            try:
-                self._flush_locked()
-            except LayerdiffError as e:
-                self._fail_all_locked(e)
+            self._flush_locked()
             self._closed = True
+        # every outstanding item ends within the bounds above (a result, the
+        # broker's grace, the task timeout, the deadline): this wait is bounded too
         self._poller.join(timeout=max(0.0, self.deadline - time.monotonic()) + 5)
         drop_from_endpoint(f"layerdiff:job:{self.job_id}:")
         try:
             self.store.drop_job(self.job_id)
         except redis.RedisError as e:  # the keys expire by themselves
             log.warning("could not delete job %s from the store: %s", self.job_id, e)
+        finally:   # this job's connections end with it, not when the collector finds the cycles
+            self.store.close()
+            self.app.backend.client.connection_pool.disconnect()
+            self.app.close()
 
 
 def _describe(err: dict) -> str:

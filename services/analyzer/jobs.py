@@ -14,6 +14,8 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +24,10 @@ import pyarrow as pa
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.consumer import StreamConsumer
 from layerdiff.analyzer.coverage import MIN_COVERAGE_DEFAULT
+from layerdiff.analyzer.jobrecords import JobRecords, Retention, drop_broker_keys, is_disk_full
 from layerdiff.analyzer.minmax import parse_min_max
 from layerdiff.analyzer.perf import PerfSettings, check_perf_options
+from layerdiff.analyzer.receive import CollectorStream, upload_timeout
 from layerdiff.analyzer.pool import LocalPool
 from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
 from layerdiff.analyzer.tfreference import TFReference, open_reference
@@ -32,7 +36,7 @@ from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.artifacts import ArtifactStore
 from layerdiff.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, LayerdiffError, NotFoundError, UnavailableError
 from layerdiff.onnxgraph import load_inputs
-from layerdiff.collector.service import CollectorClient, flight_message
+from layerdiff.collector.service import CollectorClient
 from layerdiff.schema import BufferPool, TensorAssembler, check_dump_mode
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -40,8 +44,12 @@ log = logging.getLogger(__name__)
 TERMINAL = {pb.DONE, pb.FAILED, pb.CANCELLED}
 DIFF_CNT_DEFAULT = 128
 PRECISIONS = ("fp32", "fp16", "int8")
-# Finished jobs kept with their reports; older ones are forgotten and deleted.
-KEEP_FINISHED_JOBS = 64
+# Finished jobs that keep their whole event history in memory; older ones keep
+# their final event, as after a restart. Finished jobs and their reports are
+# deleted by retention (jobrecords: LAYERDIFF_RETAIN_*), not by count here.
+KEEP_EVENT_HISTORY = 64
+# What a job's record keeps of its final event.
+RECORDED_EVENT_FIELDS = ("nodes_done", "nodes_total", "message", "first_failing_node", "outcome", "exit_status")
 
 
 @dataclass
@@ -53,9 +61,12 @@ class Job:
     events: list = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    call: object = None
-    summary: dict | None = None
+    call: object = None        # the collector stream being read (CollectorStream), for Cancel
+    executor: object = None    # the comparisons' pool, for Cancel
     error: str = ""
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    dropped: int = 0    # events let go from the front of ``events`` (a finished job's history)
 
     def emit(self, state: int | None = None, **kw) -> None:
         with self.cond:
@@ -67,6 +78,37 @@ class Job:
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def artifacts(self) -> list[str]:
+        s = self.spec
+        return [a for a in (s.model_artifact, s.inputs_artifact, s.device_model_artifact) if a]
+
+    def record(self, event: pb.JobEvent | None = None) -> dict:
+        """What the analyzer keeps of this job across restarts (jobrecords):
+        enough for Watch and FetchReport, and a few words for an operator."""
+        if event is None:
+            event = self.events[-1] if self.events else pb.JobEvent(state=self.state)
+        s = self.spec
+        return {"id": self.id, "state": pb.JobState.Name(event.state), "created_at": self.created_at,
+                "finished_at": self.finished_at, "error": self.error,
+                "event": {f: getattr(event, f) for f in RECORDED_EVENT_FIELDS},
+                "artifacts": self.artifacts, "model": s.model_name, "collector": s.collector,
+                "precision": s.precision, "device": s.device, "dump_path": s.dump_path}
+
+    @classmethod
+    def from_record(cls, rec: dict, report_dir: Path) -> "Job":
+        """A job read back from its record: finished, with its final event."""
+        state = pb.JobState.Value(rec["state"])
+        spec = pb.JobSpec(model_name=str(rec.get("model") or ""), collector=str(rec.get("collector") or ""),
+                          precision=str(rec.get("precision") or ""), device=str(rec.get("device") or ""),
+                          dump_path=str(rec.get("dump_path") or ""))
+        job = cls(id=rec["id"], spec=spec, report_dir=report_dir, state=state, error=str(rec.get("error") or ""),
+                  created_at=float(rec.get("created_at") or 0.0), finished_at=rec.get("finished_at"))
+        event = rec.get("event") or {}
+        job.events.append(pb.JobEvent(job_id=job.id, state=state,
+                                      **{f: event[f] for f in RECORDED_EVENT_FIELDS if f in event}))
+        return job
 
 
 @dataclass
@@ -166,12 +208,34 @@ class JobRunner:
     """Runs jobs on the local pool, or on Celery workers when a broker URL is
     given (LAYERDIFF_BROKER_URL or --broker)."""
 
-    def __init__(self, store: ArtifactStore, jobs_dir: Path, broker_url: str | None = None) -> None:
+    def __init__(self, store: ArtifactStore, jobs_dir: Path, broker_url: str | None = None,
+                 retention: Retention | None = None) -> None:
+        """Reads back the jobs recorded under ``jobs_dir`` (those that were
+        running when the analyzer stopped are recorded as FAILED) and
+        applies ``retention`` (default: from LAYERDIFF_RETAIN_*)."""
         self.store = store
         self.jobs_dir = Path(jobs_dir)
+        self.workdir = self.jobs_dir.parent
         self.broker_url = broker_url or None
         self.jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        self._retention_lock = threading.Lock()
+        self.records = JobRecords(self.jobs_dir, retention if retention is not None else Retention.from_env())
+        records, interrupted = self.records.load()
+        for rec in records:
+            try:
+                job = Job.from_record(rec, self.records.report_dir(rec["id"]))
+            except (KeyError, ValueError, TypeError) as e:
+                log.warning("job record %s is not usable (%s): ignored", rec.get("id"), e)
+                continue
+            self.jobs[job.id] = job
+        if interrupted:
+            log.warning("%d job(s) were running when the analyzer stopped, now recorded as FAILED: %s",
+                        len(interrupted), ", ".join(interrupted))
+            if self.broker_url:   # in the background: a broker that does not answer never holds start-up
+                threading.Thread(target=drop_broker_keys, args=(self.broker_url, interrupted),
+                                 name="drop-interrupted-jobs", daemon=True).start()
+        self._enforce_retention()
 
     def executor(self, job_id: str, max_cores: int | None):
         if self.broker_url:
@@ -181,38 +245,72 @@ class JobRunner:
         return LocalPool(max_cores)
 
     def submit(self, spec: pb.JobSpec) -> Job:
-        prepared = prepare(spec, self.store)
-        if self.broker_url:
-            from layerdiff.analyzer.store import TensorStore
-
-            TensorStore(self.broker_url).ping()   # a broker refusing connections fails the Submit itself
         job_id = uuid.uuid4().hex[:16]
-        job = Job(id=job_id, spec=spec, report_dir=self.jobs_dir / job_id)
+        job = Job(id=job_id, spec=spec, report_dir=self.records.report_dir(job_id))
+        self.store.hold(job.artifacts)   # from here until the job ends, retention leaves them alone
+        try:
+            prepared = prepare(spec, self.store)
+            if self.broker_url:
+                from layerdiff.analyzer.store import TensorStore
+
+                with TensorStore(self.broker_url) as check:   # a broker refusing connections fails the Submit itself
+                    check.ping()
+        except BaseException:
+            self.store.release(job.artifacts)
+            raise
         with self._lock:
             self._forget_old_jobs()
             self.jobs[job.id] = job
         job.emit(pb.QUEUED, nodes_total=len(prepared.reference.sites))
+        try:
+            self.records.save(job.record())   # before the job can end and record that
+        except Exception:
+            log.exception("job %s: its record was not written", job.id)
         threading.Thread(target=self._run, args=(job, prepared), name=f"job-{job.id}", daemon=True).start()
         return job
 
     def _forget_old_jobs(self) -> None:
-        finished = [j for j in self.jobs.values() if j.done]
-        for old in finished[:max(0, len(finished) - KEEP_FINISHED_JOBS + 1)]:
-            del self.jobs[old.id]
-            shutil.rmtree(old.report_dir, ignore_errors=True)
+        """Finished jobs beyond the newest KEEP_EVENT_HISTORY keep only their
+        final event in memory (their records and reports stay, under the
+        retention limits)."""
+        finished = [j for j in self.jobs.values() if j.done and len(j.events) > 1]
+        for old in finished[:max(0, len(finished) - KEEP_EVENT_HISTORY)]:
+            with old.cond:
+                old.dropped += len(old.events) - 1
+                old.events = old.events[-1:]
+
+    def _enforce_retention(self) -> None:
+        try:
+            with self._retention_lock:
+                deleted = self.records.enforce(self.store)
+        except Exception:   # never a reason to fail a job or the start-up
+            log.exception("retention of finished jobs and uploads failed")
+            return
+        with self._lock:
+            for job_id in deleted:
+                job = self.jobs.get(job_id)
+                if job is not None and job.done:
+                    del self.jobs[job_id]
 
     def get(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)
         if job is None:
-            raise NotFoundError(f"no job {job_id!r}", field="job_id")
+            why = self.records.why_forgotten(job_id)
+            if why:
+                raise NotFoundError(f"job {job_id!r} and its reports were deleted: {why}", field="job_id")
+            raise NotFoundError(f"no job {job_id!r} on this analyzer; {self.records.retention.describe()}",
+                                field="job_id")
         return job
 
     def cancel(self, job_id: str) -> Job:
+        """Cancel a job: every wait of its thread ends at once (the stream,
+        the comparisons, the reference); the job then reads CANCELLED."""
         job = self.get(job_id)
         if not job.done:
             job.cancelled.set()
-            if job.call is not None:
-                job.call.cancel()
+            for part in (job.call, job.executor):
+                if part is not None:
+                    part.cancel()
         return job
 
     # ------------------------------------------------------------------ run
@@ -221,21 +319,45 @@ class JobRunner:
         started = time.time()
         total = len(p.reference.sites)
         try:
-            summary = self._execute(job, p, started)
-            job.summary = summary
-            first = summary["first_failing_node"]
-            answer = summary["outcome"]
-            job.emit(pb.DONE, nodes_done=total, nodes_total=total, first_failing_node=first["node"] if first else "",
-                     message=answer["reason"], outcome=answer["status"], exit_status=answer["exit_status"])
-        except _Cancelled:
-            job.emit(pb.CANCELLED, message="cancelled")
-        except LayerdiffError as e:
-            job.error = str(e)
-            job.emit(pb.FAILED, message=str(e), exit_status=failure_exit_status(e))
-        except Exception as e:  # a bug: say so, keep the service up
-            log.exception("job %s failed", job.id)
-            job.error = f"internal error: {type(e).__name__}: {e}"
-            job.emit(pb.FAILED, message=job.error, exit_status=failure_exit_status(e))
+            try:
+                summary = self._execute(job, p, started)
+                first = summary["first_failing_node"]
+                answer = summary["outcome"]
+                state, end = pb.DONE, dict(
+                    nodes_done=total, nodes_total=total, first_failing_node=first["node"] if first else "",
+                    message=answer["reason"], outcome=answer["status"], exit_status=answer["exit_status"])
+            except _Cancelled:
+                state, end = pb.CANCELLED, dict(message="cancelled")
+            except Exception as e:
+                if is_disk_full(e):
+                    job.error = (f"disk full: the analyzer's work dir {self.workdir} has no space left for the "
+                                 "reports; free space there and run the job again")
+                    log.warning("job %s: %s (%s)", job.id, job.error, e)
+                    exit_status = EXIT_NO_ANSWER
+                elif isinstance(e, LayerdiffError):
+                    job.error = str(e)
+                    exit_status = failure_exit_status(e)
+                else:   # a bug: say so, keep the service up
+                    log.exception("job %s failed", job.id)
+                    job.error = f"internal error: {type(e).__name__}: {e}"
+                    exit_status = failure_exit_status(e)
+                state, end = pb.FAILED, dict(message=job.error, exit_status=exit_status)
+            self._finish(job, state, end)
+        finally:
+            self.store.release(job.artifacts)
+        self._enforce_retention()
+
+    def _finish(self, job: Job, state: int, end: dict) -> None:
+        """Record the job's end, then tell its watchers: a client that has
+        seen the end finds it recorded, whatever happens to the analyzer."""
+        job.finished_at = time.time()
+        if state != pb.DONE:   # reports are fetched from DONE jobs only: free the space at once
+            shutil.rmtree(job.report_dir, ignore_errors=True)
+        try:
+            self.records.finish(job.record(pb.JobEvent(job_id=job.id, state=state, **end)))
+        except Exception:   # a record never ends the job thread
+            log.exception("job %s: its record was not written", job.id)
+        job.emit(state, **end)
 
     def _capture_request(self, job: Job, collector) -> pb.CaptureRequest:
         spec = job.spec
@@ -243,11 +365,13 @@ class JobRunner:
             return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(
                 path=spec.dump_path, format=spec.dump_format, default_concat_dim=spec.default_concat_dim,
                 watch=spec.watch))
-        model = collector.upload(self.store.read(spec.model_artifact), self.store.name(spec.model_artifact))
-        inputs = collector.upload(self.store.read(spec.inputs_artifact), self.store.name(spec.inputs_artifact))
-        device_model = collector.upload(self.store.read(spec.device_model_artifact),
-                                        self.store.name(spec.device_model_artifact)) \
-            if spec.device_model_artifact else ""
+        def upload(artifact: str) -> str:
+            data = self.store.read(artifact)
+            return collector.upload(data, self.store.name(artifact), timeout=upload_timeout(len(data)))
+
+        model = upload(spec.model_artifact)
+        inputs = upload(spec.inputs_artifact)
+        device_model = upload(spec.device_model_artifact) if spec.device_model_artifact else ""
         return pb.CaptureRequest(job_id=job.id, live=pb.LiveSource(
             model_artifact=model, inputs_artifact=inputs, device_model_artifact=device_model,
             precision=spec.precision or "fp32", device=spec.device or "cpu", dump_mode=spec.dump_mode or "output",
@@ -277,26 +401,16 @@ class JobRunner:
         ref_future = helper.submit(reference.ensure, 0)
         helper.shutdown(wait=False)
 
-        collector = CollectorClient(spec.collector)
-        try:
-            collector.wait_ready()
-            if job.cancelled.is_set():
-                raise _Cancelled()
-            request = self._capture_request(job, collector)
+        rep = JobReport()
+        with self._stream(job, collector_request=None) as stream:
+            job.executor = executor = self.executor(job.id, p.max_cores or None)
             try:
-                job.call = collector.capture(request)
-            except (pa.ArrowException, KeyError) as e:   # refused before the first batch
-                raise collector_error(job.spec.collector, e) from None
-            if job.cancelled.is_set():
-                job.call.cancel()
-            rep = JobReport()
-            executor = self.executor(job.id, p.max_cores or None)
-            try:
-                self._consume(job, p, job.call, ref_future, executor, rep, total)
+                if job.cancelled.is_set():
+                    executor.cancel()
+                self._consume(job, p, stream, ref_future, executor, rep, total)
             finally:
                 executor.close()
-        finally:
-            collector.close()
+                job.executor = None
         if job.cancelled.is_set():
             raise _Cancelled()
         if p.perf.enabled and perf is None:
@@ -343,75 +457,98 @@ class JobRunner:
         from layerdiff.analyzer.perf import receive
 
         job.emit(pb.COMPARING, nodes_total=len(p.reference.sites), message="capturing performance data")
+
+        def perf_request(request: pb.CaptureRequest) -> None:
+            request.stream = pb.CAPTURE_STREAM_PERF
+            request.perf.CopyFrom(pb.PerfCapture(runs=p.perf.runs, graph_optimization=p.perf.graph_optimization))
+
+        with self._stream(job, perf_request) as stream:
+            try:
+                data = receive(stream)
+            except LayerdiffError:
+                if job.cancelled.is_set():
+                    raise _Cancelled() from None
+                raise
+        if job.cancelled.is_set():
+            raise _Cancelled()
+        return data
+
+    @contextmanager
+    def _stream(self, job: Job, collector_request=None):
+        """The job's stream from its collector, open and watched for
+        liveness; ``collector_request`` may amend the capture request.
+        Closed (connection and watchdog released) when the block ends."""
         collector = CollectorClient(job.spec.collector)
+        stream = None
         try:
             collector.wait_ready()
             if job.cancelled.is_set():
                 raise _Cancelled()
             request = self._capture_request(job, collector)
-            request.stream = pb.CAPTURE_STREAM_PERF
-            request.perf.CopyFrom(pb.PerfCapture(runs=p.perf.runs, graph_optimization=p.perf.graph_optimization))
+            if collector_request is not None:
+                collector_request(request)
+            stream = CollectorStream(collector, request)
+            job.call = stream
             try:
-                job.call = collector.capture(request)
-                if job.cancelled.is_set():
-                    job.call.cancel()
-                data = receive(job.call)
-            except (pa.ArrowException, KeyError) as e:
+                stream.open()
+            except LayerdiffError:
                 if job.cancelled.is_set():
                     raise _Cancelled() from None
-                raise collector_error(job.spec.collector, e) from None
+                raise
+            except pa.ArrowException:     # cancelled before the stream started
+                raise _Cancelled() from None
+            yield stream
         finally:
+            job.call = None
+            if stream is not None:
+                stream.cancel()
+                stream.close()
             collector.close()
-        if job.cancelled.is_set():
-            raise _Cancelled()
-        return data
 
-    def _consume(self, job: Job, p: Prepared, call, ref_future: Future, executor, rep: JobReport,
+    def _consume(self, job: Job, p: Prepared, stream, ref_future: Future, executor, rep: JobReport,
                  total: int) -> None:
         assembler = TensorAssembler(pool=BufferPool())
 
         def progress(done: int, node: str, passed: bool) -> None:
             job.emit(nodes_done=done, nodes_total=total, node=node, node_passed=passed)
 
-        consumer = StreamConsumer(p, executor, ref_future.result, rep, job.report_dir, progress,
+        def references():
+            while True:   # the reference runs on its own thread: a Cancel must not wait for it
+                try:
+                    return ref_future.result(timeout=0.2)
+                except FutureTimeout:
+                    if job.cancelled.is_set():
+                        raise _Cancelled() from None
+
+        consumer = StreamConsumer(p, executor, references, rep, job.report_dir, progress,
                                   dump_mode=check_dump_mode(job.spec.dump_mode))
         try:
-            try:
-                for chunk in call:
-                    if job.state != pb.COMPARING:
-                        job.emit(pb.COMPARING, nodes_done=consumer.done, nodes_total=total)
-                    if job.cancelled.is_set():
-                        call.cancel()
-                        break
-                    for rec in assembler.feed(chunk.data):
-                        consumer.take(rec)
+            for batch in stream:
+                if job.cancelled.is_set():
+                    break
+                if not batch.num_rows:     # a heartbeat: the source is quiet, report what is finished
+                    consumer.finish_done()
+                    continue
+                if job.state != pb.COMPARING:
+                    job.emit(pb.COMPARING, nodes_done=consumer.done, nodes_total=total)
+                for rec in assembler.feed(batch):
+                    consumer.take(rec)
+            if not job.cancelled.is_set():
                 for rec in assembler.finish():
                     consumer.take(rec)
-            except (pa.ArrowException, KeyError) as e:
-                if job.cancelled.is_set():
-                    raise _Cancelled() from None
-                raise collector_error(job.spec.collector, e) from None
-            if job.cancelled.is_set():
-                raise _Cancelled()
-            consumer.finish()
+                consumer.finish()
         except BaseException:
             consumer.abandon()
+            if job.cancelled.is_set():   # whatever a cancelled wait raised, the job was cancelled
+                raise _Cancelled() from None
             raise
+        if job.cancelled.is_set():
+            consumer.abandon()
+            raise _Cancelled()
 
 
 class _Cancelled(Exception):
     pass
-
-
-def collector_error(address: str, e: BaseException) -> LayerdiffError:
-    """A collector call that failed: the collector's own refusal (bad
-    input), or the collector unreachable, gone or silent (a component)."""
-    import pyarrow.flight as flight
-
-    text = f"collector {address}: {flight_message(e)}"
-    if isinstance(e, (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightCancelledError)):
-        return UnavailableError(text, field="collector")
-    return LayerdiffError(text)
 
 
 def failure_exit_status(e: BaseException) -> int:

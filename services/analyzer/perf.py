@@ -102,17 +102,18 @@ class PerfData:
     errors: list[tuple[str, str]] = field(default_factory=list)     # (where, why)
 
 
-def receive(call, max_records: int = MAX_RECORDS) -> PerfData:
-    """Read a performance stream (a Flight reader) to its end, or to
-    ``max_records`` records: the rest is left out with a reason."""
+def receive(stream, max_records: int = MAX_RECORDS) -> PerfData:
+    """Read a performance stream (record batches; ``stream.cancel()`` stops
+    it) to its end, or to ``max_records`` records: the rest is left out with
+    a reason."""
     data = PerfData()
-    for chunk in call:
+    for batch in stream:
         try:
-            records = decode_perf(chunk.data)
+            records = decode_perf(batch)
         except ValueError as e:
             raise LayerdiffError(f"performance stream: {e}", field="stream") from None
         if len(data.records) + len(records) > max_records:
-            call.cancel()
+            stream.cancel()
             data.errors.append(("collector", f"more than {max_records} performance records; the rest is left out"))
             break
         for r in records:

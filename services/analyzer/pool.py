@@ -25,5 +25,10 @@ class LocalPool:
     def submit(self, ref, dev, tol, diff_cnt, force_compare) -> "Future[NodeOutcome]":
         return self._ex.submit(compare_node, ref, dev, tol, diff_cnt, force_compare)
 
+    def cancel(self) -> None:
+        """The job is cancelled: comparisons not yet started never start
+        (their futures end cancelled); running ones finish their chunk."""
+        self._ex.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
         self._ex.shutdown(wait=True, cancel_futures=True)

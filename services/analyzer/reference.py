@@ -83,15 +83,25 @@ class OnnxReference:
         # Without the arena every output returns to the system as soon as its
         # node is compared, instead of the whole run staying resident.
         so.enable_cpu_mem_arena = False
+        # The copy of the model and the session (which owns onnxruntime's
+        # threads) end here, also when this raises: an exception keeps the
+        # frames it passed through for as long as it lives (a failed
+        # segment's, in the future of the job that asked for it), so neither
+        # this frame nor onnxruntime's (the cause's traceback) may hold them.
         try:
             sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         except Exception as e:
-            raise LayerdiffError(f"onnxruntime cannot load the model: {e}", file=self.name) from e
+            raise LayerdiffError(f"onnxruntime cannot load the model: {e}",
+                                 file=self.name) from e.with_traceback(None)
+        finally:
+            del model
         names = [o.name for o in sess.get_outputs()]
         try:
             values = sess.run(None, feeds)
         except Exception as e:
-            raise LayerdiffError(f"reference run failed: {e}", file=self.name) from e
+            raise LayerdiffError(f"reference run failed: {e}", file=self.name) from e.with_traceback(None)
+        finally:
+            del sess
         return {n: np.asarray(v) for n, v in zip(names, values)}
 
 

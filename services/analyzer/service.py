@@ -12,7 +12,7 @@ from layerdiff import __version__
 from layerdiff.analyzer.jobs import JobRunner
 from layerdiff.artifacts import ArtifactStore
 from layerdiff.memory import release_freed_tensors_to_system
-from layerdiff.errors import LayerdiffError, abort_with
+from layerdiff.errors import LayerdiffError, NotFoundError, abort_with
 from layerdiff.net import DEFAULT_CHUNK_BYTES, bind, make_server
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
@@ -49,19 +49,19 @@ class AnalyzerService(pbg.AnalyzerServicer):
             job = self.runner.get(request.job_id)
         except Exception as e:
             abort_with(context, e)
-        sent = 0
+        sent = 0   # counted over the job's whole history, of which a finished job keeps the end
         while context.is_active():
             with job.cond:
-                while sent >= len(job.events) and not job.done:
+                while sent >= job.dropped + len(job.events) and not job.done:
                     job.cond.wait(timeout=1.0)
                     if not context.is_active():
                         return
-                batch = job.events[sent:]
+                batch = job.events[max(0, sent - job.dropped):]
+                sent = job.dropped + len(job.events)
                 finished = job.done
             for ev in batch:
                 yield ev
-            sent += len(batch)
-            if finished and sent >= len(job.events):
+            if finished:
                 return
 
     def FetchReport(self, request, context):
@@ -73,9 +73,17 @@ class AnalyzerService(pbg.AnalyzerServicer):
         except Exception as e:
             abort_with(context, e)
         root = job.report_dir
+        gone = NotFoundError(f"the reports of job {request.job_id!r} are no longer on the analyzer ({root})",
+                             field="job_id")
+        if not (root / "summary.json").is_file():
+            abort_with(context, gone)
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             rel = path.relative_to(root).as_posix()
-            with open(path, "rb") as f:
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:   # deleted under retention while being fetched
+                abort_with(context, gone)
+            with f:
                 offset = 0
                 while True:
                     data = f.read(DEFAULT_CHUNK_BYTES)

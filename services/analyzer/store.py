@@ -68,6 +68,19 @@ class TensorStore:
         self.ttl_s = ttl_s
         self.r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=10)
 
+    def close(self) -> None:
+        """Close this store's connections to Redis now (idempotent; a call
+        made afterwards opens a new one). A store made for one job or one
+        check is closed by whoever made it, never left to the garbage
+        collector."""
+        self.r.close()
+
+    def __enter__(self) -> "TensorStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def ping(self) -> None:
         try:
             self.r.ping()
@@ -201,14 +214,32 @@ def drop_from_endpoint(prefix: str) -> None:
         _endpoint.drop(prefix)
 
 
-_clients: dict[str, flight.FlightClient] = {}
+# A worker keeps one client per analyzer endpoint it reads from, reused from
+# task to task (a connection per fetch would cost a handshake every time). An
+# analyzer listens on a new port each time it starts, so a long-lived worker
+# would otherwise hold one client per analyzer it ever served: beyond
+# MAX_ENDPOINT_CLIENTS the least recently used is let go (its connection ends
+# as soon as no fetch in progress uses it).
+MAX_ENDPOINT_CLIENTS = 8
+_clients: dict[str, flight.FlightClient] = {}    # in order of use, the most recent last
+_clients_lock = threading.Lock()
+
+
+def _endpoint_client(location: str) -> flight.FlightClient:
+    with _clients_lock:
+        client = _clients.pop(location, None)
+        if client is None:
+            client = flight.connect(f"grpc+tcp://{location}")
+        _clients[location] = client
+        while len(_clients) > MAX_ENDPOINT_CLIENTS:
+            del _clients[next(iter(_clients))]
+    return client
 
 
 def fetch_flight(ref: dict, nbytes: int) -> bytes | np.ndarray:
     location = ref["flight"]
-    client = _clients.get(location)
-    if client is None:
-        client = _clients[location] = flight.connect(f"grpc+tcp://{location}")
+    client = _endpoint_client(location)
+    reader = None
     try:
         reader = client.do_get(flight.Ticket(ref["key"].encode()), flight.FlightCallOptions(timeout=300))
         out = np.empty(nbytes, dtype=np.uint8)
@@ -231,6 +262,14 @@ def fetch_flight(ref: dict, nbytes: int) -> bytes | np.ndarray:
         text = flight_message(e)
         raise PayloadError(f"payload missing from the analyzer at {location}: {text}", source="endpoint",
                            at=location, key=ref["key"], cause=short_cause(text)) from None
+    except BaseException:
+        if reader is not None:
+            reader.cancel()   # read no further than the failure
+        raise
+    finally:
+        # The reader holds its call and the call the connection: let go of it
+        # here, not when an exception's traceback (this frame) is freed.
+        reader = None
     if got != nbytes:
         raise PayloadError(f"payload truncated: {got} of {nbytes} bytes", source="endpoint", at=location,
                            key=ref["key"], cause=f"payload truncated ({got} of {nbytes} bytes)")

@@ -31,13 +31,14 @@ from layerdiff.collector.dumpdir import DumpDirectory
 from layerdiff.collector.live import LiveRunner
 from layerdiff.collector.perfcounters import dump_perf_records
 from layerdiff.collector.profile import profile_model
+from layerdiff.collector.stream import DEFAULT_HEARTBEAT_S, OutgoingStream
 from layerdiff.collector.watch import watch_records
 from layerdiff.memory import release_freed_tensors_to_system
 from layerdiff.errors import LayerdiffError, NotFoundError, UnavailableError
 from layerdiff.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from layerdiff.onnxgraph import load_inputs
-from layerdiff.perfschema import PERF_SCHEMA, PerfRecord, encode_perf
-from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, encode_records
+from layerdiff.perfschema import PERF_SCHEMA, PerfEncoder, PerfRecord
+from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -103,12 +104,15 @@ class CollectorFlight(flight.FlightServerBase):
             request = pb.CaptureRequest.FromString(ticket.ticket)
         except Exception as e:
             raise pa.ArrowInvalid(f"ticket is not a layerdiff.v1.CaptureRequest: {e}") from None
+        heartbeat_s = request.heartbeat_ms / 1000.0 if request.heartbeat_ms else DEFAULT_HEARTBEAT_S
         if request.stream == pb.CAPTURE_STREAM_PERF:
-            return _record_stream("perf capture", request.job_id, PERF_SCHEMA, lambda: self.perf_source(request),
-                                  encode_perf)
-        chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES // 2)
-        return _record_stream("capture", request.job_id, TENSOR_SCHEMA, lambda: self.source(request),
-                              lambda records: encode_records(records, chunk))
+            stream = OutgoingStream(f"perf capture {request.job_id}", PERF_SCHEMA, lambda: self.perf_source(request),
+                                    PerfEncoder, _to_flight_error, heartbeat_s, context)
+        else:
+            chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES // 2)
+            stream = OutgoingStream(f"capture {request.job_id}", TENSOR_SCHEMA, lambda: self.source(request),
+                                    lambda: RecordEncoder(chunk), _to_flight_error, heartbeat_s, context)
+        return stream.start()
 
     # ------------------------------------------------------------ artifacts
     def do_put(self, context, descriptor, reader, writer):
@@ -171,33 +175,6 @@ def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, devi
         model, model_name = device_model, device_model_name
     return LiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
                       model_name=model_name, device_model_name=device_model_name)
-
-
-def _record_stream(label: str, job_id: str, schema: pa.Schema, open_records, encode) -> flight.GeneratorStream:
-    """A DoGet answer: the first record is pulled now so that set-up errors
-    (bad model, bad inputs, missing dump) become the call's status; later
-    errors end the stream with their message."""
-    try:
-        records = open_records()
-        first = next(records, None)
-    except Exception as e:
-        log.warning("%s %s refused: %s", label, job_id, e)
-        raise _to_flight_error(e) from None
-
-    def stream():
-        try:
-            if first is not None:
-                yield from encode(_chain(first, records))
-        except Exception as e:
-            log.exception("%s %s failed", label, job_id)
-            raise _to_flight_error(e) from None
-
-    return flight.GeneratorStream(schema, stream())
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 class CollectorServer:
@@ -276,9 +253,12 @@ class CollectorClient:
                     raise UnavailableError(f"collector {self.address} is not reachable", field="collector") from None
                 time.sleep(0.1)
 
-    def upload(self, data: bytes, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+    def upload(self, data: bytes, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               timeout: float | None = None) -> str:
+        """Send one file; ``timeout`` bounds the whole upload (default: the
+        client's timeout)."""
         writer, reader = self.client.do_put(flight.FlightDescriptor.for_path("artifact", name), ARTIFACT_SCHEMA,
-                                            self._options())
+                                            self._options(timeout))
         view = memoryview(data)
         try:
             for off in range(0, max(len(data), 1), chunk_bytes):
@@ -293,13 +273,27 @@ class CollectorClient:
             writer.done_writing()
             meta = reader.read()
             writer.close()
+        except (flight.FlightUnavailableError, flight.FlightTimedOutError) as e:
+            raise UnavailableError(f"collector {self.address} did not take the upload: {flight_message(e)}",
+                                   file=name, field="collector") from None
         except pa.ArrowException as e:
             raise LayerdiffError(f"collector refused the upload: {flight_message(e)}", file=name) from None
         return pb.ArtifactRef.FromString(meta.to_pybytes()).id
 
     def capture(self, request: pb.CaptureRequest, timeout: float | None = None) -> flight.FlightStreamReader:
-        """The tensor stream; iterate ``read_chunk()`` / the reader, ``cancel()`` stops it."""
-        return self.client.do_get(flight.Ticket(request.SerializeToString()), self._options(timeout))
+        """The tensor stream; iterate ``read_chunk()`` / the reader, ``cancel()`` stops it.
+
+        No deadline unless ``timeout`` is given: a stream lasts as long as its
+        source, and its liveness is watched by the receiver (heartbeats, see
+        ``layerdiff.collector.stream``)."""
+        options = flight.FlightCallOptions(timeout=timeout) if timeout else flight.FlightCallOptions()
+        return self.client.do_get(flight.Ticket(request.SerializeToString()), options)
 
     def close(self) -> None:
+        """Close the connection (idempotent). A stream reader ``capture``
+        handed out holds its gRPC call, and the call holds the channel: the
+        TCP connection ends only once every such reader is let go as well.
+        pyarrow offers no ``close()`` on a reader (``cancel()`` does not
+        release it), so whoever keeps a reader must drop it, at the latest
+        when closing the client."""
         self.client.close()

@@ -2,14 +2,19 @@
 boundary (never by path, so no directory is shared between processes).
 
 The store keeps each artifact under its content address (sha256) in the
-service's own private directory.
+service's own private directory. A job holds the artifacts it uses
+(``hold`` / ``release``) so that retention (``entries`` / ``discard``) never
+deletes them under it; an upload that finds the disk full is refused with
+RESOURCE_EXHAUSTED and leaves nothing behind.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tempfile
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -28,9 +33,21 @@ class ArtifactStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self._names: dict[str, str] = {}
+        self._held: Counter[str] = Counter()
         self._lock = threading.Lock()
+        for partial in self.root.glob(".upload-*"):   # left by a service that died mid-upload
+            _unlink(partial)
 
     def receive(self, chunks: Iterable[pb.ArtifactChunk]) -> pb.ArtifactRef:
+        try:
+            return self._receive(chunks)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise LimitError(f"disk full: no space left in {self.root} for this upload; free space there "
+                                 "and upload again") from None
+            raise
+
+    def _receive(self, chunks: Iterable[pb.ArtifactChunk]) -> pb.ArtifactRef:
         h = hashlib.sha256()
         name, expected, declared_sha = "", -1, ""
         size = 0
@@ -57,9 +74,9 @@ class ArtifactStore:
             digest = h.hexdigest()
             if declared_sha and declared_sha != digest:
                 raise LayerdiffError("sha256 of the received bytes does not match", file=name, field="sha256")
-            os.replace(tmp, self.root / digest)
-            tmp = ""
             with self._lock:
+                os.replace(tmp, self.root / digest)
+                tmp = ""
                 self._names[digest] = name
             return pb.ArtifactRef(id=digest, name=name, size=size)
         finally:
@@ -79,6 +96,68 @@ class ArtifactStore:
 
     def read(self, artifact_id: str, field: str = "artifact") -> bytes:
         return self.path(artifact_id, field).read_bytes()
+
+    # ------------------------------------------------------------ retention
+
+    def hold(self, artifact_ids: Iterable[str]) -> None:
+        """A job uses these artifacts: ``discard`` leaves them alone until
+        they are released, and their age counts from now."""
+        with self._lock:
+            for a in artifact_ids:
+                if a:
+                    self._held[a] += 1
+                    try:
+                        os.utime(self.root / a)
+                    except (OSError, ValueError):
+                        pass
+
+    def release(self, artifact_ids: Iterable[str]) -> None:
+        with self._lock:
+            for a in artifact_ids:
+                if a and self._held[a] > 0:
+                    self._held[a] -= 1
+                    if not self._held[a]:
+                        del self._held[a]
+
+    def entries(self) -> list[tuple[str, float, int]]:
+        """(id, time of its last upload or use, size) of every stored
+        artifact that no job holds."""
+        out = []
+        with self._lock:
+            held = set(self._held)
+        with os.scandir(self.root) as it:
+            for e in it:
+                if e.name.startswith(".") or e.name in held:
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                out.append((e.name, st.st_mtime, st.st_size))
+        return out
+
+    def discard(self, artifact_id: str, mtime: float | None = None) -> bool:
+        """Delete an artifact unless a job holds it or (given ``mtime``) it
+        was uploaded or used again since. True when it was deleted."""
+        with self._lock:
+            if self._held.get(artifact_id):
+                return False
+            p = self.root / artifact_id
+            try:
+                if mtime is not None and p.stat().st_mtime != mtime:
+                    return False
+                p.unlink()
+            except OSError:
+                return False
+            self._names.pop(artifact_id, None)
+            return True
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def chunks_of(data: bytes, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.ArtifactChunk]:

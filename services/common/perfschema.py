@@ -124,15 +124,33 @@ def _batch(recs: list[PerfRecord]) -> pa.RecordBatch:
     ], schema=PERF_SCHEMA)
 
 
+class PerfEncoder:
+    """Performance records in, batches of up to _ROWS_PER_BATCH rows out;
+    ``flush`` sends a partial batch (see layerdiff.schema.RecordEncoder)."""
+
+    def __init__(self) -> None:
+        self._rows: list[PerfRecord] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._rows)
+
+    def add(self, record: PerfRecord) -> list[pa.RecordBatch]:
+        self._rows.append(record)
+        return [self.flush()] if len(self._rows) >= _ROWS_PER_BATCH else []
+
+    def flush(self) -> pa.RecordBatch | None:
+        rows, self._rows = self._rows, []
+        return _batch(rows) if rows else None
+
+
 def encode_perf(records: Iterable[PerfRecord]) -> Iterator[pa.RecordBatch]:
-    rows: list[PerfRecord] = []
+    enc = PerfEncoder()
     for r in records:
-        rows.append(r)
-        if len(rows) >= _ROWS_PER_BATCH:
-            yield _batch(rows)
-            rows = []
-    if rows:
-        yield _batch(rows)
+        yield from enc.add(r)
+    msg = enc.flush()
+    if msg is not None:
+        yield msg
 
 
 def _maps(arr: pa.MapArray) -> list[dict]:

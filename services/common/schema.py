@@ -148,14 +148,23 @@ class _Batcher:
         return batch
 
 
-def encode_records(records: Iterable[NodeRecord], chunk_bytes: int = DEFAULT_CHUNK_BYTES
-                   ) -> Iterator[pa.RecordBatch]:
-    """Yield record batches for the records, each carrying at most about
-    ``chunk_bytes`` of tensor payload. The batches reference the records'
-    memory: keep the arrays alive until the batch is sent."""
-    chunk_bytes = max(1024, int(chunk_bytes or DEFAULT_CHUNK_BYTES))
-    b = _Batcher(chunk_bytes)
-    for rec in records:
+class RecordEncoder:
+    """Records in, record batches out, each batch carrying at most about
+    ``chunk_bytes`` of tensor payload: ``add`` returns the batches a record
+    completes, ``flush`` the partial one (a sender calls it when its source
+    pauses, so that small tensors do not wait for the batch to fill). The
+    batches reference the records' memory: keep the arrays alive until the
+    batch is sent."""
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self._b = _Batcher(max(1024, int(chunk_bytes or DEFAULT_CHUNK_BYTES)))
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._b.rows)
+
+    def add(self, rec: NodeRecord) -> list[pa.RecordBatch]:
+        b, out = self._b, []
         if rec.status != STATUS_OK or rec.array is None:
             b.add(rec, "", (), 0, 0, None)
         else:
@@ -169,20 +178,32 @@ def encode_records(records: Iterable[NodeRecord], chunk_bytes: int = DEFAULT_CHU
                 total = arr.nbytes
                 off = 0
                 while True:
-                    take = min(max(chunk_bytes - b.nbytes, 1), total - off)
+                    take = min(max(b.chunk_bytes - b.nbytes, 1), total - off)
                     b.add(rec, dtype, arr.shape, total, off, raw[off:off + take])
                     off += take
                     if b.full():
                         msg = b.flush()
                         if msg is not None:
-                            yield msg
+                            out.append(msg)
                     if off >= total:
                         break
         if b.full():
             msg = b.flush()
             if msg is not None:
-                yield msg
-    msg = b.flush()
+                out.append(msg)
+        return out
+
+    def flush(self) -> pa.RecordBatch | None:
+        return self._b.flush()
+
+
+def encode_records(records: Iterable[NodeRecord], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                   ) -> Iterator[pa.RecordBatch]:
+    """All the records as record batches (see RecordEncoder)."""
+    enc = RecordEncoder(chunk_bytes)
+    for rec in records:
+        yield from enc.add(rec)
+    msg = enc.flush()
     if msg is not None:
         yield msg
 

@@ -1,0 +1,141 @@
+"""Hosts of their own for the tests, made with network namespaces: a bridge
+in the root namespace (the analyzer's host) and one namespace joined to it
+by a veth pair. Every name carries the test process's id and a role letter,
+so runs and modules never collide, and leftovers of killed runs are found
+and removed. Root and iproute2 are needed (CI has both)."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, check=check)
+
+
+def netns_usable() -> str | None:
+    """Why the namespaces cannot be built here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    try:
+        ip("netns", "list")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        return f"`ip netns` is unavailable: {getattr(e, 'stderr', '') or e}"
+    return None
+
+
+def require_netns() -> None:
+    """Skip the test where namespaces cannot be made; in CI that is a failure."""
+    why = netns_usable()
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI runs as root with iproute2, yet: {why}")
+        pytest.skip(why)
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 under 10.231.0.0/16 that no address or route here uses."""
+    used = []
+    for link in json.loads(ip("-j", "-4", "addr", "show").stdout or "[]"):
+        for a in link.get("addr_info", []):
+            used.append(ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False))
+    for route in json.loads(ip("-j", "-4", "route", "show", "table", "all").stdout or "[]"):
+        if route.get("dst") not in (None, "default"):
+            used.append(ipaddress.ip_network(route["dst"], strict=False))
+    start = 40 + os.getpid() % 200
+    for i in range(256):
+        net = ipaddress.ip_network(f"10.231.{(start + i) % 256}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise RuntimeError("no free /24 under 10.231.0.0/16")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_leftovers() -> None:
+    """Namespaces and links of runs that were killed before their teardown
+    (each name carries its run's process id, which no longer exists)."""
+    for line in ip("netns", "list").stdout.splitlines():
+        m = re.fullmatch(r"ld-[a-z](\d+)", line.split()[0]) if line.split() else None
+        if m and not _pid_alive(int(m.group(1))):
+            ip("netns", "delete", m.group(0), check=False)
+    for link in json.loads(ip("-j", "link", "show").stdout or "[]"):
+        m = re.fullmatch(r"ld(?:br|b[a-z]|v[a-z]?)(\d+)[hn]?", link.get("ifname", ""))
+        if m and not _pid_alive(int(m.group(1))):
+            ip("link", "delete", link["ifname"], check=False)
+
+
+class Hosts:
+    """A bridge in the root namespace with ``bridge_ip`` and one namespace,
+    another host at ``peer_ip``, joined by a veth pair. ``delete`` removes
+    whatever of it exists; ``cut``/``mend`` take the link down and up."""
+
+    def __init__(self, role: str = "w") -> None:
+        tag = str(os.getpid())
+        self.bridge = f"ldb{role}{tag}"
+        self.ns = f"ld-{role}{tag}"
+        self.veth_host, self.veth_ns = f"ldv{role}{tag}h", f"ldv{role}{tag}n"
+        net = _free_subnet()
+        self.prefix = net.prefixlen
+        self.bridge_ip, self.peer_ip = str(net.network_address + 1), str(net.network_address + 2)
+
+    def create(self) -> None:
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.bridge_ip}/{self.prefix}", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+        ip("netns", "add", self.ns)
+        ip("link", "add", self.veth_host, "type", "veth", "peer", "name", self.veth_ns)
+        ip("link", "set", self.veth_host, "master", self.bridge)
+        ip("link", "set", self.veth_host, "up")
+        ip("link", "set", self.veth_ns, "netns", self.ns)
+        ip("-n", self.ns, "addr", "add", f"{self.peer_ip}/{self.prefix}", "dev", self.veth_ns)
+        ip("-n", self.ns, "link", "set", self.veth_ns, "up")
+        ip("-n", self.ns, "link", "set", "lo", "up")   # a host of its own: 127.0.0.1 answers, and refuses
+        ping = subprocess.run(["ip", "netns", "exec", self.ns, "ping", "-c", "1", "-W", "2", self.bridge_ip],
+                              capture_output=True, text=True, timeout=20) if shutil.which("ping") else None
+        assert ping is None or ping.returncode == 0, f"the namespace {self.ns} cannot reach the bridge: {ping.stdout}"
+
+    def in_ns(self, *argv: str) -> list[str]:
+        """A command line that runs ``argv`` on the other host."""
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+    def cut(self) -> None:
+        """Cut the cable: packets to and from the other host are dropped,
+        no connection is reset (what a pulled cable or a dead switch does)."""
+        ip("link", "set", self.veth_host, "down")
+
+    def mend(self) -> None:
+        ip("link", "set", self.veth_host, "up")
+
+    def delete(self) -> list[str]:
+        """Remove the namespace (and with it the veth pair) and the bridge;
+        the problems met, if any."""
+        problems = []
+        for args in (("netns", "delete", self.ns), ("link", "delete", self.veth_host),
+                     ("link", "delete", self.bridge)):
+            res = ip(*args, check=False)
+            if res.returncode != 0 and "No such file" not in res.stderr and "Cannot find device" not in res.stderr \
+                    and "does not exist" not in res.stderr:
+                problems.append(f"ip {' '.join(args)}: {res.stderr.strip()}")
+        return problems
+
+    def exists(self) -> bool:
+        return (self.ns in ip("netns", "list").stdout
+                or ip("link", "show", self.bridge, check=False).returncode == 0
+                or ip("link", "show", self.veth_host, check=False).returncode == 0)
