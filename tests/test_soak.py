@@ -1,17 +1,22 @@
 """Long-running services stay level: job after job against one collector and
 one analyzer (separate processes), their open descriptors (all, and
 sockets), threads and the analyzer's connections to the collector return to
-the level the first job left, instead of growing by one connection a job."""
+the level the first job left, instead of growing by one connection a job;
+with comparisons on the local pool and on Celery workers (the analyzer's
+connections to Redis stay level too)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 
 import numpy as np
 import onnx
 import pytest
 
-from conftest import ServiceProcess, small_cnn
+from conftest import ServiceProcess, small_cnn, wait_for
+from test_distributed import RedisServer, _workers_ready, start_worker
 from layerdiff.client.api import run
 
 JOBS = 10
@@ -72,19 +77,30 @@ def _settled(pid: int, peer_port: int | None, level: dict | None) -> dict:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def pair(tmp_path):
-    collector = ServiceProcess("collector", tmp_path / "collector")
-    try:
-        analyzer = ServiceProcess("analyzer", tmp_path / "analyzer")
-    except BaseException:
-        collector.stop()
-        raise
-    try:
+@pytest.fixture(params=["local", "celery"])
+def pair(request, tmp_path):
+    """A collector and an analyzer: comparing on its own pool, or on a Celery
+    worker through a Redis of the test's own."""
+    with contextlib.ExitStack() as stack:
+        env = None
+        if request.param == "celery":
+            rs = RedisServer(tmp_path)
+            stack.callback(rs.stop)
+            env = dict(os.environ, LAYERDIFF_BROKER_URL=rs.url, LAYERDIFF_FLIGHT_MIN_BYTES="2048")
+            worker = start_worker(rs.url, env)
+            stack.callback(_stop_worker, worker)
+            assert wait_for(lambda: _workers_ready(rs.url, 1), 60), "the worker did not come up"
+        collector = ServiceProcess("collector", tmp_path / "collector")
+        stack.callback(collector.stop)
+        analyzer = ServiceProcess("analyzer", tmp_path / "analyzer", env=env)
+        stack.callback(analyzer.stop)
         yield collector, analyzer
-    finally:
-        analyzer.stop()
-        collector.stop()
+
+
+def _stop_worker(worker) -> None:
+    if worker.poll() is None:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
 
 
 @pytest.mark.timeout(120)

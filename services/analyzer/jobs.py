@@ -481,7 +481,7 @@ class JobRunner:
         collector = CollectorClient(job.spec.collector)
         stream = None
         try:
-            collector.wait_ready()
+            collector.wait_ready(stop=job.cancelled)
             if job.cancelled.is_set():
                 raise _Cancelled()
             request = self._capture_request(job, collector)

@@ -82,7 +82,11 @@ class CollectorStream:
 
         def call() -> None:
             try:
-                box["reader"] = self.client.capture(self.request)
+                reader = self.client.capture(self.request)
+                with self._lock:
+                    box["reader"] = reader
+                    if box.get("abandoned"):   # answered after the wait gave up: end the call here
+                        reader.cancel()
             except BaseException as e:   # handed to the waiting thread below
                 box["error"] = e
             finally:
@@ -92,9 +96,13 @@ class CollectorStream:
         opener.start()
         end = time.monotonic() + self.liveness_s
         while not done.wait(0.1):
-            if self._cancelled:
-                raise flight.FlightCancelledError("cancelled before the stream started")
-            if time.monotonic() > end:
+            if self._cancelled or time.monotonic() > end:
+                with self._lock:
+                    box["abandoned"] = True
+                    if "reader" in box:
+                        box["reader"].cancel()
+                if self._cancelled:
+                    raise flight.FlightCancelledError("cancelled before the stream started")
                 self.expired = True
                 raise self.unreachable("no answer to the capture call") from None
         if "error" in box:

@@ -240,7 +240,9 @@ class CollectorClient:
             raise UnavailableError(f"collector {self.address} is not reachable", field="collector") from e
         return pb.HealthReply.FromString(results[0].body.to_pybytes())
 
-    def wait_ready(self, timeout: float = 15.0) -> None:
+    def wait_ready(self, timeout: float = 15.0, stop: threading.Event | None = None) -> None:
+        """Wait for the collector to answer its health check; gives up early
+        when ``stop`` is set (the job was cancelled)."""
         import time
 
         end = time.monotonic() + timeout
@@ -251,7 +253,10 @@ class CollectorClient:
             except (UnavailableError, flight.FlightError):
                 if time.monotonic() > end:
                     raise UnavailableError(f"collector {self.address} is not reachable", field="collector") from None
-                time.sleep(0.1)
+                if stop is None:
+                    time.sleep(0.1)
+                elif stop.wait(0.1):
+                    return
 
     def upload(self, data: bytes, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                timeout: float | None = None) -> str:
