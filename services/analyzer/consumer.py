@@ -198,7 +198,10 @@ class StreamConsumer:
             head = next(iter(self.pending))
             if len(self.pending) <= keep and not head.done():
                 return
-            wait([head])
+            while not head.done():
+                # not wait([head]) alone: a future cancelled in its executor's
+                # queue (Cancel) is done but never wakes a waiter
+                wait([head], timeout=0.5)
             self._finished(head)
 
     def _finished(self, fut: Future) -> None:

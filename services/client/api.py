@@ -6,13 +6,22 @@
 
 Without ``analyzer=``/``collector=`` addresses both services start in this
 process on free loopback ports (the embedded default) and stop afterwards.
+
+A job on a running analyzer outlives the client that submitted it:
+``watch(job_id, analyzer=...)`` follows it again to its end and fetches its
+reports, ``fetch(job_id, analyzer=...)`` fetches the reports of a finished
+one; both return the same RunResult as ``run``. Ctrl-C (KeyboardInterrupt)
+while a job runs cancels it on the analyzer and raises ``Interrupted``, a
+KeyboardInterrupt whose message says what became of the job.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
-from contextlib import ExitStack
+import threading
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,13 +29,18 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from layerdiff.artifacts import upload
+from layerdiff.artifacts import chunks_of
 from layerdiff.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
-from layerdiff.net import channel, wait_ready
+from layerdiff.net import channel, connect_timeout, wait_ready
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
 
 CALL_TIMEOUT = 600.0
+# Ctrl-C: the Cancel call (and the wait for a Submit under way) may take this long.
+CANCEL_TIMEOUT = 5.0
+# fetch of a job that is not DONE: how long its events are read to learn its state.
+STATE_TIMEOUT = 5.0
+TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 
 
 @dataclass
@@ -133,53 +147,168 @@ def rpc_failure(what: str, e: grpc.RpcError) -> LayerdiffError:
     return JobFailed(f"{what}: {details}", EXIT_NO_ANSWER)
 
 
+def _details(e: grpc.RpcError) -> str:
+    """One line saying why a call failed."""
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else "") or ""
+    name = code.name if isinstance(code, grpc.StatusCode) else "error"
+    return " ".join(f"{name}: {details}".split()) if details else name
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a job. ``message`` says what became of the job: cancelled
+    on the analyzer, already ended, or why it could not be cancelled. It is a
+    KeyboardInterrupt, so a script stops as it would anyway."""
+
+    def __init__(self, message: str, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.job_id = job_id
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@contextmanager
+def _sigint_held():
+    """Hold off Ctrl-C while a job is being cancelled: a second press must not
+    break off the cancel (it is bounded by CANCEL_TIMEOUT anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: None)
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+def reattach_command(job_id: str, analyzer: str) -> str:
+    return f"layerdiff watch {job_id} --analyzer {analyzer}"
+
+
 class AnalyzerClient:
-    def __init__(self, address: str) -> None:
+    """The analyzer's calls. ``submit``, ``watch``, ``fetch`` and ``cancel``
+    raise grpc.RpcError as the service answers; ``run``, ``watch`` and
+    ``fetch`` below turn every failure into a LayerdiffError."""
+
+    def __init__(self, address: str, connect_timeout_s: float | None = None) -> None:
         self.address = address
+        wait = connect_timeout() if connect_timeout_s is None else connect_timeout_s
         self.channel = channel(address)
         try:
-            wait_ready(self.channel, timeout=15)
+            wait_ready(self.channel, timeout=wait)
         except grpc.FutureTimeoutError:
-            raise LayerdiffError(f"analyzer {address} is not reachable", field="analyzer") from None
+            self.channel.close()
+            raise JobFailed(f"analyzer {address} is not reachable (no answer within {wait:g} s)",
+                            EXIT_NO_ANSWER) from None
+        except BaseException:
+            self.channel.close()
+            raise
         self.stub = pbg.AnalyzerStub(self.channel)
 
     def upload(self, data: bytes, name: str) -> str:
+        call = self.stub.PutArtifact.future(chunks_of(data, name), timeout=CALL_TIMEOUT)
         try:
-            return upload(self.stub, data, name, timeout=CALL_TIMEOUT)
+            return call.result().id
         except grpc.RpcError as e:
-            raise rpc_failure(f"analyzer {self.address}", e) from None
+            raise rpc_failure(f"analyzer {self.address}, upload of {name}", e) from None
+        except BaseException:
+            call.cancel()
+            raise
 
     def submit(self, spec: pb.JobSpec) -> str:
-        return self.stub.Submit(spec, timeout=CALL_TIMEOUT).job_id
+        """The job id. Ctrl-C while the analyzer takes the job waits a moment
+        for its id and cancels it (raising Interrupted)."""
+        call = self.stub.Submit.future(spec, timeout=CALL_TIMEOUT)
+        try:
+            return call.result().job_id
+        except KeyboardInterrupt:
+            with _sigint_held():
+                try:
+                    job_id = call.result(timeout=CANCEL_TIMEOUT).job_id
+                except Exception:
+                    call.cancel()
+                    raise Interrupted("interrupted while submitting; no job was started") from None
+            raise self.interrupted(job_id) from None
 
     def watch(self, job_id: str, timeout: float | None = None):
+        """The job's events from its first, to its end. No deadline by
+        default: a job may run for hours, and the channel's keepalive finds a
+        dead link."""
         return self.stub.Watch(pb.JobRef(job_id=job_id), timeout=timeout)
 
+    def state(self, job_id: str, timeout: float = STATE_TIMEOUT) -> tuple[pb.JobEvent | None, bool]:
+        """The job's latest event, and whether the job has ended."""
+        stream = self.watch(job_id, timeout=timeout)
+        last = None
+        try:
+            for ev in stream:
+                last = ev
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            return last, False
+        finally:
+            stream.cancel()
+        return last, True
+
     def fetch(self, job_id: str, out: Path) -> list[Path]:
-        out.mkdir(parents=True, exist_ok=True)
+        out = Path(out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LayerdiffError(f"cannot create the report directory: {e.strerror}", file=str(out),
+                                 field="out") from None
         root = out.resolve()
         written: list[Path] = []
         handle = None
-        for chunk in self.stub.FetchReport(pb.ReportRequest(job_id=job_id), timeout=CALL_TIMEOUT):
-            target = (out / chunk.path).resolve()
-            if root not in target.parents:
-                raise LayerdiffError(f"report file {chunk.path!r} would land outside {out}", field="path")
-            if chunk.offset == 0:
-                if handle:
-                    handle.close()
-                target.parent.mkdir(parents=True, exist_ok=True)
-                handle = open(target, "wb")
-                written.append(target)
-            handle.write(chunk.data)
-            if chunk.last:
+        stream = self.stub.FetchReport(pb.ReportRequest(job_id=job_id), timeout=CALL_TIMEOUT)
+        try:
+            for chunk in stream:
+                target = (out / chunk.path).resolve()
+                if root not in target.parents:
+                    raise LayerdiffError(f"report file {chunk.path!r} would land outside {out}", field="path")
+                try:
+                    if chunk.offset == 0:
+                        if handle:
+                            handle.close()
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        handle = open(target, "wb")
+                        written.append(target)
+                    handle.write(chunk.data)
+                    if chunk.last:
+                        handle.close()
+                        handle = None
+                except OSError as e:
+                    raise LayerdiffError(f"cannot write a report: {e.strerror}", file=str(target),
+                                         field="out") from None
+        finally:
+            stream.cancel()
+            if handle:
                 handle.close()
-                handle = None
-        if handle:
-            handle.close()
         return written
 
-    def cancel(self, job_id: str) -> None:
-        self.stub.Cancel(pb.JobRef(job_id=job_id), timeout=30)
+    def cancel(self, job_id: str, timeout: float = 30) -> pb.JobEvent:
+        return self.stub.Cancel(pb.JobRef(job_id=job_id), timeout=timeout)
+
+    def interrupted(self, job_id: str) -> Interrupted:
+        """Ctrl-C during job ``job_id``: cancel it (bounded, a second Ctrl-C
+        held off) and say what became of it."""
+        with _sigint_held():
+            try:
+                ev = self.cancel(job_id, timeout=CANCEL_TIMEOUT)
+            except grpc.RpcError as e:
+                return Interrupted(f"interrupted; job {job_id} could not be cancelled on analyzer {self.address} "
+                                   f"({_details(e)}), it may still be running", job_id)
+        if ev.state in (pb.DONE, pb.FAILED):
+            return Interrupted(f"interrupted; job {job_id} had already ended ({pb.JobState.Name(ev.state)})",
+                               job_id)
+        return Interrupted(f"interrupted; job {job_id} cancelled", job_id)
 
     def close(self) -> None:
         self.channel.close()
@@ -204,7 +333,8 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
         min_bins: int | None = None, min_max=None, progress: bool | Callable[[pb.JobEvent], None] = True,
         timeout: float | None = None, perf_mode="accuracy", perf_all_nodes: bool = True,
         perf_runs: int | None = None, clock_mhz: float | None = None,
-        perf_graph_optimization: str = "", signature: str = "", min_coverage: float | None = None) -> RunResult:
+        perf_graph_optimization: str = "", signature: str = "", min_coverage: float | None = None,
+        on_job: Callable[[str], None] | None = None) -> RunResult:
     """Compare every node of ``model`` on the device against its FP32 CPU
     reference and fetch the reports into ``out``.
 
@@ -230,6 +360,13 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     0 / 1 / 2): performance records from the dump's counter files or a
     profiled live run, into op_perf.csv, perf/, op_summary.csv,
     op_statistic.csv, timeline.json and summary.json.
+
+    ``on_job(job_id)`` is called once the analyzer has taken the job, before
+    any progress. ``timeout``: seconds to wait for the job's end (default:
+    none; a job may take hours, and a dead link is found by keepalive).
+    Ctrl-C cancels the job on the analyzer and raises ``Interrupted``; an
+    analyzer that stops answering raises JobFailed (exit status 3) naming it
+    and the job.
     """
     from layerdiff.analyzer.perf import parse_mode
     from layerdiff.analyzer.service import AnalyzerServer
@@ -242,64 +379,189 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     device_model_bytes, device_model_name = read_artifact(device_model, "device_model") \
         if device_model is not None else (None, "")
     out = Path(out)
+    # the job outlives this process only when neither service runs inside it
+    reattachable = analyzer is not None and collector is not None
     with ExitStack() as stack:
-        if collector is None:
-            collector = stack.enter_context(CollectorServer()).address
-        if analyzer is None:
-            analyzer = stack.enter_context(AnalyzerServer()).address
-        client = AnalyzerClient(analyzer)
-        stack.callback(client.close)
-        options = pb.CompareOptions(
-            atol=atol or 0.0, has_atol=atol is not None, rtol=rtol or 0.0, has_rtol=rtol is not None,
-            diff_cnt=diff_cnt or 0, op_config_csv=_text_arg(op_config), map_node_dict=parse_map_node_dict(map_node_dict),
-            skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
-            force_compare=force_compare, max_cores=max_cores or 0, show_graph=show_graph, max_bins=max_bins or 0,
-            min_bins=min_bins or 0, min_max_text=_text_arg(min_max), min_coverage=min_coverage or 0.0,
-            has_min_coverage=min_coverage is not None)
-        spec = pb.JobSpec(
-            model_artifact=client.upload(model_bytes, model_name),
-            inputs_artifact=client.upload(inputs_data, inputs_name),
-            device_model_artifact=client.upload(device_model_bytes, device_model_name)
-            if device_model_bytes is not None else "",
-            collector=collector, device=device, precision=precision, dump_path=dump or "", dump_format=dump_format,
-            default_concat_dim=default_concat_dim, watch=watch, dump_mode=dump_mode or "output", options=options,
-            model_name=model_name, perf=perf, signature=signature or "")
+        job_id = None
+        client = None
         try:
-            job_id = client.submit(spec)
-        except grpc.RpcError as e:
-            raise rpc_failure(f"analyzer {analyzer}", e) from None
-        bar = _progress_bar(progress is True)
-        last = None
-        try:
-            for ev in client.watch(job_id, timeout=timeout):
-                last = ev
-                if callable(progress):
-                    progress(ev)
-                if bar is not None:
-                    if ev.nodes_total and bar.total != ev.nodes_total:
-                        bar.total = ev.nodes_total
-                    bar.set_description(pb.JobState.Name(ev.state).lower())
-                    bar.n = ev.nodes_done
-                    bar.refresh()
-        except KeyboardInterrupt:
-            client.cancel(job_id)
+            if collector is None:
+                collector = stack.enter_context(CollectorServer()).address
+            if analyzer is None:
+                analyzer = stack.enter_context(AnalyzerServer()).address
+            client = AnalyzerClient(analyzer)
+            stack.callback(client.close)
+            options = pb.CompareOptions(
+                atol=atol or 0.0, has_atol=atol is not None, rtol=rtol or 0.0, has_rtol=rtol is not None,
+                diff_cnt=diff_cnt or 0, op_config_csv=_text_arg(op_config),
+                map_node_dict=parse_map_node_dict(map_node_dict),
+                skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
+                force_compare=force_compare, max_cores=max_cores or 0, show_graph=show_graph,
+                max_bins=max_bins or 0, min_bins=min_bins or 0, min_max_text=_text_arg(min_max),
+                min_coverage=min_coverage or 0.0, has_min_coverage=min_coverage is not None)
+            spec = pb.JobSpec(
+                model_artifact=client.upload(model_bytes, model_name),
+                inputs_artifact=client.upload(inputs_data, inputs_name),
+                device_model_artifact=client.upload(device_model_bytes, device_model_name)
+                if device_model_bytes is not None else "",
+                collector=collector, device=device, precision=precision, dump_path=dump or "",
+                dump_format=dump_format, default_concat_dim=default_concat_dim, watch=watch,
+                dump_mode=dump_mode or "output", options=options, model_name=model_name, perf=perf,
+                signature=signature or "")
+            try:
+                job_id = client.submit(spec)
+            except grpc.RpcError as e:
+                raise rpc_failure(f"analyzer {analyzer}", e) from None
+            if on_job is not None:
+                on_job(job_id)
+            return follow(client, job_id, out, progress=progress, timeout=timeout, reattachable=reattachable)
+        except Interrupted:
             raise
-        except grpc.RpcError as e:
-            raise rpc_failure(f"analyzer {analyzer}, job {job_id}", e) from None
-        finally:
-            if bar is not None:
-                bar.close()
-        if last is None or last.state != pb.DONE:
-            reason = last.message if last is not None else "no progress received"
-            status = last.exit_status if last is not None and last.state == pb.FAILED and last.exit_status \
-                else EXIT_NO_ANSWER
-            raise JobFailed(f"job {job_id} {pb.JobState.Name(last.state) if last else 'lost'}: {reason}", status)
-        try:
-            client.fetch(job_id, out)
-        except grpc.RpcError as e:
-            raise rpc_failure(f"analyzer {analyzer}, job {job_id}", e) from None
-    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+        except KeyboardInterrupt:
+            if job_id is None or client is None:
+                raise Interrupted("interrupted; no job was started") from None
+            raise client.interrupted(job_id) from None
+
+
+def follow(client: AnalyzerClient, job_id: str, out, *, progress: bool | Callable[[pb.JobEvent], None] = True,
+           timeout: float | None = None, reattachable: bool = True) -> RunResult:
+    """What ``run``, ``watch`` and ``fetch`` share once a job exists: follow
+    its events to its end (a progress bar, or ``progress`` called with each
+    event), check it answered, fetch its reports into ``out`` and read its
+    summary. Every failure is a LayerdiffError (JobFailed with the exit
+    status); Ctrl-C propagates as KeyboardInterrupt for the caller to cancel."""
+    out = Path(out)
+    last = _follow_events(client, job_id, progress, timeout, reattachable)
+    _check_ended(job_id, last, client.address, reattachable)
+    return fetch_result(client, job_id, out, reattachable=reattachable)
+
+
+def fetch_result(client: AnalyzerClient, job_id: str, out, *, reattachable: bool = True) -> RunResult:
+    """The reports of a finished job into ``out``, and its summary."""
+    out = Path(out)
+    not_done = False
+    try:
+        client.fetch(job_id, out)
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        # the analyzer has the job, not (yet) its reports: below, say in what state it is
+        not_done = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        if not not_done:
+            raise _job_failure(client.address, job_id, e, "while sending the reports of", reattachable,
+                               retry=f"layerdiff fetch {job_id} --analyzer {client.address}") from None
+    if not_done:
+        _raise_not_done(client, job_id, reattachable)
+    summary_path = out / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise JobFailed(f"job {job_id}: the reports fetched into {out} hold no readable summary.json ({e})",
+                        EXIT_NO_ANSWER) from None
     return RunResult(job_id, out, summary)
+
+
+def _follow_events(client: AnalyzerClient, job_id: str, progress, timeout, reattachable) -> pb.JobEvent | None:
+    bar = _progress_bar(progress is True)
+    last = None
+    stream = client.watch(job_id, timeout=timeout)
+    try:
+        for ev in stream:
+            last = ev
+            if callable(progress):
+                progress(ev)
+            if bar is not None:
+                if ev.nodes_total and bar.total != ev.nodes_total:
+                    bar.total = ev.nodes_total
+                bar.set_description(pb.JobState.Name(ev.state).lower())
+                bar.n = ev.nodes_done
+                bar.refresh()
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+            hint = f" (follow it: {reattach_command(job_id, client.address)})" if reattachable else ""
+            raise JobFailed(f"job {job_id} did not end within {timeout:g} s; it goes on on analyzer "
+                            f"{client.address}{hint}", EXIT_NO_ANSWER) from None
+        raise _job_failure(client.address, job_id, e, "during", reattachable) from None
+    finally:
+        stream.cancel()
+        if bar is not None:
+            bar.close()
+    return last
+
+
+def _job_failure(analyzer: str, job_id: str, e: grpc.RpcError, when: str, reattachable: bool,
+                 retry: str | None = None) -> JobFailed:
+    """A call about a job that failed: the analyzer does not know the job
+    (exit status 2), or it stopped answering (3)."""
+    code = e.code() if hasattr(e, "code") else None
+    if code == grpc.StatusCode.NOT_FOUND:
+        return JobFailed(f"analyzer {analyzer}: {e.details() or 'no job ' + repr(job_id)}", EXIT_BAD_INPUT)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+        return JobFailed(f"analyzer {analyzer}: {e.details()}", EXIT_BAD_INPUT)
+    hint = f" (reattach: {retry or reattach_command(job_id, analyzer)})" if reattachable else ""
+    return JobFailed(f"analyzer {analyzer} stopped answering {when} job {job_id}: {_details(e)}{hint}",
+                     EXIT_NO_ANSWER)
+
+
+def _check_ended(job_id: str, last: pb.JobEvent | None, analyzer: str, reattachable: bool) -> None:
+    """A job whose events ended without DONE: JobFailed with its exit status."""
+    if last is not None and last.state == pb.DONE:
+        return
+    if last is None:
+        raise JobFailed(f"job {job_id} lost: analyzer {analyzer} sent no progress", EXIT_NO_ANSWER)
+    status = last.exit_status if last.state == pb.FAILED and last.exit_status else EXIT_NO_ANSWER
+    if last.state not in TERMINAL:
+        # the stream ended while the job runs: the analyzer is going away
+        hint = f" (reattach: {reattach_command(job_id, analyzer)})" if reattachable else ""
+        raise JobFailed(f"analyzer {analyzer} stopped answering during job {job_id}: its events ended while "
+                        f"it was {pb.JobState.Name(last.state)}{hint}", EXIT_NO_ANSWER)
+    raise JobFailed(f"job {job_id} {pb.JobState.Name(last.state)}: {last.message or 'no reason given'}", status)
+
+
+def _raise_not_done(client: AnalyzerClient, job_id: str, reattachable: bool) -> None:
+    """A job without reports: one line with its state and reason."""
+    try:
+        last, ended = client.state(job_id)
+    except grpc.RpcError as e:
+        raise _job_failure(client.address, job_id, e, "about", reattachable) from None
+    if ended:
+        _check_ended(job_id, last, client.address, reattachable)
+    state = pb.JobState.Name(last.state) if last is not None else "QUEUED"
+    done = f", {last.nodes_done}/{last.nodes_total} nodes" if last is not None and last.nodes_total else ""
+    hint = f"; follow it: {reattach_command(job_id, client.address)}" if reattachable else ""
+    raise JobFailed(f"job {job_id} is {state}{done}: reports exist once it is DONE{hint}", EXIT_NO_ANSWER)
+
+
+def watch(job_id: str, *, analyzer: str, out="layerdiff-out", progress: bool | Callable[[pb.JobEvent], None] = True,
+          timeout: float | None = None) -> RunResult:
+    """Follow job ``job_id`` on ``analyzer`` (from its first event, whether
+    it runs or has ended) to its end, fetch its reports into ``out`` and
+    return the same RunResult as ``run``. Ctrl-C cancels the job and raises
+    ``Interrupted``; failures raise JobFailed as ``run`` does."""
+    client = AnalyzerClient(analyzer)
+    try:
+        return follow(client, job_id, out, progress=progress, timeout=timeout, reattachable=True)
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise client.interrupted(job_id) from None
+    finally:
+        client.close()
+
+
+def fetch(job_id: str, *, analyzer: str, out="layerdiff-out") -> RunResult:
+    """The reports of finished job ``job_id`` on ``analyzer`` into ``out``,
+    as the RunResult ``run`` returned. A job that is not DONE raises
+    JobFailed: FAILED with its exit status, CANCELLED or still running with
+    3, an unknown id with 2. Ctrl-C leaves the job as it is."""
+    client = AnalyzerClient(analyzer)
+    try:
+        return fetch_result(client, job_id, out, reattachable=True)
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; the reports of job {job_id} were not all fetched", job_id) from None
+    finally:
+        client.close()
 
 
 def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:

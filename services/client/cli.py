@@ -5,6 +5,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 
 
 EXIT_STATUS_HELP = """exit status:
@@ -12,7 +13,8 @@ EXIT_STATUS_HELP = """exit status:
   1  failing nodes found
   2  bad input or usage (a missing, empty or unreadable file, a bad option, a model or dump refused)
   3  no answer: too little of the reference could be compared (--min-coverage), or a service
-     or worker failed before the job could finish"""
+     or worker failed before the job could finish
+  130 interrupted (Ctrl-C): the job is cancelled on the analyzer"""
 
 
 def _bool(v: str) -> bool:
@@ -80,6 +82,37 @@ def _add_run(sub) -> None:
     p.set_defaults(func=_cmd_run)
 
 
+def _add_watch_fetch(sub) -> None:
+    p = sub.add_parser("watch", help="follow a job on a running analyzer to its end and fetch its reports",
+                       description="Follow job JOB_ID (the id `layerdiff run` prints) on a running analyzer to its "
+                                   "end, as `layerdiff run` would have, then fetch its reports into --out and print "
+                                   "the same summary with the same exit status. A job that has ended is shown at "
+                                   "once. Ctrl-C cancels the job.",
+                       epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("job_id", metavar="JOB_ID")
+    p.add_argument("--analyzer", required=True, help="HOST:PORT of the analyzer running the job")
+    p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=float, help="give up after this many seconds (the job goes on; default: "
+                                                 "wait for its end)")
+    p.add_argument("--listing", action="store_true",
+                   help="also print every compared node as index.name OP_TYPE MSE COS RMSE")
+    p.set_defaults(func=_cmd_watch)
+
+    p = sub.add_parser("fetch", help="fetch the reports of a finished job from a running analyzer",
+                       description="Fetch the reports of finished job JOB_ID from a running analyzer into --out "
+                                   "and print its summary, with the exit status `layerdiff run` gave. A job that is "
+                                   "not DONE is one line with its state and reason (exit status 3, or the failed "
+                                   "job's own); an unknown id exits with 2.",
+                       epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("job_id", metavar="JOB_ID")
+    p.add_argument("--analyzer", required=True, help="HOST:PORT of the analyzer that ran the job")
+    p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
+    p.add_argument("--listing", action="store_true",
+                   help="also print every compared node as index.name OP_TYPE MSE COS RMSE")
+    p.set_defaults(func=_cmd_fetch)
+
+
 def _add_perf_options(p) -> None:
     import os
 
@@ -98,12 +131,22 @@ def _add_perf_options(p) -> None:
 
 
 def _cmd_run(a) -> int:
-    from layerdiff.client.api import format_summary, run
+    from layerdiff.client.api import reattach_command, run
 
     if not a.verbose and not (a.analyzer and a.collector):
         # the services run in this process: what they log is for operators
         # (-v shows it); the job's own outcome reaches the user below
         logging.getLogger("layerdiff").setLevel(logging.CRITICAL)
+
+    def on_job(job_id: str) -> None:
+        # a job on running services outlives this process: say how to find it again
+        if a.analyzer and a.collector:
+            line = f"job {job_id} on analyzer {a.analyzer} (reattach: {reattach_command(job_id, a.analyzer)})"
+        elif a.analyzer:
+            line = f"job {job_id} on analyzer {a.analyzer}"
+        else:
+            line = f"job {job_id}"
+        print(f"layerdiff: {line}", file=sys.stderr, flush=True)
 
     result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,
                  dump=a.dump, dump_format=a.dump_format, default_concat_dim=a.default_concat_dim, watch=a.watch,
@@ -114,13 +157,33 @@ def _cmd_run(a) -> int:
                  show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins, min_max=a.min_max,
                  progress=not a.no_progress, perf_mode=a.perf_mode, perf_all_nodes=a.perf_all_nodes,
                  perf_runs=a.perf_runs, clock_mhz=a.clock_mhz, perf_graph_optimization=a.perf_graph_optimization,
-                 signature=a.signature, min_coverage=a.min_coverage)
+                 signature=a.signature, min_coverage=a.min_coverage, on_job=on_job)
+    return _show(result, a.listing)
+
+
+def _show(result, listing: bool) -> int:
+    """The summary `run`, `watch` and `fetch` print, and their exit status."""
+    from layerdiff.client.api import format_summary
+
     print(format_summary(result.summary, result.out))
-    if a.listing:
+    if listing:
         from layerdiff.analyzer.listing import format_listing
 
         print(format_listing(result.summary))
     return result.exit_status
+
+
+def _cmd_watch(a) -> int:
+    from layerdiff.client.api import watch
+
+    return _show(watch(a.job_id, analyzer=a.analyzer, out=a.out, progress=not a.no_progress, timeout=a.timeout),
+                 a.listing)
+
+
+def _cmd_fetch(a) -> int:
+    from layerdiff.client.api import fetch
+
+    return _show(fetch(a.job_id, analyzer=a.analyzer, out=a.out), a.listing)
 
 
 def _serve(server_cls, a, **kw) -> int:
@@ -342,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    _add_watch_fetch(sub)
     _add_service(sub, "collector")
     _add_service(sub, "analyzer")
     _add_worker(sub)
@@ -353,26 +417,73 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # A library's warning is not a message for the user: with -v it is logged.
-    logging.captureWarnings(True)
-    logging.getLogger("py.warnings").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
-    from layerdiff.errors import JobFailed, LayerdiffError
+def _on_sigint(signum, frame) -> None:
+    # The first Ctrl-C stops the command (a job is cancelled on the way out,
+    # in a bounded time); more presses while it winds down are ignored, so
+    # that no traceback reaches the terminal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
+
+def _rpc_text(e: BaseException) -> str:
+    code = getattr(e, "code", None)
+    details = getattr(e, "details", None)
+    if callable(code) and callable(details):
+        try:
+            name = getattr(code(), "name", str(code()))
+            return " ".join(f"{name}: {details() or ''}".split())
+        except Exception:
+            pass
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    previous = None
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous = signal.signal(signal.SIGINT, _on_sigint)
+    verbose = False
     try:
-        return args.func(args)
-    except JobFailed as e:
-        print(f"layerdiff: error: {e}", file=sys.stderr)
-        return e.exit_status
-    except LayerdiffError as e:
-        print(f"layerdiff: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("layerdiff: interrupted", file=sys.stderr)
+        args = build_parser().parse_args(argv)
+        verbose = args.verbose
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # A library's warning is not a message for the user: with -v it is logged.
+        logging.captureWarnings(True)
+        logging.getLogger("py.warnings").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
+        from layerdiff.errors import JobFailed, LayerdiffError
+
+        try:
+            return args.func(args)
+        except JobFailed as e:
+            print(f"layerdiff: error: {e}", file=sys.stderr)
+            return e.exit_status
+        except LayerdiffError as e:
+            print(f"layerdiff: error: {e}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt as e:
+        # layerdiff.client.api.Interrupted says what became of the job
+        print(f"layerdiff: {getattr(e, 'message', None) or 'interrupted'}", file=sys.stderr)
         return 130
+    except Exception as e:
+        import grpc
+
+        if not isinstance(e, (grpc.RpcError, OSError)):
+            raise
+        # a service or the system failed where no message was prepared: still one line
+        where = "a service call failed" if isinstance(e, grpc.RpcError) else "system error"
+        print(f"layerdiff: error: {where}: {_rpc_text(e)}", file=sys.stderr)
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        return 3
+    finally:
+        # After a Ctrl-C the command line (argv from sys.argv) keeps ignoring
+        # more presses through the interpreter's shutdown; a caller in this
+        # process gets its handler back.
+        if previous is not None and (argv is not None or signal.getsignal(signal.SIGINT) is _on_sigint):
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -186,20 +186,25 @@ class CollectorServer:
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-collector-")
             workdir = self._tmp.name
+        # A Flight server answers from its construction. Its serve() is not
+        # called: it would take SIGINT over, and shut down on Ctrl-C only
+        # once the capture under way had ended, before the process saw it.
         self.flight = CollectorFlight(f"grpc+tcp://{host}:{port}", Path(workdir))
         self.port = self.flight.port
         self.address = f"{host}:{self.port}"
-        self._thread = threading.Thread(target=self.flight.serve, name="collector", daemon=True)
-        self._thread.start()
+        self._stopped = threading.Event()
 
     def stop(self, grace: float | None = None) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
         self.flight.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
 
     def wait(self) -> None:
-        while self._thread.is_alive():
-            self._thread.join(timeout=1.0)
+        while not self._stopped.wait(1.0):
+            pass
 
     def __enter__(self):
         return self
