@@ -2,7 +2,9 @@
 task messages the broker actually carries."""
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 import subprocess
 import sys
 import threading
@@ -57,3 +59,32 @@ class TaskPushes:
         self._stop.set()
         redis.Redis(port=self.port).ping()   # one more command so the monitor sees the stop
         self._thread.join(timeout=5)
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """Inodes of the process's open sockets."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+def connections_to(pid: int, port: int) -> int:
+    """Established TCP connections of ``pid`` to remote ``port``."""
+    inodes = socket_inodes(pid)
+    n = 0
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "01" and int(f[2].rsplit(":", 1)[1], 16) == port and f[9] in inodes:
+                n += 1
+    return n

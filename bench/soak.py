@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from procs import serve  # noqa: E402
+from procs import connections_to, serve, socket_inodes  # noqa: E402
 
 from layerdiff.client.api import run  # noqa: E402
 
@@ -66,40 +66,12 @@ def small_cnn(bug: bool = False, side: int = 16, width: int = 8) -> onnx.ModelPr
     return model
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    out = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            out.add(target[8:-1])
-    return out
-
-
-def connections_to(pid: int, port: int) -> int:
-    """Established TCP connections of ``pid`` to remote ``port``."""
-    inodes = _socket_inodes(pid)
-    n = 0
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] == "01" and int(f[2].rsplit(":", 1)[1], 16) == port and f[9] in inodes:
-                n += 1
-    return n
-
-
 def sample(pid: int) -> dict:
     status = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         status[key] = value.split()
-    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "sockets": len(_socket_inodes(pid)),
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "sockets": len(socket_inodes(pid)),
             "threads": int(status["Threads"][0]), "rss_MiB": round(int(status["VmRSS"][0]) / 1024, 1)}
 
 

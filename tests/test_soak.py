@@ -9,48 +9,23 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 
 import numpy as np
 import onnx
 import pytest
 
-from conftest import ServiceProcess, small_cnn, wait_for
+from conftest import ROOT, ServiceProcess, small_cnn, wait_for
 from test_distributed import RedisServer, _workers_ready, start_worker
 from layerdiff.client.api import run
+
+sys.path.insert(0, str(ROOT / "bench"))
+from procs import connections_to, socket_inodes  # noqa: E402  (what bench/soak.py samples, job after job)
 
 JOBS = 10
 SLACK = 2           # a gRPC worker thread or a socket closing a moment late, never one per job
 SETTLE_S = 2.0      # a closed connection's far end sees the FIN asynchronously
-
-
-def _sockets(pid: int) -> set[str]:
-    """Inodes of the process's open sockets."""
-    out = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:   # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            out.add(target[8:-1])
-    return out
-
-
-def _tcp_to(pid: int, port: int) -> int:
-    """Established TCP connections of ``pid`` whose remote port is ``port``."""
-    inodes = _sockets(pid)
-    n = 0
-    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] == "01" and int(f[2].rsplit(":", 1)[1], 16) == port and f[9] in inodes:
-                n += 1
-    return n
 
 
 def _threads(pid: int) -> int:
@@ -61,8 +36,8 @@ def _threads(pid: int) -> int:
 
 
 def _sample(pid: int, peer_port: int | None) -> dict:
-    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "sockets": len(_sockets(pid)), "threads": _threads(pid),
-            "conns": _tcp_to(pid, peer_port) if peer_port else 0}
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "sockets": len(socket_inodes(pid)), "threads": _threads(pid),
+            "conns": connections_to(pid, peer_port) if peer_port else 0}
 
 
 def _settled(pid: int, peer_port: int | None, level: dict | None) -> dict:
