@@ -66,7 +66,8 @@ class StreamConsumer:
         self.report_dir = report_dir
         self.progress = progress or (lambda done, node, passed: None)
         self.examiner = NodeExaminer(prepared.reference, prepared.feeds, prepared.quantized,
-                                     given_ranges=prepared.given_ranges, dump_mode=dump_mode)
+                                     given_ranges=prepared.given_ranges, dump_mode=dump_mode,
+                                     groups=getattr(prepared.aligner, "groups", {}))
         self.limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()
@@ -265,6 +266,7 @@ class StreamConsumer:
         rep.input_ranges = self.examiner.input_ranges
         rep.quantized = self.examiner.quantized
         rep.range_skips = list(self.p.range_skips)
+        fused = getattr(self.p.aligner, "fused", {})   # reference tensor -> the device node computing it inside
         for s in self.p.reference.sites:
             if s.tensor in self.seen or s.tensor in self.read_as_input:
                 continue
@@ -272,6 +274,8 @@ class StreamConsumer:
             if reason:
                 rep.user_skipped.add(s.tensor)
                 rep.skipped.append((s.tensor, reason))
+            elif s.tensor in fused:
+                rep.fused.append((s, fused[s.tensor]))
             else:
                 rep.not_dumped.append(s)
 

@@ -133,37 +133,57 @@ def run_isolated(model: onnx.ModelProto, node_index: int, device_inputs: dict[in
     CPU, reading the device's values for its activations and the reference's
     own weights (so a wrong device weight shows as the node's own error)."""
     node = model.graph.node[node_index]
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-        raise IsolationUnavailable("the node holds subgraphs")
+    values: dict[str, np.ndarray] = {}
+    for k, t in enumerate(node.input):
+        if t and t not in values and k in device_inputs:
+            values[t] = device_inputs[k]
+    outs = run_group_isolated(model, [node_index], values, feeds)
+    return [outs[o] for o in node.output if o in outs]
+
+
+def run_group_isolated(model: onnx.ModelProto, node_indices: list[int], device_values: dict[str, np.ndarray],
+                       feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The reference nodes ``node_indices`` (in execution order) computed
+    alone in FP32 on the CPU, as one unit: what they read from outside the
+    unit comes from the device (``device_values`` by tensor name) or the
+    model inputs, their weights are the reference's. A fused device node
+    (Conv+BN+Relu as one kernel) is re-run as the group it stands for.
+    Returns every output of the unit's nodes by name."""
+    nodes = [model.graph.node[i] for i in node_indices]
+    for node in nodes:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            raise IsolationUnavailable("the node holds subgraphs")
     inits = {i.name: i for i in model.graph.initializer}
     # Weights held by Constant nodes are weights too: the reference's own
     # Constant node goes into the isolated graph.
     constant_nodes = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant" and n.output}
-    graph_inputs, values, used_inits, used_consts = [], {}, [], []
-    for k, t in enumerate(node.input):
-        if not t:
-            continue
-        if t in inits:
-            if t not in {i.name for i in used_inits}:
-                used_inits.append(inits[t])
-            continue
-        if t in constant_nodes:
-            if constant_nodes[t] not in used_consts:
-                used_consts.append(constant_nodes[t])
-            continue
-        if t in values:
-            continue
-        v = feeds.get(t) if t in feeds else device_inputs.get(k)
-        if v is None:
-            raise IsolationUnavailable(f"the device value of input {k} ({t!r}) is not available")
-        v = np.asarray(v)
-        if v.dtype == np.float16:      # the reference computes in FP32
-            v = v.astype(np.float32)
-        values[t] = v
-        graph_inputs.append(onnx.helper.make_tensor_value_info(
-            t, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
-    outputs = [onnx.ValueInfoProto(name=o) for o in node.output if o]
-    graph = onnx.helper.make_graph(used_consts + [node], "isolated", graph_inputs, outputs, initializer=used_inits)
+    produced = {o for n in nodes for o in n.output if o}
+    graph_inputs, values, used_inits, used_consts = [], {}, {}, []
+    for node in nodes:
+        for k, t in enumerate(node.input):
+            if not t or t in produced or t in values or t in used_inits:
+                continue
+            if t in inits:
+                used_inits[t] = inits[t]
+                continue
+            if t in constant_nodes:
+                if constant_nodes[t] not in used_consts:
+                    used_consts.append(constant_nodes[t])
+                continue
+            v = feeds.get(t) if t in feeds else device_values.get(t)
+            if v is None:
+                where = f"input {k} ({t!r})" if len(nodes) == 1 else f"{t!r}, read by {node.name or node.op_type}"
+                raise IsolationUnavailable(f"the device value of {where} is not available")
+            v = np.asarray(v)
+            if v.dtype == np.float16:      # the reference computes in FP32
+                v = v.astype(np.float32)
+            values[t] = v
+            graph_inputs.append(onnx.helper.make_tensor_value_info(
+                t, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
+    out_names = [o for n in nodes for o in n.output if o]
+    outputs = [onnx.ValueInfoProto(name=o) for o in out_names]
+    graph = onnx.helper.make_graph(used_consts + nodes, "isolated", graph_inputs, outputs,
+                                   initializer=list(used_inits.values()))
     m = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
     m.ir_version = model.ir_version
     so = ort.SessionOptions()
@@ -171,8 +191,8 @@ def run_isolated(model: onnx.ModelProto, node_index: int, device_inputs: dict[in
     so.log_severity_level = 4
     try:
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        return [np.asarray(v) for v in sess.run(None, values)]
-    except Exception as e:  # an op that needs more context than one node
+        return dict(zip(out_names, (np.asarray(v) for v in sess.run(None, values))))
+    except Exception as e:  # an op that needs more context than its unit
         raise IsolationUnavailable(f"the node cannot run alone ({type(e).__name__})") from None
 
 
@@ -487,16 +507,23 @@ class NodeExaminer:
 
     def __init__(self, reference, feeds: dict[str, np.ndarray], quantized: bool,
                  cap_bytes: int = 1 << 30, given_ranges: dict[str, tuple[float, float]] | None = None,
-                 dump_mode: str = "output", wait_cap_bytes: int = 512 << 20) -> None:
+                 dump_mode: str = "output", wait_cap_bytes: int = 512 << 20,
+                 groups: dict[str, list[str]] | None = None) -> None:
+        """``groups``: reference tensor -> the reference nodes a fused device
+        node computes as one kernel (graph alignment); such a tensor's node
+        is examined, and re-run alone, as that group."""
         self.reference = reference
+        self.groups = dict(groups or {})
         self.feeds = feeds
         self.quantized = quantized
         self.values = DeviceValues(reference.node_inputs, cap_bytes)
         self.outputs_left: dict[str, int] = {}
         self._op: dict[str, str] = {}
+        self._index: dict[str, int] = {}     # node -> its index in execution order
         for s in reference.sites:
             self.outputs_left[s.node] = self.outputs_left.get(s.node, 0) + 1
             self._op.setdefault(s.node, s.op_type)
+            self._index.setdefault(s.node, s.order)
         self._computed = {s.tensor for s in reference.sites}
         self._with_inputs = dump_mode == "all"
         self.quant_inputs = {ins[0] for node, ins in reference.node_inputs.items()
@@ -526,14 +553,29 @@ class NodeExaminer:
 
     # ------------------------------------------------------------ settling
 
-    def _reads(self, node: str) -> set:
-        """What the node's examination looks at: the computed tensors it
+    def unit(self, site) -> list[str]:
+        """The reference nodes examined together for a tensor: the fused
+        group that computes it on the device, else its own node."""
+        return self.groups.get(site.tensor) or [site.node]
+
+    def _external_reads(self, nodes: list[str]) -> list[tuple[str, int, str]]:
+        """(node, input index, tensor) of the computed tensors the unit reads
+        from outside itself."""
+        produced = {s.tensor for s in self.reference.sites if s.node in nodes} if len(nodes) > 1 else set()
+        out = []
+        for node in nodes:
+            consts = self.reference.constants_read(node)
+            for k, t in enumerate(self.reference.node_inputs.get(node, [])):
+                if not t or t in consts or t in self.feeds or t not in self._computed or t in produced:
+                    continue
+                out.append((node, k, t))
+        return out
+
+    def _reads(self, nodes: list[str]) -> set:
+        """What the unit's examination looks at: the computed tensors it
         reads, and with dump_mode all the device's own records of its inputs."""
-        consts = self.reference.constants_read(node)
         keys: set = set()
-        for k, t in enumerate(self.reference.node_inputs.get(node, [])):
-            if not t or t in consts or t in self.feeds or t not in self._computed:
-                continue
+        for node, k, t in self._external_reads(nodes):
             keys.add(t)
             if self._with_inputs:
                 keys.add((node, k))
@@ -562,15 +604,15 @@ class NodeExaminer:
         self.metrics_of[key] = row.outcome.metrics
         if not row.is_input:
             if row.failed and not row.is_constant:
-                missing = self._reads(row.site.node) - self._settled
+                missing = self._reads(self.unit(row.site)) - self._settled
                 if missing:
                     self._wait(_Waiting(row, ref, dev, lease.retain() if lease is not None else None, tol,
                                         force_compare, missing))
                 else:
                     self.examine(row, ref, dev, tol, force_compare)
-                    self._output_done(row.site.node)
+                    self._unit_done(row.site)
             else:
-                self._output_done(row.site.node)
+                self._unit_done(row.site)
         self.settle(key)
 
     def _wait(self, w: _Waiting) -> None:
@@ -587,7 +629,7 @@ class NodeExaminer:
         finally:
             if w.lease is not None:
                 w.lease.release()
-        self._output_done(w.row.site.node)
+        self._unit_done(w.row.site)
 
     def finish(self) -> None:
         """The stream has ended: whatever a waiting node still lacks will not
@@ -607,6 +649,13 @@ class NodeExaminer:
         self._waiting_bytes = 0
         self.values.release()
 
+    def _unit_done(self, site) -> None:
+        """The tensor's row is finished: its node's output, and for a fused
+        group the nodes inside it (whose outputs never come)."""
+        for node in self.unit(site)[:-1]:
+            self.values.node_done(node)
+        self._output_done(site.node)
+
     def _output_done(self, node: str) -> None:
         """One output row of the node is finished; once all are, what it
         read is forgotten."""
@@ -620,12 +669,9 @@ class NodeExaminer:
         larger than its inputs' errors), so it needs no closer look; ''
         when it does (its error grew, or what it read is unknown)."""
         m = row.outcome.metrics
-        consts = self.reference.constants_read(row.site.node)
         read = []
-        for k, t in enumerate(self.reference.node_inputs.get(row.site.node, [])):
-            if not t or t in consts or t in self.feeds:
-                continue
-            x = self.metrics_of.get((row.site.node, k)) or self.metrics_of.get(t)
+        for node, k, t in self._external_reads(self.unit(row.site)):
+            x = self.metrics_of.get((node, k)) or self.metrics_of.get(t)
             if x is None:
                 return ""
             read.append(x)
@@ -664,11 +710,18 @@ class NodeExaminer:
         try:
             # A reference that is not ONNX (TensorFlow) re-runs its own op.
             isolate = getattr(self.reference, "run_isolated", None)
-            outs = isolate(site, self.values.inputs_of(site.node), self.feeds) if isolate else \
-                run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
-            iso = outs[site.output_index]
+            group = self.groups.get(site.tensor)
+            if group and not isolate:
+                device = {t: self.values.outputs[t][0] for _, _, t in self._external_reads(group)
+                          if t in self.values.outputs}
+                iso = run_group_isolated(self.reference.model, [self._index[n] for n in group], device,
+                                         self.feeds)[site.tensor]
+            else:
+                outs = isolate(site, self.values.inputs_of(site.node), self.feeds) if isolate else \
+                    run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
+                iso = outs[site.output_index]
             row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
             if not row.layout:
                 row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
-        except (IsolationUnavailable, SkipNode, IndexError) as e:
+        except (IsolationUnavailable, SkipNode, IndexError, KeyError) as e:
             row.isolation_note = str(e) or type(e).__name__

@@ -87,6 +87,9 @@ class JobReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)        # (node, reason)
     invalid_out: list[tuple[str, str]] = field(default_factory=list)    # (device name, reason)
     not_dumped: list[TensorSite] = field(default_factory=list)
+    # reference tensors computed inside a fused device node (Conv+BN+Relu as one
+    # kernel): not dumped by design; the fusion's output is compared instead
+    fused: list[tuple[TensorSite, str]] = field(default_factory=list)   # (site, device node covering it)
     device_names: list[str] = field(default_factory=list)
     check_skip: list[tuple[str, str]] = field(default_factory=list)     # tiled slices that failed validation
     concat_skip: list[tuple[str, str]] = field(default_factory=list)    # slices that did not splice
@@ -248,7 +251,10 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
             for idx, rv, dv, ad, rd in r.outcome.worst:
                 w.writerow([idx, g6(rv), g6(dv), g6(ad), g6(rd)])
     _write_log(out / "compare_skip.log", rep.skipped +
-               [(s.tensor, "not dumped by the device (fused away or not produced)") for s in rep.not_dumped])
+               [(s.tensor, f"fused into device node {dev!r}: its output is compared instead") for s, dev in rep.fused] +
+               [(s.tensor, "not dumped by the device (not produced, or fused away where no device graph says so)")
+                for s in rep.not_dumped])
+    write_alignment(out / "alignment.csv", rep, aligner, all_sites)
     _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
     _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
     _write_log(out / "check_skip.log", rep.check_skip)
@@ -304,6 +310,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
             "overflowing_nodes": len(rep.overflow),
             "skipped": len(rep.skipped),
             "not_dumped": len(rep.not_dumped),
+            "fused": len(rep.fused),
             "invalid_out": len(rep.invalid_out),
             "device_tensors": len(rep.device_names),
         },
@@ -327,6 +334,36 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     write_node_data(out, summary)
     write_html(out, summary)
     return summary
+
+
+ALIGNMENT_COLUMNS = ["reference_tensor", "device_tensor", "method", "confidence", "note"]
+
+
+def write_alignment(path: Path, rep: JobReport, aligner, sites: list[TensorSite]) -> None:
+    """alignment.csv: how every reference tensor and every device tensor was
+    paired, or why not: map (map_node_dict), graph, fused, name, value;
+    "fused into" for reference tensors a device fusion covers, "not dumped",
+    and "unmatched" device tensors with the closest reference names."""
+    decided = list(aligner.rows()) if hasattr(aligner, "rows") else []
+    rank = {s.tensor: s.order for s in sites}
+    last = len(sites)
+    decided.sort(key=lambda r: (rank.get(r.get("reference_tensor", ""), last), r.get("device_tensor", "")))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(ALIGNMENT_COLUMNS)
+        for r in decided:
+            conf = r.get("confidence")
+            w.writerow([_one_line(r.get("reference_tensor", "")), _one_line(r.get("device_tensor", "")),
+                        r.get("method", ""), "" if conf is None else f"{float(conf):.3g}",
+                        _one_line(r.get("note", ""))])
+        for s, dev in rep.fused:
+            w.writerow([_one_line(s.tensor), "", "fused into", "", _one_line(f"computed inside device node {dev}")])
+        for s in rep.not_dumped:
+            w.writerow([_one_line(s.tensor), "", "not dumped", "", ""])
+        for name, reason in rep.invalid_out:
+            close = aligner.closest(name.split(" (input ")[0])
+            note = reason + (f"; closest reference names: {', '.join(close)}" if close else "")
+            w.writerow(["", _one_line(name), "unmatched", "", _one_line(note)])
 
 
 def _write_log(path: Path, items: list[tuple[str, str]]) -> None:
