@@ -127,9 +127,9 @@ def test_live_fp16_and_int8_of_the_small_model(services, cnn_files, tmp_path):
     assert n8["fc"]["cosine"] > 0.9
 
 
-def test_fused_nodes_are_not_dumped_not_failures(services, cnn_files, tmp_path):
-    """A device export where onnxruntime fused Conv+Relu: the fused-away tensors
-    are reported as not dumped."""
+def test_fused_nodes_are_listed_as_fused_not_failures(services, cnn_files, tmp_path):
+    """A device export where onnxruntime fused Conv+Relu: the fused-away
+    tensors are listed as fused into the device node, not expected."""
     import onnxruntime as ort
 
     collector, analyzer = services
@@ -143,10 +143,11 @@ def test_fused_nodes_are_not_dumped_not_failures(services, cnn_files, tmp_path):
     assert "conv1_out" not in produced   # fused into conv1+relu1
     res = run(model, inputs, device_model=optimized, out=tmp_path / "out", analyzer=analyzer.address,
               collector=collector.address, progress=False)
-    assert res.first_failing_node is None
-    assert res.summary["counts"]["not_dumped"] >= 1
+    assert res.first_failing_node is None and res.exit_status == 0
+    assert res.summary["counts"]["fused"] >= 1 and res.summary["counts"]["not_dumped"] == 0
+    assert res.summary["coverage"]["ratio"] == 1.0
     skip = (tmp_path / "out" / "compare_skip.log").read_text()
-    assert "conv1_out: not dumped by the device" in skip
+    assert "conv1_out: fused into device node" in skip
 
 
 def test_progress_streams_while_the_job_runs(services, cnn_files, tmp_path):

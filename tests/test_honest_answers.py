@@ -5,6 +5,7 @@ real services), with the exit status asserted: 0 pass, 1 failing nodes,
 2 bad input, 3 too little compared to answer."""
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -82,18 +83,18 @@ def test_agreement_exits_0_and_says_what_it_compared(services, cnn_files, tmp_pa
     assert (cov["compared"], cov["expected"], cov["adequate"]) == (9, 9, True)
 
 
-def test_renamed_device_model_is_no_answer_with_the_suffix_named(services, renamed_files, tmp_path):
+def test_renamed_device_model_is_aligned_by_its_graph(services, renamed_files, tmp_path):
+    """Every node and tensor renamed by a converter: the two graphs pair
+    every tensor, and alignment.csv says how."""
     model, inputs, dev = renamed_files
     res = cli(model, "--inputs", inputs, "--device-model", dev, "--out", tmp_path / "out", services=services)
-    assert res.returncode == 3, res.stdout + res.stderr
-    first = res.stdout.splitlines()[0]
-    assert first.startswith("NO ANSWER: only 1 of 9 reference tensors could be compared")
-    assert "suffix '_npu'" in first and "within tolerance" not in res.stdout
-    assert "did you mean 'conv1_out'" in res.stdout
-    s = _summary(tmp_path / "out")
-    assert s["outcome"]["exit_status"] == 3 and s["diagnosis"]["headline"].startswith("NO ANSWER")
-    page = (tmp_path / "out" / "report.html").read_text()
-    assert 'class="verdict noanswer">NO ANSWER' in page and "1 of 9 reference tensors compared" in page
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "COVERAGE: 9 of 9 reference tensors compared (100.0 %)" in res.stdout
+    with open(tmp_path / "out" / "alignment.csv", newline="", encoding="utf-8") as f:
+        rows = {r["reference_tensor"]: r for r in csv.DictReader(f)}
+    for t in ("conv1_out", "relu1_out", "conv2_out", "add_out", "pool_out"):
+        assert rows[t]["device_tensor"] == f"{t}_npu" and rows[t]["method"] == "graph", rows[t]
+    assert rows["logits"]["device_tensor"] == "logits"
 
 
 def test_map_node_dict_keyed_by_device_node_names(services, renamed_files, tmp_path):
@@ -188,7 +189,10 @@ def test_python_api_gives_the_same_outcome(services, renamed_files, tmp_path):
     collector, analyzer = services
     res = run(model, inputs, device_model=dev, out=tmp_path / "out", analyzer=analyzer.address,
               collector=collector.address, progress=False)
-    assert (res.outcome, res.exit_status) == ("no_answer", 3)
+    assert (res.outcome, res.exit_status) == ("pass", 0)
+    res = run(model, inputs, device_model=small_cnn(bug_in="conv2").SerializeToString(), out=tmp_path / "bug",
+              analyzer=analyzer.address, collector=collector.address, progress=False)
+    assert (res.outcome, res.exit_status, res.first_failing_node) == ("fail", 1, "conv2")
 
 
 def _nan_where_zero_model() -> tuple[onnx.ModelProto, onnx.ModelProto]:

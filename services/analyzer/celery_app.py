@@ -110,7 +110,8 @@ def compare_batch(self, job_id: str, items: list[dict]) -> list[dict]:
                 acc, worst = compare_chunk(ref, dev, int(it["offset"]), tol, diff_cnt)
                 out.append({"id": it["id"], "acc": acc.to_dict(), "worst": worst})
             else:
-                res = compare_node(ref, dev, tol, diff_cnt, bool(it.get("force_compare")))
+                # "perm": the layout permutation the analyzer decided (its LayoutVote stays there)
+                res = compare_node(ref, dev, tol, diff_cnt, bool(it.get("force_compare")), it.get("perm"))
                 out.append({"id": it["id"], "metrics": res.metrics.as_dict(), "worst": res.worst, "note": res.note})
         except SkipNode as e:
             out.append({"id": it.get("id"), "skip": str(e)})

@@ -3,13 +3,14 @@ for a failing node, its worst elements. Plain functions, no I/O, so that any
 executor (local pool, remote workers) runs the same code."""
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from layerdiff.analyzer import layout as L
 from layerdiff.analyzer import metrics as M
+from layerdiff.analyzer.layout import LayoutVote
 from layerdiff.analyzer.tolerances import Tolerance
 
 
@@ -24,24 +25,11 @@ class NodeOutcome:
     note: str = ""                               # how shapes were reconciled, if they were
 
 
-def _unique_permutation(src: tuple, dst: tuple) -> tuple | None:
-    """The one axis permutation p with src[p] == dst, or None if none or several."""
-    if len(src) != len(dst) or sorted(src) != sorted(dst) or len(src) > 8:
-        return None
-    found = None
-    for p in itertools.permutations(range(len(src))):
-        if tuple(src[i] for i in p) == tuple(dst):
-            if found is not None:
-                return None
-            found = p
-    return found
-
-
 def _ordered_permutation(src: tuple, dst: tuple) -> tuple | None:
     """An axis permutation p with src[p] == dst that keeps axes of equal size
-    in their order, or None if the sizes are not a permutation. A layout
-    change (NCHW <-> NHWC) moves the channel axis and never swaps H and W, so
-    where H == W this is the transpose the device applied."""
+    in their order, or None if the sizes are not a permutation: the last
+    resort for a shape that no layout permutation fits and several other
+    permutations do."""
     if len(src) != len(dst) or sorted(src) != sorted(dst):
         return None
     used = [False] * len(src)
@@ -53,16 +41,43 @@ def _ordered_permutation(src: tuple, dst: tuple) -> tuple | None:
     return tuple(perm)
 
 
-def reconcile(ref: np.ndarray, dev: np.ndarray, force_compare: bool) -> tuple[np.ndarray, str]:
-    """Bring the device tensor to the reference's shape, or raise SkipNode."""
-    if ref.shape == dev.shape:
+def permute(ref_shape: tuple, dev: np.ndarray, layout=None) -> tuple[np.ndarray, str] | None:
+    """The device tensor as a view in the reference's layout, and how it was
+    brought there (the report's note), or None when its shape is not a
+    permutation of the reference's. ``layout``: None (the shape alone
+    decides, ``layerdiff.analyzer.layout.resolve``), the job's
+    ``LayoutVote`` (consulted where the shape does not tell), or a
+    permutation already decided (a task item carries it as a list)."""
+    ref_shape = tuple(ref_shape)
+    if layout is not None and not isinstance(layout, LayoutVote):
+        p = tuple(int(i) for i in layout)
+        if sorted(p) != list(range(dev.ndim)) or not L.fits(p, tuple(dev.shape), ref_shape):
+            raise SkipNode(f"the layout permutation {p} does not bring shape {tuple(dev.shape)} to the "
+                           f"reference's {ref_shape}")
+        note = L.note_for(p, ref_shape)
+    else:
+        p, note, _ = L.resolve(ref_shape, tuple(dev.shape), layout)
+        if p is None:
+            return None
+    if p == L.identity(dev.ndim):
+        return dev, note
+    if L.keeps_order(p, ref_shape):
+        return dev.reshape(ref_shape), note
+    return dev.transpose(p), note
+
+
+def reconcile(ref: np.ndarray, dev: np.ndarray, force_compare: bool, layout=None) -> tuple[np.ndarray, str]:
+    """Bring the device tensor to the reference's shape, or raise SkipNode.
+    ``layout``: see ``permute`` (the job's LayoutVote, or a decided permutation)."""
+    if ref.shape == dev.shape and layout is None:
         return dev, ""
     if ref.size != dev.size:
         raise SkipNode(f"shape {tuple(dev.shape)} ({dev.size} elements) differs from the reference "
                        f"{tuple(ref.shape)} ({ref.size} elements)")
-    perm = _unique_permutation(tuple(dev.shape), tuple(ref.shape))
-    if perm is not None:
-        return np.ascontiguousarray(dev.transpose(perm)), f"layout: device axes {perm} transposed to the reference"
+    done = permute(ref.shape, dev, layout)
+    if done is not None:
+        out, note = done
+        return (out if out is dev else np.ascontiguousarray(out)), note
     squeezed_equal = tuple(s for s in ref.shape if s != 1) == tuple(s for s in dev.shape if s != 1)
     if squeezed_equal:
         return dev.reshape(ref.shape), "shape differs only by axes of size 1"
@@ -109,8 +124,8 @@ def merge_chunks(parts: list[tuple[M.Accumulator, list]], shape: tuple, diff_cnt
 
 
 def compare_node(ref: np.ndarray, dev: np.ndarray, tol: Tolerance, diff_cnt: int,
-                 force_compare: bool = False) -> NodeOutcome:
-    dev, note = reconcile(ref, dev, force_compare)
+                 force_compare: bool = False, layout=None) -> NodeOutcome:
+    dev, note = reconcile(ref, dev, force_compare, layout)
     if ref.size > CHUNK_ELEMENTS:
         r, d = ref.reshape(-1), dev.reshape(-1)
         parts = [compare_chunk(r[a:b], d[a:b], a, tol, diff_cnt) for a, b in chunk_bounds(ref.size)]

@@ -7,6 +7,14 @@ comparisons are finished in the order they were submitted, at most
 executor is busy). A finished comparison becomes a report row; a failing
 node is examined (``NodeExaminer``) once what it reads is settled.
 
+A device tensor is compared in the reference's layout: the one its shape
+tells, or where the shape does not (C == H == W) the dump's dominant one
+(``layout.LayoutVote``, fed by every tensor; such a tensor waits for the vote,
+bounded by ``LAYOUT_WAIT_BYTES``), and the examination sees it that way too.
+A device output that no name settles, in a dump without a graph, is paired
+by its values (``valuematch.ValueMatcher``) when the stream ends, so that
+names always come first.
+
 Every record arrives holding its receive buffer (``record.lease``); the
 consumer releases that hold when it has handled the record, and each reader
 that goes on reading the array afterwards (a pending comparison, a device
@@ -24,9 +32,11 @@ from typing import Callable
 
 import numpy as np
 
+from layerdiff.analyzer import layout as L
 from layerdiff.analyzer.compare import SkipNode
 from layerdiff.analyzer.diagnose import NodeExaminer
 from layerdiff.analyzer.report import JobReport, Row
+from layerdiff.analyzer.valuematch import ValueMatcher
 from layerdiff.onnxgraph import TensorSite
 from layerdiff.schema import ROLE_INPUT, STATUS_OK, NodeRecord
 
@@ -40,10 +50,28 @@ class _Pending:
     ref: np.ndarray
     tol: object
     lease: object    # this comparison's own hold on the device buffer
+    dev: object = None   # the device tensor in the reference's layout (a view of rec.array)
+    note: str = ""       # how the layout was undone, for the row
 
     @property
     def key(self):
         return (self.site.node, self.rec.slot) if self.rec.role == ROLE_INPUT else self.site.tensor
+
+
+@dataclass
+class _LayoutWait:
+    """A comparison held until the dump shows its layout (the shape alone
+    does not tell it), with its own hold on the device buffer."""
+    site: TensorSite
+    rec: NodeRecord
+    ref: np.ndarray
+    keep: Callable        # keeps the aligned device value for the examination
+    lease: object
+
+
+# Comparisons held for the layout vote at most (device and reference bytes);
+# past it the oldest is compared with what the vote says then.
+LAYOUT_WAIT_BYTES = 256 << 20
 
 
 class StreamConsumer:
@@ -67,7 +95,7 @@ class StreamConsumer:
         self.progress = progress or (lambda done, node, passed: None)
         self.examiner = NodeExaminer(prepared.reference, prepared.feeds, prepared.quantized,
                                      given_ranges=prepared.given_ranges, dump_mode=dump_mode,
-                                     groups=getattr(prepared.aligner, "groups", {}))
+                                     groups=prepared.aligner.groups)
         self.limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()
@@ -75,6 +103,16 @@ class StreamConsumer:
         self.read_as_input: set[str] = set()
         self.done = 0
         self._plot_names: set[str] = set()
+        # the dump's dominant layout, for shapes that do not tell theirs
+        self.layout = L.LayoutVote()
+        self._layout_wait: list[_LayoutWait] = []
+        self._layout_wait_bytes = 0
+        # value pairing of device tensors no name settles (dumps without a graph)
+        self.values: ValueMatcher | None = None
+        # (the Aligner has no way to record a pairing decided outside it: the
+        # value pairings are kept here, alignment.csv rows)
+        self.value_pairs: list[dict] = []
+        self._site_of = {s.tensor: s for s in prepared.reference.sites}
 
     # ------------------------------------------------------------------ intake
 
@@ -103,11 +141,20 @@ class StreamConsumer:
             return
         decision = self.p.aligner.match(rec.name, rec.node, rec.slot)
         site = decision.site
+        if site is None and rec.status == STATUS_OK and rec.array is not None and self._by_value():
+            self._take_by_value(rec)
+            return
         if site is None:
             rep.invalid_out.append((rec.name, rec.message if rec.status != STATUS_OK
                                     else "not found in the reference model"))
             rep.log_splice_failure(rec)
             return
+        self._take_site(rec, site, decision.skip_reason)
+
+    def _take_site(self, rec: NodeRecord, site: TensorSite, skip_reason: str, perm: tuple | None = None) -> None:
+        """A device output paired with its reference tensor (by name or by
+        value; ``perm``: the layout the values chose)."""
+        rep = self.rep
         if site.tensor in self.seen:
             rep.skipped.append((rec.name, f"duplicate device tensor for {site.tensor!r}"))
             return
@@ -115,17 +162,134 @@ class StreamConsumer:
         if rec.status != STATUS_OK:
             self._refuse(site.tensor, site.tensor, f"device tensor unusable: {rec.message}", rec)
             return
-        if decision.skip_reason:
+        if skip_reason:
             rep.user_skipped.add(site.tensor)
-            self._refuse(site.tensor, site.tensor, decision.skip_reason)
+            self._refuse(site.tensor, site.tensor, skip_reason)
             return
         ref = self._reference().pop(site.tensor)
         if ref is None:
             self._refuse(site.tensor, site.tensor, "the reference run produced no value")
             return
         self.examiner.note_range(site.tensor, ref)
-        self.examiner.keep_output(site.tensor, rec.array, rec.lease)
-        self._submit(site, rec, ref)
+        self._aligned(site, rec, ref, lambda dev: self.examiner.keep_output(site.tensor, dev, rec.lease), perm)
+
+    # ---------------------------------------------------------- by value
+
+    def _by_value(self) -> bool:
+        """Value pairing is the last resort of a dump without a graph."""
+        return not self.p.aligner.has_graph
+
+    def _value_matcher(self) -> ValueMatcher:
+        if self.values is None:
+            refs = self._reference()
+
+            def segments():   # fingerprinted one segment at a time, then let go
+                for seg in refs.segments:
+                    yield refs.reference.run(refs.feeds, only=seg)
+
+            # reference tensors map_node_dict (or a graph) decides are no candidates
+            self.values = ValueMatcher(self.p.reference.sites, segments, layout=self.layout,
+                                       exclude=self.p.aligner.claimed)
+        return self.values
+
+    def _take_by_value(self, rec: NodeRecord) -> None:
+        """Held by the matcher until the stream ends (names come first; the
+        oldest is decided earlier when the held ones pass its cap)."""
+        self._value_verdicts(self._value_matcher().offer(rec.name, rec.array, self.seen, keep=rec,
+                                                         lease=rec.lease))
+
+    def _value_verdicts(self, decided) -> None:
+        for i, (rec, v, lease) in enumerate(decided):
+            try:
+                self._value_verdict(rec, v)
+            except BaseException:
+                for _, _, held in decided[i + 1:]:
+                    if held is not None:
+                        held.release()
+                raise
+            finally:
+                if lease is not None:
+                    lease.release()
+
+    def _value_verdict(self, rec: NodeRecord, v) -> None:
+        if v.kind == "match":
+            site = self._site_of[v.tensor]
+            self.value_pairs.append({"reference_tensor": v.tensor, "device_tensor": rec.name, "method": "value",
+                                     "confidence": v.confidence, "note": v.note})
+            self._take_site(rec, site, self.p.aligner.skip_reason_for(site), v.perm)
+        elif v.kind == "unmatched":
+            self.rep.invalid_out.append((rec.name, f"not found in the reference model; {v.note}"))
+            self.rep.log_splice_failure(rec)
+
+    def _settle_values(self) -> None:
+        """The stream has ended: the device tensors held undecided are
+        decided against the reference tensors nobody claimed."""
+        if self.values is not None:
+            self._value_verdicts(self.values.settle(self.seen))
+
+    # ------------------------------------------------------------- layout
+
+    def _aligned(self, site: TensorSite, rec: NodeRecord, ref: np.ndarray, keep: Callable,
+                 perm: tuple | None = None) -> None:
+        """Compare the device tensor in the reference's layout: the one its
+        shape tells, the dump's dominant one where it does not (held until
+        the vote decides), or ``perm`` (chosen by the values)."""
+        dev = rec.array
+        ndim = dev.ndim
+        was = self.layout.decided(ndim)
+        self.layout.note(ref.shape, dev.shape)
+        p, note, undecided = L.resolve(ref.shape, dev.shape, self.layout)
+        if perm is not None:
+            if tuple(perm) != p:
+                p = tuple(perm)
+                note = L.note_for(p, ref.shape) + (" (the layout the values fit: the shape fits several)"
+                                                   if p != L.identity(ndim) else "")
+            undecided = False
+        if undecided:
+            lease = rec.lease.retain() if rec.lease is not None else None
+            self._layout_wait.append(_LayoutWait(site, rec, ref, keep, lease))
+            self._layout_wait_bytes += ref.nbytes + dev.nbytes
+            while self._layout_wait_bytes > LAYOUT_WAIT_BYTES and self._layout_wait:
+                self._release_wait(self._layout_wait.pop(0), early=True)
+            return
+        self._dispatch(site, rec, ref, keep, p, note)
+        if was is None and self.layout.decided(ndim) is not None and self._layout_wait:
+            self._flush_layout()
+
+    def _dispatch(self, site: TensorSite, rec: NodeRecord, ref: np.ndarray, keep: Callable, p, note: str) -> None:
+        dev = rec.array
+        if p is not None and p != L.identity(dev.ndim):
+            dev = dev.reshape(ref.shape) if L.keeps_order(p, ref.shape) else dev.transpose(p)
+        keep(dev)
+        self._submit(site, rec, ref, dev, note)
+
+    def _release_wait(self, w: _LayoutWait, early: bool = False) -> None:
+        self._layout_wait_bytes -= w.ref.nbytes + w.rec.array.nbytes
+        try:
+            p, note, _ = L.resolve(w.ref.shape, w.rec.array.shape, self.layout)
+            if early:
+                note += (f"; compared before the dump showed its layout (the tensors held for it reached "
+                         f"{LAYOUT_WAIT_BYTES >> 20} MiB)")
+            self._dispatch(w.site, w.rec, w.ref, w.keep, p, note)
+        finally:
+            if w.lease is not None:
+                w.lease.release()
+
+    def _flush_layout(self, final: bool = False) -> None:
+        """Compare the held tensors whose rank the vote has decided (all of
+        them once the stream has ended)."""
+        if final:
+            self.layout.close()
+        held, self._layout_wait = self._layout_wait, []
+        for i, w in enumerate(held):
+            if final or self.layout.decided(w.rec.array.ndim) is not None:
+                try:
+                    self._release_wait(w)
+                except BaseException:
+                    self._layout_wait = [x for x in held[i + 1:]] + self._layout_wait
+                    raise
+            else:
+                self._layout_wait.append(w)
 
     def _take_input(self, rec: NodeRecord) -> None:
         """Input k of a node against the reference tensor that node reads."""
@@ -160,8 +324,7 @@ class StreamConsumer:
                                      "job dump_mode input or all", counts=False)
             return
         self.read_as_input.add(site.tensor)
-        self.examiner.keep_input(owner.node, rec.slot, rec.array, rec.lease)
-        self._submit(site, rec, ref)
+        self._aligned(site, rec, ref, lambda dev: self.examiner.keep_input(owner.node, rec.slot, dev, rec.lease))
 
     def _refuse(self, key, shown: str, reason: str, rec: NodeRecord | None = None, counts: bool = True) -> None:
         """Not compared, for a reason of the data: a skip, and settled for
@@ -175,17 +338,21 @@ class StreamConsumer:
 
     # ------------------------------------------------------------ comparisons
 
-    def _submit(self, site: TensorSite, rec: NodeRecord, ref: np.ndarray) -> None:
+    def _submit(self, site: TensorSite, rec: NodeRecord, ref: np.ndarray, dev: np.ndarray | None = None,
+                note: str = "") -> None:
+        """``dev``: the device tensor already in the reference's layout (a
+        view; the executor then finds equal shapes), ``note`` says how."""
         self._drain(self.limit - 1)
+        dev = rec.array if dev is None else dev
         tol = self.p.tolerances.for_node(site.node, site.tensor)
         lease = rec.lease.retain() if rec.lease is not None else None
         try:
-            fut = self.executor.submit(ref, rec.array, tol, self.p.diff_cnt, self.p.force_compare)
+            fut = self.executor.submit(ref, dev, tol, self.p.diff_cnt, self.p.force_compare)
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        self.pending[fut] = _Pending(site, rec, ref, tol, lease)
+        self.pending[fut] = _Pending(site, rec, ref, tol, lease, dev, note)
 
     def finish_done(self) -> None:
         """Record the comparisons already finished at the head (the stream
@@ -215,8 +382,11 @@ class StreamConsumer:
 
     def _record(self, item: _Pending, fut: Future) -> None:
         site, rec, p = item.site, item.rec, self.p
+        dev = rec.array if item.dev is None else item.dev
         try:
             outcome = fut.result()
+            if item.note and not outcome.note:
+                outcome.note = item.note
         except SkipNode as e:
             shown = f"{site.node} (input {rec.slot})" if rec.role == ROLE_INPUT else site.tensor
             self.rep.skipped.append((shown, str(e)))
@@ -228,8 +398,8 @@ class StreamConsumer:
                       reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
                                   if t and t not in p.feeds))   # model inputs are exact on both sides
             if row.failed and p.show_graph:
-                self._draw(row, item.ref, rec.array, item.tol)
-            self.examiner.row_done(row, item.ref, rec.array, item.lease, item.tol, p.force_compare)
+                self._draw(row, item.ref, dev, item.tol)
+            self.examiner.row_done(row, item.ref, dev, item.lease, item.tol, p.force_compare)
             self.rep.rows.append(row)
             passed = not row.failed
         if rec.role == ROLE_INPUT:
@@ -260,13 +430,16 @@ class StreamConsumer:
         """The stream has ended: finish every comparison and examination,
         and account for the reference tensors the device never sent."""
         self._reference()   # surfaces reference errors even for an empty stream
+        self._settle_values()
+        self._flush_layout(final=True)
         self._drain(0)
         self.examiner.finish()
         rep = self.rep
         rep.input_ranges = self.examiner.input_ranges
         rep.quantized = self.examiner.quantized
         rep.range_skips = list(self.p.range_skips)
-        fused = getattr(self.p.aligner, "fused", {})   # reference tensor -> the device node computing it inside
+        rep.value_pairs = list(self.value_pairs)
+        fused = self.p.aligner.fused   # reference tensor -> the device node computing it inside
         for s in self.p.reference.sites:
             if s.tensor in self.seen or s.tensor in self.read_as_input:
                 continue
@@ -281,6 +454,13 @@ class StreamConsumer:
 
     def abandon(self) -> None:
         """The job stops early (cancelled, failed): let go of every buffer."""
+        if self.values is not None:
+            self.values.release()
+        for w in self._layout_wait:
+            if w.lease is not None:
+                w.lease.release()
+        self._layout_wait.clear()
+        self._layout_wait_bytes = 0
         for item in self.pending.values():
             if item.lease is not None:
                 item.lease.release()

@@ -147,8 +147,11 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     elif isinstance(reference, TFReference) and not spec.dump_path:
         reference.check_device_precision(spec.precision)
     o = spec.options
+    graph = _graph_alignment(spec, store, reference)
     aligner = Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
-                      exclude_node_list=list(o.exclude_node_list))
+                      exclude_node_list=list(o.exclude_node_list), pairs=graph.pairs if graph else None,
+                      fused=graph.fused if graph else None, groups=graph.groups if graph else None,
+                      unpaired=graph.unmatched if graph else None)
     tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
                             o.op_config_csv)
     if o.diff_cnt < 0:
@@ -177,6 +180,29 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
                     o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips,
                     perf=perf, min_coverage=min_coverage)
+
+
+def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
+    """The device model's tensors paired with the reference's by the two
+    graphs' structure, when both are ONNX (renamed, fused, folded builds);
+    None otherwise, and names decide."""
+    if not spec.device_model_artifact or not isinstance(reference, OnnxReference):
+        return None
+    from layerdiff.tfgraph import is_tensorflow
+
+    name = store.name(spec.device_model_artifact)
+    data = store.read(spec.device_model_artifact, "device_model_artifact")
+    if is_tensorflow(name, data):
+        return None
+    from layerdiff.analyzer.graphalign import align_graphs
+    from layerdiff.onnxgraph import load_model
+
+    device = load_model(data, name)
+    try:
+        return align_graphs(reference.model, device)
+    except Exception as e:   # the names still pair what they can: say so, never fail the job on it
+        log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
+        return None
 
 
 def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:

@@ -90,6 +90,7 @@ class JobReport:
     # reference tensors computed inside a fused device node (Conv+BN+Relu as one
     # kernel): not dumped by design; the fusion's output is compared instead
     fused: list[tuple[TensorSite, str]] = field(default_factory=list)   # (site, device node covering it)
+    value_pairs: list[dict] = field(default_factory=list)   # pairings decided by value (alignment.csv rows)
     device_names: list[str] = field(default_factory=list)
     check_skip: list[tuple[str, str]] = field(default_factory=list)     # tiled slices that failed validation
     concat_skip: list[tuple[str, str]] = field(default_factory=list)    # slices that did not splice
@@ -344,7 +345,11 @@ def write_alignment(path: Path, rep: JobReport, aligner, sites: list[TensorSite]
     paired, or why not: map (map_node_dict), graph, fused, name, value;
     "fused into" for reference tensors a device fusion covers, "not dumped",
     and "unmatched" device tensors with the closest reference names."""
-    decided = list(aligner.rows()) if hasattr(aligner, "rows") else []
+    by_value = {r["device_tensor"] for r in rep.value_pairs}
+    rows = [r for r in aligner.rows() if r.get("device_tensor") not in by_value]
+    # names left open (ambiguous, a near miss) are listed once, with the unmatched device tensors below
+    why_open = {r["device_tensor"]: r.get("note", "") for r in rows if not r.get("reference_tensor")}
+    decided = [r for r in rows if r.get("reference_tensor")] + list(rep.value_pairs)
     rank = {s.tensor: s.order for s in sites}
     last = len(sites)
     decided.sort(key=lambda r: (rank.get(r.get("reference_tensor", ""), last), r.get("device_tensor", "")))
@@ -362,7 +367,8 @@ def write_alignment(path: Path, rep: JobReport, aligner, sites: list[TensorSite]
             w.writerow([_one_line(s.tensor), "", "not dumped", "", ""])
         for name, reason in rep.invalid_out:
             close = aligner.closest(name.split(" (input ")[0])
-            note = reason + (f"; closest reference names: {', '.join(close)}" if close else "")
+            note = "; ".join(x for x in (reason, why_open.get(name, "")) if x)
+            note += f"; closest reference names: {', '.join(close)}" if close else ""
             w.writerow(["", _one_line(name), "unmatched", "", _one_line(note)])
 
 

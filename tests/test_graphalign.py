@@ -1,0 +1,534 @@
+"""Structural pairing of a device ONNX graph with its reference
+(layerdiff.analyzer.graphalign): renamed copies, onnxruntime-optimized copies
+(BASIC / EXTENDED / ALL: BN folding, FusedConv, FusedGemm, NCHWc), a
+BatchNormalization folded by hand, LayerNorm / Gelu fusions, FP16 and INT8
+builds, onnxsim, and a planted weight bug. Every pairing is checked against
+the values both models compute in onnxruntime."""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from layerdiff.analyzer.align import Pairing
+from layerdiff.analyzer.graphalign import GraphAlignment, align_graphs
+from layerdiff.client.demo import det_input, packaged_model
+
+LEVELS = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+          "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+          "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+
+
+# ------------------------------------------------------------------ models
+
+def bn_cnn(seed: int = 0, width: int = 8, side: int = 16) -> onnx.ModelProto:
+    """Conv→BN→Relu blocks, a residual Add, two parallel 1x1 Conv→BN branches
+    of equal shape (Clip / LeakyRelu) concatenated, pooled, and a
+    MatMul→Add→Sigmoid head."""
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def const(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr, np.float32), name))
+        return name
+
+    def conv_bn(name, x, cin, cout, out, k=3):
+        w = const(f"{name}.weight", rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k))
+        nodes.append(helper.make_node("Conv", [x, w], [f"{name}_out"], name=name, pads=[k // 2] * 4))
+        bn = f"{name}_bn"
+        params = [const(f"{bn}.gamma", rng.uniform(0.5, 1.5, cout)), const(f"{bn}.beta", rng.uniform(-.2, .2, cout)),
+                  const(f"{bn}.mean", rng.uniform(-.1, .1, cout)), const(f"{bn}.var", rng.uniform(.5, 1.5, cout))]
+        nodes.append(helper.make_node("BatchNormalization", [f"{name}_out", *params], [out], name=bn, epsilon=1e-5))
+
+    c = width
+    conv_bn("conv1", "input", 3, c, "bn1_out")
+    nodes.append(helper.make_node("Relu", ["bn1_out"], ["relu1_out"], name="relu1"))
+    conv_bn("conv2", "relu1_out", c, c, "bn2_out")
+    nodes.append(helper.make_node("Relu", ["bn2_out"], ["relu2_out"], name="relu2"))
+    conv_bn("conv3", "relu2_out", c, c, "bn3_out")
+    nodes.append(helper.make_node("Add", ["bn3_out", "relu1_out"], ["res_out"], name="residual"))
+    nodes.append(helper.make_node("Relu", ["res_out"], ["relu3_out"], name="relu3"))
+    conv_bn("conv4a", "relu3_out", c, c, "bn4a_out", k=1)
+    nodes.append(helper.make_node("Clip", ["bn4a_out", const("clip.lo", 0.0), const("clip.hi", 6.0)], ["clip4a_out"],
+                                  name="clip4a"))
+    conv_bn("conv4b", "relu3_out", c, c, "bn4b_out", k=1)
+    nodes.append(helper.make_node("LeakyRelu", ["bn4b_out"], ["leaky4b_out"], name="leaky4b", alpha=0.1))
+    nodes.append(helper.make_node("Concat", ["clip4a_out", "leaky4b_out"], ["cat_out"], name="concat", axis=1))
+    nodes.append(helper.make_node("GlobalAveragePool", ["cat_out"], ["pool_out"], name="pool"))
+    nodes.append(helper.make_node("Flatten", ["pool_out"], ["flat_out"], name="flatten"))
+    nodes.append(helper.make_node("MatMul", ["flat_out", const("fc.weight", rng.standard_normal((2 * c, 10)) * .3)],
+                                  ["fc_mm"], name="fc/matmul"))
+    nodes.append(helper.make_node("Add", ["fc_mm", const("fc.bias", rng.standard_normal(10) * .1)], ["logits"],
+                                  name="fc/add"))
+    nodes.append(helper.make_node("Sigmoid", ["logits"], ["probs"], name="sigmoid"))
+    graph = helper.make_graph(nodes, "bn_cnn",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, side, side])],
+                              [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 10])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def mlp_block(seed: int = 0, hidden: int = 16, inner: int = 32, seq: int = 8) -> onnx.ModelProto:
+    """A transformer MLP block with LayerNorm and Gelu written out op by op,
+    as exporters emit them: LN → MatMul+Add → Gelu → MatMul+Add → residual
+    Add → LN → MatMul."""
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def const(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr, np.float32), name))
+        return name
+
+    def node(op, ins, name, **kw):
+        nodes.append(helper.make_node(op, ins, [name + "_out"], name=name, **kw))
+        return name + "_out"
+
+    def layer_norm(x, p):
+        d = node("Sub", [x, node("ReduceMean", [x], f"{p}/mean", axes=[-1])], f"{p}/sub")
+        var = node("ReduceMean", [node("Pow", [d, const(f"{p}.two", 2.0)], f"{p}/pow")], f"{p}/var", axes=[-1])
+        sd = node("Sqrt", [node("Add", [var, const(f"{p}.eps", 1e-5)], f"{p}/add_eps")], f"{p}/sqrt")
+        g = node("Mul", [node("Div", [d, sd], f"{p}/div"), const(f"{p}.gamma", rng.uniform(.5, 1.5, hidden))],
+                 f"{p}/mul")
+        return node("Add", [g, const(f"{p}.beta", rng.uniform(-.2, .2, hidden))], f"{p}/add")
+
+    def gelu(x, p):
+        e = node("Erf", [node("Div", [x, const(f"{p}.sqrt2", np.sqrt(2.0))], f"{p}/div")], f"{p}/erf")
+        m = node("Mul", [x, node("Add", [e, const(f"{p}.one", 1.0)], f"{p}/add")], f"{p}/mul")
+        return node("Mul", [m, const(f"{p}.half", 0.5)], f"{p}/mul_half")
+
+    h = layer_norm("x", "ln1")
+    h = node("MatMul", [h, const("fc1.w", rng.standard_normal((hidden, inner)) * .3)], "fc1/matmul")
+    h = gelu(node("Add", [h, const("fc1.b", rng.standard_normal(inner) * .1)], "fc1/add"), "gelu")
+    h = node("MatMul", [h, const("fc2.w", rng.standard_normal((inner, hidden)) * .2)], "fc2/matmul")
+    h = node("Add", [h, const("fc2.b", rng.standard_normal(hidden) * .1)], "fc2/add")
+    h = layer_norm(node("Add", ["x", h], "residual"), "ln2")
+    node("MatMul", [h, const("head.w", rng.standard_normal((hidden, 4)) * .3)], "head")
+    graph = helper.make_graph(nodes, "mlp_block",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, seq, hidden])],
+                              [helper.make_tensor_value_info("head_out", TensorProto.FLOAT, [1, seq, 4])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+# ------------------------------------------------------- model surgery
+
+def copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    return m
+
+
+def renamed(model: onnx.ModelProto, rng: random.Random | None = None,
+            nodes: bool = False) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """Every tensor renamed (to a number, or randomly with ``rng``), node
+    names kept unless ``nodes``; returns the copy and old -> new."""
+    m, names = copy(model), {}
+
+    def new(t):
+        if t and t not in names:
+            names[t] = str(len(names)) if rng is None else f"t{rng.getrandbits(48):x}"
+        return names.get(t, t)
+
+    g = m.graph
+    for vi in [*g.input, *g.output, *g.value_info]:
+        vi.name = new(vi.name)
+    for init in g.initializer:
+        init.name = new(init.name)
+    for n in g.node:
+        n.input[:] = [new(t) for t in n.input]
+        n.output[:] = [new(t) for t in n.output]
+        if nodes:
+            n.name = f"n{rng.getrandbits(48):x}" if rng else ""
+    return m, names
+
+
+def constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    vals = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    vals.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
+                 if n.op_type == "Constant" and n.attribute[0].name == "value"})
+    return vals
+
+
+def fold_bn(model: onnx.ModelProto, rename=None) -> onnx.ModelProto:
+    """Fold every Conv→BatchNormalization: W' = W·γ/√(σ²+ε),
+    b' = (b−μ)·γ/√(σ²+ε)+β; the BN goes, the Conv writes the BN's output
+    (or ``rename(bn_output)``)."""
+    m = copy(model)
+    g, vals = m.graph, constants(model)
+    producer = {t: n for n in g.node for t in n.output}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for t in n.input:
+            readers[t] = readers.get(t, 0) + 1
+    for bn in [n for n in g.node if n.op_type == "BatchNormalization"]:
+        conv = producer.get(bn.input[0])
+        if conv is None or conv.op_type != "Conv" or readers[bn.input[0]] != 1:
+            continue
+        gamma, beta, mean, var = (vals[t].astype(np.float64) for t in bn.input[1:5])
+        eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+        s = gamma / np.sqrt(var + eps)
+        w = vals[conv.input[1]].astype(np.float64)
+        b = vals[conv.input[2]].astype(np.float64) if len(conv.input) > 2 and conv.input[2] else np.zeros(len(s))
+        wn, bname = f"{conv.name}.folded_w", f"{conv.name}.folded_b"
+        g.initializer.extend([numpy_helper.from_array((w * s[:, None, None, None]).astype(np.float32), wn),
+                              numpy_helper.from_array(((b - mean) * s + beta).astype(np.float32), bname)])
+        out = rename(bn.output[0]) if rename else bn.output[0]
+        conv.input[:] = [conv.input[0], wn, bname]
+        conv.output[0] = out
+        for n in g.node:
+            n.input[:] = [out if t == bn.output[0] else t for t in n.input]
+        for o in g.output:
+            if o.name == bn.output[0]:
+                o.name = out
+        g.node.remove(bn)
+    onnx.checker.check_model(m)
+    return m
+
+
+def planted_bug(model: onnx.ModelProto, conv_index: int, scale: float = 1.8, shift: float = 0.0) -> onnx.ModelProto:
+    """The weights of the conv_index-th Conv / FusedConv scaled (a kernel bug)."""
+    m = copy(model)
+    conv = [n for n in m.graph.node if n.op_type in ("Conv", "FusedConv")][conv_index]
+    for t in m.graph.initializer:
+        if t.name == conv.input[1]:
+            a = numpy_helper.to_array(t)
+            t.CopyFrom(numpy_helper.from_array((a * scale + shift).astype(a.dtype), t.name))
+            return m
+    for n in m.graph.node:
+        if n.op_type == "Constant" and n.output[0] == conv.input[1]:
+            a = numpy_helper.to_array(n.attribute[0].t)
+            n.attribute[0].t.CopyFrom(numpy_helper.from_array((a * scale + shift).astype(a.dtype)))
+            return m
+    raise AssertionError("the conv's weight is not a constant")
+
+
+def ort_optimized(model: onnx.ModelProto, level: str, tmp_path) -> onnx.ModelProto:
+    path = tmp_path / f"optimized_{level}.onnx"
+    so = ort.SessionOptions()
+    so.graph_optimization_level = LEVELS[level]
+    so.optimized_model_filepath = str(path)
+    so.log_severity_level = 3
+    ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return onnx.load(str(path))
+
+
+def all_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every node output, computed as the graph stands (no further optimization)."""
+    m = copy(model)
+    have = {o.name for o in m.graph.output}
+    for n in m.graph.node:
+        for t in n.output:
+            if t and t not in have:
+                m.graph.output.append(onnx.ValueInfoProto(name=t))
+                have.add(t)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    if a.shape != b.shape:
+        return -2.0
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0 or nb == 0:
+        return 1.0 if na == nb else 0.0
+    return float(a @ b / (na * nb))
+
+
+def node_outputs(model: onnx.ModelProto) -> set[str]:
+    return {t for n in model.graph.node if n.op_type != "Constant" for t in n.output if t}
+
+
+def check_values(al: GraphAlignment, ref_vals: dict, dev_vals: dict, min_cos: float = 0.999) -> None:
+    """Every pair holds the same values (up to a reshape the note names)."""
+    bad = {d: (p.ref_tensor, round(cosine(dev_vals[d], ref_vals[p.ref_tensor]), 5))
+           for d, p in al.pairs.items() if cosine(dev_vals[d], ref_vals[p.ref_tensor]) <= min_cos}
+    assert not bad, bad
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def detector() -> tuple[onnx.ModelProto, dict, dict]:
+    model = onnx.load(str(packaged_model()))
+    feeds = {"x": det_input(96, 128)}
+    return model, feeds, all_outputs(model, feeds)
+
+
+@pytest.fixture(scope="module")
+def cnn() -> tuple[onnx.ModelProto, dict, dict]:
+    model = bn_cnn()
+    feeds = {"input": np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)}
+    return model, feeds, all_outputs(model, feeds)
+
+
+@pytest.fixture(params=["cnn", "detector"])
+def subject(request):
+    return request.getfixturevalue(request.param)
+
+
+# ------------------------------------------------------------------ tests
+
+def test_an_identical_copy_pairs_every_node_output_with_itself(subject):
+    model, _, _ = subject
+    al = align_graphs(model, model)
+    assert isinstance(al, GraphAlignment) and all(isinstance(p, Pairing) for p in al.pairs.values())
+    assert {d: p.ref_tensor for d, p in al.pairs.items()} == {t: t for t in node_outputs(model)}
+    assert {p.method for p in al.pairs.values()} == {"graph"}
+    assert min(p.confidence for p in al.pairs.values()) == 1.0
+    assert not (al.fused or al.groups or al.ambiguous or al.unmatched)
+    # graph inputs and constants are never paired
+    assert not {i.name for i in model.graph.input} & set(al.pairs)
+
+
+def test_tensors_renamed_to_numbers_pair_back_to_their_names(subject):
+    model, _, _ = subject
+    dev, names = renamed(model)
+    al = align_graphs(model, dev)
+    back = {new: old for old, new in names.items()}
+    assert {back[d]: p.ref_tensor for d, p in al.pairs.items()} == {t: t for t in node_outputs(model)}
+    assert not (al.ambiguous or al.unmatched)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_nodes_and_tensors_renamed_at_random_pair_back_exactly(seed, cnn, detector):
+    for model, _, _ in (cnn, detector):
+        dev, names = renamed(model, random.Random(seed), nodes=True)
+        al = align_graphs(model, dev)
+        back = {new: old for old, new in names.items()}
+        got = {back[d]: p.ref_tensor for d, p in al.pairs.items()}
+        wrong = {d: r for d, r in got.items() if d != r}
+        assert not wrong and set(got) == node_outputs(model) and not al.ambiguous
+
+
+@pytest.mark.parametrize("level", ["basic", "extended", "all"])
+def test_onnxruntime_optimized_copies_pair_by_value(subject, level, tmp_path):
+    """onnxruntime keeps the name of the tensor a fusion ends in, so the
+    names are the ground truth here; the values confirm every pair, and a
+    renamed copy of the optimized graph pairs the same way."""
+    model, feeds, ref_vals = subject
+    dev = ort_optimized(model, level, tmp_path)
+    t0 = time.perf_counter()
+    al = align_graphs(model, dev)
+    assert time.perf_counter() - t0 < 1.0
+    dev_vals = all_outputs(dev, feeds)
+    check_values(al, ref_vals, dev_vals)
+    ref_names = node_outputs(model)
+    for d in node_outputs(dev) & ref_names:
+        assert d in al.pairs and al.pairs[d].ref_tensor == d, (d, al.pairs.get(d), al.reasons.get(d))
+    assert not al.ambiguous
+    # every reference tensor is paired, fused away, or held in a blocked layout
+    paired = {p.ref_tensor for p in al.pairs.values()}
+    assert ref_names <= paired | set(al.fused) | set(al.layout_only.values())
+    assert not set(al.fused) & paired
+    for ref_t, nodes in al.groups.items():
+        assert ref_t in paired and len(nodes) > 1
+    for d, p in al.pairs.items():
+        if p.method == "fused":
+            assert p.ref_tensor in al.groups and "covers" in p.note
+    # what is not paired is a blocked NCHWc tensor (ALL on x86), with the reason
+    for d in al.unmatched:
+        assert "NCHWc" in al.reasons[d] and d in al.layout_only, (d, al.reasons[d])
+    nchwc = [n for n in dev.graph.node if n.domain == "com.microsoft.nchwc" and n.op_type == "Conv"]
+    assert bool(al.unmatched) == bool(nchwc)
+    # structure, not names: the same graph with its tensors renamed pairs alike
+    dev2, names = renamed(dev)
+    al2 = align_graphs(model, dev2)
+    assert {d: p.ref_tensor for d, p in al2.pairs.items()} == {names[d]: p.ref_tensor for d, p in al.pairs.items()}
+    assert sorted(al2.unmatched) == sorted(names[d] for d in al.unmatched)
+
+
+def test_extended_fusions_list_what_they_cover(cnn, tmp_path):
+    model, _, _ = cnn
+    al = align_graphs(model, ort_optimized(model, "extended", tmp_path))
+    # FusedConv(Relu) over Conv→BN→Relu: the intermediates are never dumped
+    assert al.pairs["relu1_out"].method == "fused"
+    assert al.groups["relu1_out"] == ["conv1", "conv1_bn", "relu1"]
+    assert al.fused["conv1_out"] == al.fused["bn1_out"] == "conv1"
+    # the parallel branches are told apart by their activations
+    assert al.pairs["clip4a_out"].ref_tensor == "clip4a_out"
+    assert al.pairs["leaky4b_out"].ref_tensor == "leaky4b_out"
+    # FusedGemm(Sigmoid) over MatMul→Add→Sigmoid
+    assert al.groups["probs"] == ["fc/matmul", "fc/add", "sigmoid"]
+    assert {al.fused["fc_mm"], al.fused["logits"]} == {al.fused["fc_mm"]}
+
+
+def test_nchwc_conv_with_a_residual_sum_covers_the_add(cnn, tmp_path):
+    model, feeds, ref_vals = cnn
+    dev = ort_optimized(model, "all", tmp_path)
+    summed = [n for n in dev.graph.node if n.domain == "com.microsoft.nchwc" and n.op_type == "Conv"
+              and len(n.input) > 3 and n.input[3]]
+    if not summed:
+        pytest.skip("this CPU gets no NCHWc Conv+Add fusion")
+    al = align_graphs(model, dev)
+    check_values(al, ref_vals, all_outputs(dev, feeds))
+    assert al.groups["relu3_out"] == ["conv3", "conv3_bn", "residual", "relu3"]
+    assert {"conv3_out", "bn3_out", "res_out"} <= set(al.fused)
+    blocked = al.layout_only
+    assert blocked and all(d not in al.pairs for d in blocked)
+
+
+@pytest.mark.parametrize("rename", [None, lambda t: "folded/" + t], ids=["keep-name", "rename"])
+def test_batchnorm_folded_into_conv_pairs_with_the_bn_output(subject, rename):
+    model, feeds, ref_vals = subject
+    dev = fold_bn(model, rename)
+    al = align_graphs(model, dev)
+    check_values(al, ref_vals, all_outputs(dev, feeds))
+    kept = {n.name for n in dev.graph.node}
+    bns = [n for n in model.graph.node if n.op_type == "BatchNormalization" and n.name not in kept]
+    assert bns
+    for bn in bns:
+        conv_out = bn.input[0]
+        p = al.pairs[rename(bn.output[0]) if rename else bn.output[0]]
+        assert p.ref_tensor == bn.output[0] and p.method == "fused" and p.confidence == 1.0, p
+        assert "BatchNormalization" in p.note and "folded" in p.note
+        assert al.fused[conv_out] and al.groups[bn.output[0]][-1] == bn.name
+        assert all(q.ref_tensor != conv_out for q in al.pairs.values())
+
+
+def test_a_folded_reference_pairs_with_the_unfolded_device(cnn):
+    """The other way round (an onnxsim'd reference): the device BN's output
+    is what the reference's folded Conv computes; the device Conv's is a
+    partial result."""
+    model, feeds, _ = cnn
+    ref = fold_bn(model)
+    al = align_graphs(ref, model)
+    check_values(al, all_outputs(ref, feeds), all_outputs(model, feeds))
+    assert al.pairs["bn1_out"].ref_tensor == "bn1_out" and al.pairs["bn1_out"].method == "fused"
+    assert "conv1_out" in al.unmatched and "partial result" in al.reasons["conv1_out"]
+    assert not al.ambiguous
+
+
+@pytest.mark.parametrize("level", [None, "extended"])
+def test_a_planted_weight_bug_does_not_move_any_pair(subject, level, tmp_path):
+    model, _, _ = subject
+    dev = ort_optimized(model, level, tmp_path) if level else model
+    base = {d: p.ref_tensor for d, p in align_graphs(model, dev).pairs.items()}
+    n_conv = sum(n.op_type in ("Conv", "FusedConv") for n in dev.graph.node)
+    for k in sorted({0, n_conv // 2, n_conv - 1}):
+        for scale, shift in ((1.8, 0.0), (1.8, 0.05)):
+            buggy = planted_bug(dev, k, scale, shift)
+            al = align_graphs(model, buggy)
+            assert {d: p.ref_tensor for d, p in al.pairs.items()} == base
+            conv = [n for n in buggy.graph.node if n.op_type in ("Conv", "FusedConv")][k]
+            p = al.pairs[conv.output[0]]
+            assert p.confidence < 1.0 and "weights" in p.note, p
+
+
+def test_layernorm_gelu_and_skip_layernorm_fusions(tmp_path):
+    model = mlp_block()
+    feeds = {"x": np.random.default_rng(2).standard_normal((1, 8, 16)).astype(np.float32)}
+    ref_vals = all_outputs(model, feeds)
+    dev = ort_optimized(model, "extended", tmp_path)
+    ops = {n.op_type for n in dev.graph.node}
+    assert {"LayerNormalization", "Gelu", "SkipLayerNormalization"} <= ops
+    al = align_graphs(model, dev)
+    check_values(al, ref_vals, all_outputs(dev, feeds))
+    assert not (al.ambiguous or al.unmatched)
+    ln1 = al.pairs["ln1/add_out"]
+    assert ln1.ref_tensor == "ln1/add_out" and ln1.method == "fused" and ln1.confidence == 1.0
+    assert al.groups["ln1/add_out"][0] == "ln1/mean" and "ln1/div_out" in al.fused
+    assert al.pairs["gelu/mul_half_out"].ref_tensor == "gelu/mul_half_out"
+    assert al.groups["gelu/mul_half_out"] == ["gelu/div", "gelu/erf", "gelu/add", "gelu/mul", "gelu/mul_half"]
+    assert al.groups["ln2/add_out"][0] == "residual" and "residual_out" in al.fused
+    # MatMul+Add became Reshape→Gemm→Reshape: the 2-D Gemm output is the same elements
+    flat = [p for p in al.pairs.values() if "another shape" in p.note]
+    assert flat and all(p.ref_tensor in ("fc1/add_out", "fc2/add_out", "ln1/add_out", "gelu/mul_half_out")
+                        for p in flat)
+
+
+def test_fp16_and_int8_builds_pair_through_casts_and_quantizers(cnn):
+    from layerdiff.collector.live import to_fp16, to_int8_qdq
+
+    model, feeds, ref_vals = cnn
+    fp16 = to_fp16(model)
+    al = align_graphs(model, fp16)
+    check_values(al, ref_vals, all_outputs(fp16, feeds))
+    assert set(al.pairs) >= node_outputs(model) - {"input"} and not al.ambiguous
+    assert al.unmatched == [n.output[0] for n in fp16.graph.node if n.op_type == "Cast" and n.input[0] == "input"]
+
+    int8 = to_int8_qdq(model, feeds)
+    al = align_graphs(model, int8)
+    check_values(al, ref_vals, all_outputs(int8, feeds), min_cos=0.99)
+    assert not al.ambiguous
+    # the quantizer drops the Relu its unsigned range clamps anyway: the
+    # dequantized tensor stands for the Relu, the BN's for the BN
+    bn = next(n for n in int8.graph.node if n.op_type == "BatchNormalization" and n.name == "conv1_bn")
+    dq = next(n for n in int8.graph.node if n.op_type == "DequantizeLinear" and n.input[0].startswith(bn.output[0]))
+    assert al.pairs[bn.output[0]].ref_tensor == "bn1_out"
+    assert al.pairs[dq.output[0]].ref_tensor == "relu1_out"
+    quantized = [d for d in al.unmatched if "quantized" in al.reasons[d]]
+    assert quantized and all(d in al.layout_only for d in quantized)
+
+
+@pytest.mark.parametrize("which", ["cnn", "mlp", "detector"])
+def test_onnxsim_either_side(which, request):
+    onnxsim = pytest.importorskip("onnxsim")
+    if which == "mlp":
+        model = mlp_block()
+        feeds = {"x": np.random.default_rng(2).standard_normal((1, 8, 16)).astype(np.float32)}
+    else:
+        model, feeds, _ = request.getfixturevalue(which)
+    sim, ok = onnxsim.simplify(model)
+    assert ok
+    for ref, dev in ((model, sim), (sim, model)):
+        al = align_graphs(ref, dev)
+        check_values(al, all_outputs(ref, feeds), all_outputs(dev, feeds))
+        assert not al.ambiguous
+        paired = {p.ref_tensor for p in al.pairs.values()}
+        assert node_outputs(ref) <= paired | set(al.fused)
+        for d in al.unmatched:      # only device tensors the reference computes inside one node
+            assert "partial result" in al.reasons[d] or "inside reference node" in al.reasons[d], al.reasons[d]
+
+
+def twin_branches(join: str) -> onnx.ModelProto:
+    """x → Conv → Relu twice, with equal weights, joined by ``join``."""
+    w = np.full((4, 3, 3, 3), 0.1, np.float32)
+    inits = [numpy_helper.from_array(w, "wa"), numpy_helper.from_array(w.copy(), "wb")]
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["a"], name="conv_a", pads=[1] * 4),
+             helper.make_node("Relu", ["a"], ["ra"], name="relu_a"),
+             helper.make_node("Conv", ["x", "wb"], ["b"], name="conv_b", pads=[1] * 4),
+             helper.make_node("Relu", ["b"], ["rb"], name="relu_b"),
+             helper.make_node(join, ["ra", "rb"], ["y"], name="join", **({"axis": 1} if join == "Concat" else {}))]
+    graph = helper.make_graph(nodes, "twins", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_identical_branches_stay_ambiguous_unless_something_tells_them_apart():
+    model = twin_branches("Add")
+    dev, names = renamed(model, random.Random(1), nodes=True)
+    al = align_graphs(model, dev)
+    back = {new: old for old, new in names.items()}
+    assert {back[d]: p.ref_tensor for d, p in al.pairs.items()} == {"y": "y"}
+    assert sorted((back[d], sorted(c)) for d, c, _ in al.ambiguous) == [
+        ("a", ["a", "b"]), ("b", ["a", "b"]), ("ra", ["ra", "rb"]), ("rb", ["ra", "rb"])]
+    assert all("equally" in why for _, _, why in al.ambiguous)
+    # the node names break the tie (tensors still renamed)
+    dev, names = renamed(model)
+    al = align_graphs(model, dev)
+    assert {names[t]: t for t in ("a", "b", "ra", "rb", "y")} == {d: p.ref_tensor for d, p in al.pairs.items()}
+    # an ordered reader (Concat) tells them apart, back to the Convs
+    model = twin_branches("Concat")
+    dev, names = renamed(model, random.Random(2), nodes=True)
+    al = align_graphs(model, dev)
+    back = {new: old for old, new in names.items()}
+    assert {back[d]: p.ref_tensor for d, p in al.pairs.items()} == {t: t for t in ("a", "b", "ra", "rb", "y")}
+    assert not al.ambiguous
