@@ -76,6 +76,12 @@ Algorithm
    last tensor with that node's output (method ``fused``, the note says
    which side fused); the device's partial results are listed unmatched.
 
+7. Where a device node cannot be reached (its input comes from something
+   left unaligned, e.g. a Transpose onnxruntime pushed through Slices), a
+   Conv/Gemm/MatMul whose weight equals (or, folded, scales) the weight of
+   exactly one reference node of its kind re-anchors the walk there; its
+   unaligned inputs are paired with that node's inputs.
+
 Graph inputs and constants are never paired; node outputs that are graph
 outputs are. Cost is about linear in the graph: the PP-OCR detector (670
 nodes) aligns in a fraction of a second.
@@ -83,10 +89,11 @@ nodes) aligns in a fraction of a second.
 Limits
 ------
 * Subgraphs (If/Loop/Scan bodies) are not entered.
-* A device node whose flow inputs are not all bound is unmatched, and so is
-  everything that depends only on it: there is no resynchronization below
-  an op the tables do not know (QLinear*/ConvInteger integer kernels,
-  vendor ops).
+* Rewrites that move layout ops (onnxruntime's transpose optimizer pushing
+  a Transpose through Slice/Squeeze) and ops outside the tables
+  (QLinear*/ConvInteger integer kernels, vendor ops) are not followed: what
+  depends on them stays unmatched (with the reason) until the next weighted
+  node re-anchors the walk (step 7).
 * NCHWc weights are compared as a multiset of values only (so a folded,
   blocked weight is "unknown"); Attention fusions follow the subgraph rule
   but have not been checked against onnxruntime's transformer optimizer.
@@ -584,7 +591,7 @@ class _Cell:
 @dataclass
 class _Binding:
     cell: _Cell
-    layout: str = ""              # "", "nchwc", "quantized" or "perm:a,b,c,d"
+    layout: str = ""              # "", "flat" (reshaped), "nchwc", "quantized" or "perm:a,b,c,d"
     via: str = ""                 # device-only helper ops it passed through
     superseded: str = ""          # non-empty: a partial result the reference folds away (why)
     unfused: bool = False         # the reference computes in one node what the device splits
@@ -597,7 +604,6 @@ class _Match:
     score: float
     combo: dict[str, str]         # device flow tensor -> the reference tensor it was taken as
     extras: dict[int, str] = field(default_factory=dict)   # device output slot -> ref tensor
-    method: str = "graph"
     weights: str = "unknown"
 
 
@@ -886,8 +892,7 @@ class _Aligner:
         out = []
         for j, cover in _regions(self.ref, set(combo.values()), FAMILIES[self.dev.op(i)], extras):
             score, weights = _params_agree(mine, _params(self.ref, cover))
-            out.append(_Match(None, [(self.ref.out(j), cover)], score, combo, method="fused",
-                              weights=weights))
+            out.append(_Match(None, [(self.ref.out(j), cover)], score, combo, weights=weights))
         return out
 
     # ---- scoring
@@ -1305,7 +1310,7 @@ class _Aligner:
     def result(self) -> GraphAlignment:
         open_reason = self.settle()
         out = GraphAlignment()
-        dev, ref = self.dev, self.ref
+        dev = self.dev
         for i in range(len(dev.nodes)):
             for t in dev.outputs_of(i):
                 if t in dev.const:
