@@ -116,6 +116,18 @@ def test_planted_bug_is_the_first_failing_node_in_every_format(services, nets, f
     assert collector.alive() and analyzer.alive()
 
 
+@pytest.mark.parametrize("ref_fmt,dev_fmt", [("keras", "pb"), ("savedmodel", "keras")])
+def test_a_model_against_another_export_of_it_pairs_every_layer(services, nets, ref_fmt, dev_fmt, tmp_path):
+    """A .keras reference against its frozen GraphDef (and a SavedModel against
+    a .keras): the TF op names inside each Keras layer pair the two."""
+    collector, analyzer = services
+    res = run(nets["files"]["ref"][ref_fmt], nets["inputs"], device_model=nets["files"]["dev"][dev_fmt],
+              out=tmp_path / "out", analyzer=analyzer.address, collector=collector.address, progress=False)
+    cov = res.summary["coverage"]
+    assert cov["compared"] >= cov["expected"] - 1, cov["text"]      # a SavedModel adds its output Identity
+    assert res.first_failing_node == f"tiny_1/{BUGGY_LAYER}_1/convolution", res.summary["failing_nodes"]
+
+
 def test_keras_fp16_is_a_mixed_float16_run(services, nets, tmp_path):
     """precision=fp16 on a Keras model: the collector rebuilds it under the
     mixed_float16 policy; FP16 rounding everywhere, no failing node."""
