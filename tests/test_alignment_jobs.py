@@ -101,26 +101,32 @@ def test_the_packaged_detector_optimized_by_onnxruntime(services, tmp_path):
     assert cov["ratio"] >= 0.9, cov["text"]
 
 
-def test_a_second_keras_instance_pairs_every_layer(services, tmp_path):
+@pytest.mark.parametrize("named", [True, False])
+def test_a_second_keras_instance_pairs_every_layer(services, tmp_path, named):
     """Two instances of one architecture in one session: the model scope is
-    numbered apart (functional vs functional_1), the layer names are the
-    user's."""
+    numbered apart (functional vs functional_1); the layer names are the
+    user's, or Keras numbers them apart too (conv2d vs conv2d_3)."""
     keras = pytest.importorskip("keras")
     from keras import layers
 
     def net():
+        def name(n):
+            return n if named else None
+
         inp = keras.Input((16, 16, 3), name="image")
-        x = layers.Conv2D(8, 3, padding="same", activation="relu", name="conv_in")(inp)
-        a = layers.Conv2D(8, 3, padding="same", name="branch")(x)
-        p = layers.GlobalAveragePooling2D(name="pool")(layers.Add(name="residual")([a, x]))
-        return keras.Model(inp, layers.Dense(4, name="fc")(p))
+        x = layers.Conv2D(8, 3, padding="same", activation="relu", name=name("conv_in"))(inp)
+        a = layers.Conv2D(8, 3, padding="same", name=name("branch"))(x)
+        p = layers.GlobalAveragePooling2D(name=name("pool"))(layers.Add(name=name("residual"))([a, x]))
+        return keras.Model(inp, layers.Dense(4, name=name("fc"))(p))
 
     keras.utils.set_random_seed(5)
     ref, dev = net(), net()
     assert ref.name != dev.name
     dev.set_weights(ref.get_weights())
-    kernel, bias = dev.get_layer("branch").get_weights()
-    dev.get_layer("branch").set_weights([kernel * 1.7, bias])
+    branch = [la for la in dev.layers if isinstance(la, layers.Conv2D)][1]
+    kernel, bias = branch.get_weights()
+    branch.set_weights([kernel * 1.7, bias])
+    ref_branch = [la for la in ref.layers if isinstance(la, layers.Conv2D)][1].name
     ref.save(tmp_path / "ref.keras")
     dev.save(tmp_path / "dev.keras")
     np.savez(tmp_path / "in.npz", image=np.random.default_rng(1).standard_normal((1, 16, 16, 3)).astype(np.float32))
@@ -129,4 +135,5 @@ def test_a_second_keras_instance_pairs_every_layer(services, tmp_path):
               analyzer=analyzer.address, collector=collector.address, progress=False)
     cov = res.summary["coverage"]
     assert cov["ratio"] == 1.0, cov["text"]
-    assert "/branch" in res.first_failing_node, res.first_failing_node
+    assert f"/{ref_branch}_" in res.first_failing_node, (ref_branch, res.first_failing_node)
+    assert res.first_failing_node.endswith("/convolution")

@@ -184,25 +184,32 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
 
 def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
     """The device model's tensors paired with the reference's by the two
-    graphs' structure, when both are ONNX (renamed, fused, folded builds);
-    None otherwise, and names decide."""
-    if not spec.device_model_artifact or not isinstance(reference, OnnxReference):
+    graphs: by structure when both are ONNX (renamed, fused, folded builds),
+    layer by layer when both are Keras models; None otherwise, and names
+    decide."""
+    if not spec.device_model_artifact:
         return None
-    from layerdiff.tfgraph import is_tensorflow
+    from layerdiff.analyzer.graphalign import GraphAlignment, align_graphs
+    from layerdiff.tfgraph import FORMAT_KERAS, is_tensorflow, load_tf_model
 
     name = store.name(spec.device_model_artifact)
     data = store.read(spec.device_model_artifact, "device_model_artifact")
-    if is_tensorflow(name, data):
-        return None
-    from layerdiff.analyzer.graphalign import align_graphs
-    from layerdiff.onnxgraph import load_model
-
-    device = load_model(data, name)
     try:
-        return align_graphs(reference.model, device)
+        if isinstance(reference, OnnxReference) and not is_tensorflow(name, data):
+            from layerdiff.onnxgraph import load_model
+
+            return align_graphs(reference.model, load_model(data, name))
+        if isinstance(reference, TFReference) and reference.format == FORMAT_KERAS and is_tensorflow(name, data):
+            from layerdiff.analyzer.layeralign import keras_pairs
+
+            device = load_tf_model(data, name)
+            if device.format == FORMAT_KERAS:
+                return GraphAlignment(pairs=keras_pairs(reference.graph, device))
+    except LayerdiffError:
+        raise
     except Exception as e:   # the names still pair what they can: say so, never fail the job on it
         log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
-        return None
+    return None
 
 
 def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
