@@ -86,7 +86,8 @@ def assess(rep, sites: list, aligner, *, min_coverage: float | None = None, sour
     }
     # the sentence every view of the job shows (terminal, report.html)
     out["text"] = (f"{compared} of {len(expected)} reference tensors compared ({_pct(ratio)}); "
-                   f"{out['device_tensors']} device tensors, {out['device_unmatched']} matching no reference "
+                   + (f"{len(fused)} more computed inside fused device nodes; " if fused else "")
+                   + f"{out['device_tensors']} device tensors, {out['device_unmatched']} matching no reference "
                    f"tensor, {out['device_unreadable']} unreadable")
     if not adequate:
         out["cause"] = _cause(rep, out, aligner, source, dump_path, len(expected))

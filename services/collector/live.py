@@ -24,8 +24,8 @@ from onnx import numpy_helper
 
 from layerdiff.collector.devices import resolve_provider
 from layerdiff.errors import LayerdiffError
-from layerdiff.onnxgraph import (TensorSite, check_inputs, estimate_output_bytes, expose_only, load_model,
-                                 plan_segments, tensor_sites)
+from layerdiff.onnxgraph import (TensorSite, check_inputs, estimate_output_bytes, expose_only, graph_inputs,
+                                 load_model, plan_segments, tensor_sites)
 from layerdiff.schema import ROLE_INPUT, NodeRecord, check_dump_mode
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class LiveRunner:
         self.feeds = check_inputs(ref, feeds, "inputs")
         if device_model_bytes:
             self.model = load_model(device_model_bytes, device_model_name)
-            self.feeds = check_inputs(self.model, feeds, "inputs")
+            self.feeds = check_inputs(self.model, _by_position(ref, self.model, self.feeds), "inputs")
             self.original: set[str] | None = None     # send everything the device model has
             self.view: dict[str, str] = dequantized_views(self.model)
         else:
@@ -278,3 +278,14 @@ def _all_finite(arr: np.ndarray) -> bool:
         if np.isfinite(arr.sum(dtype=np.float64)):
             return True
     return bool(np.isfinite(arr).all())
+
+
+def _by_position(ref: onnx.ModelProto, device: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict:
+    """The reference's feeds under the device model's input names: a
+    converter that renamed the graph inputs keeps their order, so they are
+    bound by position (and then checked for dtype and shape)."""
+    ref_names = [d.name for d in graph_inputs(ref)]
+    dev_names = [d.name for d in graph_inputs(device)]
+    if set(dev_names) == set(feeds) or len(dev_names) != len(ref_names) or set(ref_names) != set(feeds):
+        return feeds
+    return {dev: feeds[r] for r, dev in zip(ref_names, dev_names)}
