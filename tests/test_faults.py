@@ -42,37 +42,39 @@ def _big_node(seed: int) -> tuple[np.ndarray, np.ndarray]:
     return ref, ref.copy()
 
 
-def test_a_broker_refusing_tasks_fails_the_node_and_the_pool_closes(tmp_path):
-    """The hang that was: sending a task failed inside submit, the items
-    stayed registered with no task, and close() waited for the deadline."""
+@contextlib.contextmanager
+def _pool_without_broker(tmp_path, job: str, grace_s: float):
+    """A Celery pool whose Redis has just been killed; yields the Redis (to
+    start again), the pool and ``submit(seed)`` of a 1 MiB node."""
     from layerdiff.analyzer.fanout import CeleryPool
     from layerdiff.analyzer.tolerances import Tolerances
 
     rs = RedisServer(tmp_path)
     try:
-        pool = CeleryPool(rs.url, "refused", batch_bytes=1, store_grace_s=GRACE_S, deadline_s=600)
+        pool = CeleryPool(rs.url, job, batch_bytes=1, store_grace_s=grace_s, deadline_s=600)
         rs.stop()
+        yield rs, pool, lambda seed: pool.submit(*_big_node(seed), Tolerances().default, 8, False)
+    finally:
+        rs.stop()
+
+
+def test_a_broker_refusing_tasks_fails_the_node_and_the_pool_closes(tmp_path):
+    """The hang that was: sending a task failed inside submit, the items
+    stayed registered with no task, and close() waited for the deadline."""
+    with _pool_without_broker(tmp_path, "refused", GRACE_S) as (rs, pool, submit):
         started = time.monotonic()
-        fut = pool.submit(*_big_node(0), Tolerances().default, 8, False)
+        fut = submit(0)
         with pytest.raises(Exception) as ei:
             fut.result(timeout=GRACE_S + 15)
         assert rs.url in str(ei.value) and "unreachable" in str(ei.value), str(ei.value)
         pool.close()
         assert time.monotonic() - started < GRACE_S + 15
         assert not pool._poller.is_alive()
-    finally:
-        rs.stop()
 
 
 def test_a_broker_back_without_the_job_fails_it_at_once(tmp_path):
-    from layerdiff.analyzer.fanout import CeleryPool
-    from layerdiff.analyzer.tolerances import Tolerances
-
-    rs = RedisServer(tmp_path)
-    try:
-        pool = CeleryPool(rs.url, "restarted", batch_bytes=1, store_grace_s=60, deadline_s=600)
-        rs.stop()
-        fut = pool.submit(*_big_node(1), Tolerances().default, 8, False)
+    with _pool_without_broker(tmp_path, "restarted", 60) as (rs, pool, submit):
+        fut = submit(1)
         time.sleep(1.0)
         rs.start()                       # empty: the job's marker is gone
         started = time.monotonic()
@@ -81,19 +83,13 @@ def test_a_broker_back_without_the_job_fails_it_at_once(tmp_path):
         assert "restarted" in str(ei.value) and rs.url in str(ei.value), str(ei.value)
         assert time.monotonic() - started < 10       # not the 60 s grace: the broker answered
         pool.close()
-    finally:
-        rs.stop()
 
 
 def test_cancel_ends_every_wait_of_the_pool_during_an_outage(tmp_path):
-    from layerdiff.analyzer.fanout import CeleryPool, PoolCancelled
-    from layerdiff.analyzer.tolerances import Tolerances
+    from layerdiff.analyzer.fanout import PoolCancelled
 
-    rs = RedisServer(tmp_path)
-    try:
-        pool = CeleryPool(rs.url, "cancelled", batch_bytes=1, store_grace_s=60, deadline_s=600)
-        rs.stop()
-        futs = [pool.submit(*_big_node(i), Tolerances().default, 8, False) for i in range(3)]
+    with _pool_without_broker(tmp_path, "cancelled", 60) as (rs, pool, submit):
+        futs = [submit(i) for i in range(3)]
         started = time.monotonic()
         pool.cancel()
         for f in futs:
@@ -101,8 +97,6 @@ def test_cancel_ends_every_wait_of_the_pool_during_an_outage(tmp_path):
                 f.result(timeout=5)
         pool.close()
         assert time.monotonic() - started < 5
-    finally:
-        rs.stop()
 
 
 # ------------------------------------------------------------- whole services

@@ -67,6 +67,7 @@ def make_app(broker_url: str | None = None, visibility_timeout_s: int | None = N
         broker_connection_timeout=5, task_publish_retry_policy={
             "max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0},
         redis_socket_timeout=10, redis_socket_connect_timeout=5,
+        result_backend_thread_safe=True,   # one backend (one connection pool) for all of a job's threads
         result_backend_transport_options={"retry_policy": {"timeout": 5.0}},
         worker_hijack_root_logger=False, worker_send_task_events=False,
     )

@@ -109,9 +109,6 @@ class StreamConsumer:
         self._layout_wait_bytes = 0
         # value pairing of device tensors no name settles (dumps without a graph)
         self.values: ValueMatcher | None = None
-        # (the Aligner has no way to record a pairing decided outside it: the
-        # value pairings are kept here, alignment.csv rows)
-        self.value_pairs: list[dict] = []
         self._site_of = {s.tensor: s for s in prepared.reference.sites}
 
     # ------------------------------------------------------------------ intake
@@ -214,8 +211,8 @@ class StreamConsumer:
     def _value_verdict(self, rec: NodeRecord, v) -> None:
         if v.kind == "match":
             site = self._site_of[v.tensor]
-            self.value_pairs.append({"reference_tensor": v.tensor, "device_tensor": rec.name, "method": "value",
-                                     "confidence": v.confidence, "note": v.note})
+            self.rep.value_pairs.append({"reference_tensor": v.tensor, "device_tensor": rec.name,
+                                         "method": "value", "confidence": v.confidence, "note": v.note})
             self._take_site(rec, site, self.p.aligner.skip_reason_for(site), v.perm)
         elif v.kind == "unmatched":
             self.rep.invalid_out.append((rec.name, f"not found in the reference model; {v.note}"))
@@ -438,7 +435,6 @@ class StreamConsumer:
         rep.input_ranges = self.examiner.input_ranges
         rep.quantized = self.examiner.quantized
         rep.range_skips = list(self.p.range_skips)
-        rep.value_pairs = list(self.value_pairs)
         fused = self.p.aligner.fused   # reference tensor -> the device node computing it inside
         for s in self.p.reference.sites:
             if s.tensor in self.seen or s.tensor in self.read_as_input:

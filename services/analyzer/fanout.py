@@ -98,7 +98,6 @@ class CeleryPool:
         self.max_cores = max_cores or 1
         self.max_in_flight = 4096          # nodes; memory is bounded by bytes below
         self.app = make_app(broker_url)
-        self.app.conf.result_backend_thread_safe = True   # one backend (one connection pool) for the job's threads
         self.store = TensorStore(broker_url, ttl_s=int(deadline_s) + 600)
         self.store.ping()
         self.store.open_job(job_id)
@@ -121,7 +120,6 @@ class CeleryPool:
         self._tasks: dict = {}            # AsyncResult -> (item ids, items, sent at, timeout)
         self._unsent: list[dict] = []     # item messages the broker refused; sent again when it is back
         self._down_since: float | None = None    # the broker stopped answering then (None: it answers)
-        self._down_error: Exception | None = None
         self._inflight_bytes = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -160,26 +158,23 @@ class CeleryPool:
                     fut.set_exception(e)
                 break
             except (redis.RedisError, OperationalError) as e:
-                failure = self._outage(e)
-                if failure is None and attempt == 0:
+                if self._await_broker(e) and attempt == 0:
                     continue      # a blip: the store is back with the job's data
-                self._fail_all(failure or UnavailableError(f"broker {self.broker_url} failed: {e}", field="broker"))
+                self._fail_all(UnavailableError(f"broker {self.broker_url} failed: {e}", field="broker"))
                 if not fut.done():
                     fut.set_exception(self._failure)
                 break
         return fut
 
-    def _outage(self, e: Exception) -> LayerdiffError | None:
-        """What a store error seen while sending means: wait for the store to
-        answer again (at most STORE_GRACE_S); None when it is back with this
-        job's data, else the reason the job cannot go on."""
-        end = time.monotonic() + self.store_grace_s
-        while time.monotonic() < end and self._failure is None:
-            try:
-                return None if self.store.job_alive(self.job_id) else self._lost()
-            except (redis.RedisError, OperationalError, ConnectionError, OSError):
-                time.sleep(0.2)
-        return self._unreachable(e)
+    def _await_broker(self, e: Exception) -> bool:
+        """A store error seen while sending: the broker is down until the
+        poller sees it answer again (see _check_broker, which bounds the
+        wait by the grace period). True when it is back with this job's data."""
+        with self._cv:
+            self._mark_down_locked(e)
+            while self._down_since is not None and self._failure is None:
+                self._cv.wait(0.2)
+            return self._failure is None
 
     def _lost(self) -> StoreLost:
         return StoreLost(f"broker {self.broker_url} came back without this job's data (restarted?); the remaining "
@@ -244,8 +239,8 @@ class CeleryPool:
 
     def _mark_down_locked(self, e: Exception) -> None:
         if self._down_since is None:
+            log.warning("job %s: broker %s stopped answering: %s", self.job_id, self.broker_url, _one_line(str(e)))
             self._down_since = time.monotonic()
-        self._down_error = e
 
     def _check_broker(self) -> None:
         """While the broker is down: has it come back (with this job's data:
@@ -266,7 +261,8 @@ class CeleryPool:
         with self._cv:
             log.warning("job %s: broker %s answers again after %.1f s", self.job_id, self.broker_url,
                         time.monotonic() - since)
-            self._down_since = self._down_error = None
+            self._down_since = None
+            self._cv.notify_all()
             unsent, self._unsent = self._unsent, []
             live = [m for m in unsent if m["id"] in self._items]
             if live:

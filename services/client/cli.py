@@ -83,33 +83,31 @@ def _add_run(sub) -> None:
 
 
 def _add_watch_fetch(sub) -> None:
-    p = sub.add_parser("watch", help="follow a job on a running analyzer to its end and fetch its reports",
-                       description="Follow job JOB_ID (the id `layerdiff run` prints) on a running analyzer to its "
-                                   "end, as `layerdiff run` would have, then fetch its reports into --out and print "
-                                   "the same summary with the same exit status. A job that has ended is shown at "
-                                   "once. Ctrl-C cancels the job.",
-                       epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job_id", metavar="JOB_ID")
-    p.add_argument("--analyzer", required=True, help="HOST:PORT of the analyzer running the job")
-    p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
+    def job_parser(name: str, help: str, description: str, analyzer_help: str):
+        p = sub.add_parser(name, help=help, description=description, epilog=EXIT_STATUS_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("job_id", metavar="JOB_ID")
+        p.add_argument("--analyzer", required=True, help=analyzer_help)
+        p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
+        p.add_argument("--listing", action="store_true",
+                       help="also print every compared node as index.name OP_TYPE MSE COS RMSE")
+        return p
+
+    p = job_parser("watch", "follow a job on a running analyzer to its end and fetch its reports",
+                   "Follow job JOB_ID (the id `layerdiff run` prints) on a running analyzer to its end, as "
+                   "`layerdiff run` would have, then fetch its reports into --out and print the same summary with "
+                   "the same exit status. A job that has ended is shown at once. Ctrl-C cancels the job.",
+                   "HOST:PORT of the analyzer running the job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, help="give up after this many seconds (the job goes on; default: "
                                                  "wait for its end)")
-    p.add_argument("--listing", action="store_true",
-                   help="also print every compared node as index.name OP_TYPE MSE COS RMSE")
     p.set_defaults(func=_cmd_watch)
 
-    p = sub.add_parser("fetch", help="fetch the reports of a finished job from a running analyzer",
-                       description="Fetch the reports of finished job JOB_ID from a running analyzer into --out "
-                                   "and print its summary, with the exit status `layerdiff run` gave. A job that is "
-                                   "not DONE is one line with its state and reason (exit status 3, or the failed "
-                                   "job's own); an unknown id exits with 2.",
-                       epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job_id", metavar="JOB_ID")
-    p.add_argument("--analyzer", required=True, help="HOST:PORT of the analyzer that ran the job")
-    p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
-    p.add_argument("--listing", action="store_true",
-                   help="also print every compared node as index.name OP_TYPE MSE COS RMSE")
+    p = job_parser("fetch", "fetch the reports of a finished job from a running analyzer",
+                   "Fetch the reports of finished job JOB_ID from a running analyzer into --out and print its "
+                   "summary, with the exit status `layerdiff run` gave. A job that is not DONE is one line with its "
+                   "state and reason (exit status 3, or the failed job's own); an unknown id exits with 2.",
+                   "HOST:PORT of the analyzer that ran the job")
     p.set_defaults(func=_cmd_fetch)
 
 
