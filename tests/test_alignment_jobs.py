@@ -132,3 +132,21 @@ def test_a_second_keras_instance_pairs_every_layer(services, tmp_path, named):
     assert cov["ratio"] == 1.0, cov["text"]
     assert f"/{ref_branch}_" in res.first_failing_node, (ref_branch, res.first_failing_node)
     assert res.first_failing_node.endswith("/convolution")
+
+
+def test_a_folded_reference_that_kept_the_conv_names_against_the_unfolded_device(services, cnn_job, tmp_path):
+    """onnxsim folds BatchNorm into the Conv, which keeps its own output
+    name: that reference tensor is the BN's output, and the unfolded device's
+    tensor of the same name (the Conv before its BN) must not be compared
+    with it."""
+    d, model = cnn_job
+    bn_input = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "BatchNormalization"}
+    reference = fold_bn(model, rename=lambda bn_out: bn_input[bn_out])
+    onnx.save_model(reference, str(tmp_path / "folded.onnx"))
+    onnx.save_model(model, str(tmp_path / "device.onnx"))
+    collector, analyzer = services
+    res = run(tmp_path / "folded.onnx", d / "inputs.npz", device_model=tmp_path / "device.onnx", out=tmp_path / "out",
+              analyzer=analyzer.address, collector=collector.address, progress=False)
+    assert (res.outcome, res.exit_status) == ("pass", 0), (res.summary["outcome"], res.summary["failing_nodes"])
+    rows = {r["reference_tensor"]: r for r in _alignment(tmp_path / "out") if r["reference_tensor"]}
+    assert rows["conv1_out"]["device_tensor"] == "bn1_out", rows["conv1_out"]

@@ -112,7 +112,8 @@ def _own_names_first(pairs: dict, unpaired: list[str]) -> dict:
     is compared, the others are not paired. The same holds for a device
     tensor of that name the graphs could not pair (its producer has no
     reference counterpart): its name decides, and a differently named pair
-    gives way."""
+    gives way. A device tensor the graphs know to differ (a fold's
+    partial result) is not among ``unpaired``: its name decides nothing."""
     by_ref: dict[str, list[str]] = {}
     for dev, p in pairs.items():
         by_ref.setdefault(normalize(p.ref_tensor), []).append(dev)
@@ -172,7 +173,7 @@ class Aligner:
         graphs (layerdiff.analyzer.graphalign): device tensor -> Pairing;
         reference tensor computed inside a device fusion -> the device node;
         reference tensor closing a fusion -> the reference nodes it covers;
-        device tensors the graphs could not pair."""
+        device tensors the graph walk lost (GraphAlignment.lost)."""
         self.sites = sites
         pairs = _own_names_first(pairs or {}, unpaired or [])
         self.fused = dict(fused or {})
@@ -305,11 +306,15 @@ class Aligner:
 
     # -------------------------------------------------------------- matching
 
-    def match(self, device_name: str, device_node: str = "", slot: int = 0) -> Decision:
+    def match(self, device_name: str, device_node: str = "", slot: int = 0, *, tensor: bool = True) -> Decision:
         """The reference tensor a device tensor stands for: by map_node_dict
         (its name, or the device's name of the node that wrote it), by the
-        graph pairing, or by its name, exact before relaxed."""
-        d = self._decide(device_name, device_node, slot)
+        graph pairing, or by its name, exact before relaxed.
+
+        ``tensor`` False: ``device_name`` names a node (the one whose input a
+        record is, the one a performance record times): a lookup of the
+        reference node, not a device tensor of its own"""
+        d = self._decide(device_name, device_node, slot, tensor)
         names = [device_name] + ([d.site.node, d.site.tensor] if d.site else [])
         reason = self._skipped(names)
         if reason:
@@ -320,7 +325,7 @@ class Aligner:
                                        "confidence": round(d.confidence, 4), "note": d.note}
         return d
 
-    def _decide(self, device_name: str, device_node: str, slot: int) -> Decision:
+    def _decide(self, device_name: str, device_node: str, slot: int, tensor: bool) -> Decision:
         keys = [normalize(device_name)]
         if device_node:
             # only an explicit mapping names device nodes: a tensor whose
@@ -340,6 +345,10 @@ class Aligner:
             if site.tensor not in self._map_claims:   # map_node_dict decides it otherwise
                 return Decision(site, "", p.method, p.confidence, p.note)
         site = self._by_key.get(keys[0])
+        if site is not None and tensor and site.tensor in self._pair_claims:
+            # the graphs pair that reference tensor with another device tensor
+            # (a fold's partial result keeps the Conv's name): the name is not it
+            return Decision(None, "", "name", 0.0, f"the graphs pair {site.tensor!r} with another device tensor")
         if site is not None:
             return Decision(site, "", "name", 1.0, "same name")
         cands, ambiguous = self._relax(device_name, learn=True)

@@ -292,7 +292,7 @@ class StreamConsumer:
         """Input k of a node against the reference tensor that node reads."""
         rep = self.rep
         node = rec.node or rec.name
-        decision = self.p.aligner.match(node)
+        decision = self.p.aligner.match(node, tensor=False)
         if decision.site is None:
             rep.invalid_out.append((f"{node} (input {rec.slot})", rec.message if rec.status != STATUS_OK
                                     else "not a node of the reference model"))

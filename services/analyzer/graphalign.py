@@ -131,6 +131,16 @@ class GraphAlignment:
     reasons: dict[str, str] = field(default_factory=dict)       # unmatched device tensor -> why
     layout_only: dict[str, str] = field(default_factory=dict)   # blocked/quantized device tensor -> ref tensor
 
+    @property
+    def lost(self) -> list[str]:
+        """Unmatched device tensors the walk lost (what they read, or their
+        op, has no reference counterpart), as opposed to those it knows to
+        differ from every reference tensor (a fold's partial result, a
+        blocked layout, a copy of a graph input)."""
+        return [t for t in self.unmatched if "is not aligned" in self.reasons.get(t, "")
+                or self.reasons.get(t, "").startswith("no reference node computes")
+                or self.reasons.get(t, "") == "not aligned"]
+
 
 # ---------------------------------------------------------------- op tables
 

@@ -151,7 +151,7 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     aligner = Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
                       exclude_node_list=list(o.exclude_node_list), pairs=graph.pairs if graph else None,
                       fused=graph.fused if graph else None, groups=graph.groups if graph else None,
-                      unpaired=graph.unmatched if graph else None)
+                      unpaired=graph.lost if graph else None)
     tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
                             o.op_config_csv)
     if o.diff_cnt < 0:

@@ -218,7 +218,7 @@ def build_table(data: PerfData, aligner: Aligner | None, settings: PerfSettings)
             if settings.hide_span_nodes and SPAN_MARK in r.name:
                 reason = f"name contains {SPAN_MARK!r} (perf_all_nodes=False)"
             elif aligner is not None:
-                reason = aligner.match(r.name).skip_reason
+                reason = aligner.match(r.name, tensor=False).skip_reason
             if reason:
                 hidden_names.add(r.name)
                 hidden.append((r.name, reason))
@@ -249,7 +249,7 @@ def build_table(data: PerfData, aligner: Aligner | None, settings: PerfSettings)
                 derived = True
             else:
                 times.append(None)
-        site = aligner.match(name).site if aligner is not None else None
+        site = aligner.match(name, tensor=False).site if aligner is not None else None
         order = next((r.order for r in recs if r.order >= 0), -1)
         op_type = next((r.op_type for r in recs if r.op_type), site.op_type if site is not None else "")
         nodes.append(NodePerf(name, op_type, order, recs, times, site, first_seen[name]))
