@@ -11,8 +11,9 @@ setup:
 # headless Chromium reads report.html back in the tests (only when missing)
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q -e '.[dev,bench,tf]'
+	# the versions the images install (deploy/constraints.txt): what is tested is what is deployed
+	$(BIN)/pip install -q --upgrade pip setuptools wheel -c deploy/constraints.txt
+	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev,bench,tf,torch]'
 	# The demo model ships its weights inside this wheel; its runtime
 	# dependencies are not needed because only the .onnx files are read.
 	$(BIN)/pip install -q --no-deps rapidocr-onnxruntime==1.4.4

@@ -11,8 +11,12 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -81,6 +85,17 @@ def remove_leftovers() -> None:
             ip("link", "delete", link["ifname"], check=False)
 
 
+def _delete_all(steps: list[tuple[str, ...]]) -> list[str]:
+    """Run each ``ip`` deletion; the problems met, beyond what was already gone."""
+    problems = []
+    for args in steps:
+        res = ip(*args, check=False)
+        if res.returncode != 0 and "No such file" not in res.stderr and "Cannot find device" not in res.stderr \
+                and "does not exist" not in res.stderr:
+            problems.append(f"ip {' '.join(args)}: {res.stderr.strip()}")
+    return problems
+
+
 class Hosts:
     """A bridge in the root namespace with ``bridge_ip`` and one namespace,
     another host at ``peer_ip``, joined by a veth pair. ``delete`` removes
@@ -126,16 +141,65 @@ class Hosts:
     def delete(self) -> list[str]:
         """Remove the namespace (and with it the veth pair) and the bridge;
         the problems met, if any."""
-        problems = []
-        for args in (("netns", "delete", self.ns), ("link", "delete", self.veth_host),
-                     ("link", "delete", self.bridge)):
-            res = ip(*args, check=False)
-            if res.returncode != 0 and "No such file" not in res.stderr and "Cannot find device" not in res.stderr \
-                    and "does not exist" not in res.stderr:
-                problems.append(f"ip {' '.join(args)}: {res.stderr.strip()}")
-        return problems
+        return _delete_all([("netns", "delete", self.ns), ("link", "delete", self.veth_host),
+                            ("link", "delete", self.bridge)])
 
     def exists(self) -> bool:
         return (self.ns in ip("netns", "list").stdout
                 or ip("link", "show", self.bridge, check=False).returncode == 0
                 or ip("link", "show", self.veth_host, check=False).returncode == 0)
+
+
+class Network:
+    """Several hosts of their own on one bridge: the root namespace (the
+    client's host) at ``bridge_ip``, and a namespace per named host, at
+    ``ip[name]``. ``run(name, *argv)`` is a command line that runs ``argv``
+    on that host with a private, empty ``/tmp`` (``unshare --mount``), as a
+    container would. Each host needs a letter of its own (the names carry
+    it and the test process's id, which ``remove_leftovers`` relies on)."""
+
+    def __init__(self, role: str, letters: dict[str, str]) -> None:
+        tag = str(os.getpid())
+        self.bridge = f"ldb{role}{tag}"
+        net = _free_subnet()
+        self.prefix = net.prefixlen
+        self.bridge_ip = str(net.network_address + 1)
+        self.ns = {name: f"ld-{k}{tag}" for name, k in letters.items()}
+        self.veth = {name: (f"ldv{k}{tag}h", f"ldv{k}{tag}n") for name, k in letters.items()}
+        self.ip = {name: str(net.network_address + 2 + i) for i, name in enumerate(letters)}
+
+    def create(self) -> None:
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.bridge_ip}/{self.prefix}", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+        for name, ns in self.ns.items():
+            host, peer = self.veth[name]
+            ip("netns", "add", ns)
+            ip("link", "add", host, "type", "veth", "peer", "name", peer)
+            ip("link", "set", host, "master", self.bridge)
+            ip("link", "set", host, "up")
+            ip("link", "set", peer, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{self.ip[name]}/{self.prefix}", "dev", peer)
+            ip("-n", ns, "link", "set", peer, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+
+    def run(self, name: str, *argv: str) -> list[str]:
+        # What lies under /tmp and must stay visible (a checkout and its
+        # virtualenv there, as in CI) is bound back from the original /tmp,
+        # reached through a descriptor opened before the tmpfs hides it.
+        kept = (Path(p).resolve() for p in (ROOT, sys.prefix))
+        keep = sorted({str(p.relative_to("/tmp")) for p in kept if Path("/tmp") in p.parents})
+        binds = "".join(f' && mkdir -p "/tmp/{k}" && mount --no-canonicalize --bind "/proc/self/fd/3/{k}" '
+                        f'"/tmp/{k}"' for k in keep)
+        script = f'exec 3</tmp && mount -t tmpfs tmpfs /tmp{binds} && exec 3<&- && exec "$0" "$@"'
+        return ["ip", "netns", "exec", self.ns[name], "unshare", "--mount", "sh", "-c", script, *argv]
+
+    def delete(self) -> list[str]:
+        steps = [("netns", "delete", ns) for ns in self.ns.values()]
+        steps += [("link", "delete", h) for h, _ in self.veth.values()] + [("link", "delete", self.bridge)]
+        return _delete_all(steps)
+
+    def exists(self) -> bool:
+        listed = ip("netns", "list").stdout
+        return any(ns in listed for ns in self.ns.values()) or \
+            ip("link", "show", self.bridge, check=False).returncode == 0

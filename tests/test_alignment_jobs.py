@@ -96,6 +96,25 @@ def test_the_packaged_detector_optimized_by_onnxruntime(services, tmp_path):
     assert cov["ratio"] >= 0.9, cov["text"]
 
 
+def test_the_packaged_recognizer_with_its_transposes_moved(services, tmp_path):
+    """At BASIC onnxruntime moves the attention's Transposes past Slice and
+    Squeeze: those tensors are compared in the reference's axis order, and
+    the job passes with every computed tensor compared."""
+    from layerdiff.client.demo import packaged_model
+
+    collector, analyzer = services
+    model = packaged_model("ch_PP-OCRv4_rec_infer.onnx")
+    np.savez(tmp_path / "line.npz", x=np.random.default_rng(3).uniform(-1, 1, (1, 3, 48, 160)).astype(np.float32))
+    onnx.save_model(ort_optimized(onnx.load(str(model)), "basic", tmp_path), str(tmp_path / "device.onnx"))
+    res = run(model, tmp_path / "line.npz", device_model=tmp_path / "device.onnx", out=tmp_path / "out",
+              analyzer=analyzer.address, collector=collector.address, progress=False)
+    cov = res.summary["coverage"]
+    assert (res.outcome, res.exit_status) == ("pass", 0), (res.summary["outcome"], cov["text"])
+    assert cov["ratio"] >= 0.97, cov["text"]
+    moved = [r for r in _alignment(tmp_path / "out") if "before the Transpose" in r["note"]]
+    assert len(moved) >= 4, moved
+
+
 @pytest.mark.parametrize("named", [True, False])
 def test_a_second_keras_instance_pairs_every_layer(services, tmp_path, named):
     """Two instances of one architecture in one session: the model scope is

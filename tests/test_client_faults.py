@@ -165,7 +165,8 @@ def test_an_analyzer_not_reachable_is_one_line(cnn_files, tmp_path):
                  ("watch", "0123456789abcdef", "--analyzer", nobody, "--no-progress")):
         res = cli(*args, "--out", tmp_path / "out", env=env)
         assert res.returncode == 3, res.stderr
-        assert res.stderr == f"layerdiff: error: analyzer {nobody} is not reachable (no answer within 1 s)\n"
+        assert res.stderr == (f"layerdiff: error: analyzer {nobody} is not reachable (no answer within 1 s; "
+                              "if it serves TLS, give its CA in LAYERDIFF_TLS_CA)\n")
 
 
 # ----------------------------------------------------------------------- Ctrl-C
@@ -218,6 +219,29 @@ def test_ctrl_c_twice_while_uploading_or_submitting(services, det_files, tmp_pat
         assert lines[-1] == f"layerdiff: interrupted; job {job} cancelled"
         assert _wait_state(analyzer.address, job, {pb.DONE, pb.FAILED, pb.CANCELLED}, timeout=10).state \
             == pb.CANCELLED
+
+
+def test_ctrl_c_the_moment_a_job_starts_ends_the_command_every_time(services, cnn_files, tmp_path):
+    """Ctrl-C right after the job line, while the watch is being opened (a
+    call broken off there never drained and held the channel's close
+    forever): every command ends in one line, its job cancelled."""
+    collector, analyzer = services
+    model, inputs, _ = cnn_files
+    (tmp_path / "dump").mkdir()
+    for i, delay in enumerate((0, 0, 0, 0.001, 0, 0.003, 0, 0.01, 0, 0)):
+        proc = start_cli("run", model, "--inputs", inputs, "--analyzer", analyzer.address, "--collector",
+                         collector.address, "--dump", tmp_path / "dump", "--watch", "--no-progress",
+                         "--out", tmp_path / str(i))
+        try:
+            _, job = _job_line(proc)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            out, err = _finish(proc, timeout=20)
+        finally:
+            proc.kill()
+        assert proc.returncode == 130, (i, err)
+        _no_traceback(out, err)
+        assert err.splitlines() == [f"layerdiff: interrupted; job {job} cancelled"], (i, err)
 
 
 def test_ctrl_c_with_the_embedded_services_is_immediate(det_files, tmp_path):

@@ -68,13 +68,14 @@ def test_wrong_weight_without_device_inputs_uses_the_producers_outputs(services,
     assert {v["node"]: v["verdict"] for v in s["verdicts"]}["conv3"] == diagnose.ACCUMULATED
 
 
-def _transposed_conv3() -> onnx.ModelProto:
-    """The device writes conv3's output with H and W swapped."""
+def _transposed(node: str) -> onnx.ModelProto:
+    """The device writes ``node``'s output with H and W swapped."""
     m = small_cnn()
     nodes = list(m.graph.node)
-    i = next(k for k, n in enumerate(nodes) if n.name == "conv3")
-    nodes[i].output[0] = "conv3_raw"
-    nodes.insert(i + 1, helper.make_node("Transpose", ["conv3_raw"], ["conv3_out"], name="conv3_layout",
+    i = next(k for k, n in enumerate(nodes) if n.name == node)
+    out = nodes[i].output[0]
+    nodes[i].output[0] = f"{node}_raw"
+    nodes.insert(i + 1, helper.make_node("Transpose", [f"{node}_raw"], [out], name=f"{node}_layout",
                                          perm=[0, 1, 3, 2]))
     del m.graph.node[:]
     m.graph.node.extend(nodes)
@@ -82,11 +83,24 @@ def _transposed_conv3() -> onnx.ModelProto:
 
 
 def test_transposed_layout_in_one_node(services, tmp_path):
-    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=_transposed_conv3())
+    """conv2's output swapped: the residual Add then mixes it with an
+    unswapped tensor, and the outputs break."""
+    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=_transposed("conv2"))
     first = s["first_computation_error"]
-    assert first["node"] == "conv3" and first["cause"] == "layout"
+    assert first["node"] == "conv2" and first["cause"] == "layout"
     assert any("axes 2 and 3 swapped" in e for e in first["evidence"])
-    assert s["first_failing_node"]["node"] == "conv3"
+    assert first["impact"]["harmful"] is True
+    assert s["first_failing_node"]["node"] == "conv2"
+
+
+def test_a_swap_the_pooling_averages_away_is_benign(services, tmp_path):
+    """conv3's output swapped, then globally pooled: the outputs do not
+    change, so the swap is listed as benign, not as the answer."""
+    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=_transposed("conv3"))
+    assert s["first_computation_error"] is None
+    benign = {b["node"]: b for b in s["benign_computation_errors"]}
+    assert benign["conv3"]["cause"] == "layout" and benign["conv3"]["impact"]["harmful"] is False
+    assert s["diagnosis"]["headline"].startswith("No node's own error changes the outputs")
 
 
 def test_activation_saturating_in_fp16(services, tmp_path):
@@ -184,9 +198,10 @@ def test_show_graph_plots_and_the_page_reach_the_client(services, tmp_path):
 def test_the_page_of_a_real_job_in_headless_chromium(services, tmp_path):
     from test_report_html import chromium
 
-    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=_transposed_conv3())
+    s, out = _go(services, tmp_path, small_cnn(), CNN_INPUT, device_model=_transposed("conv2"))
     res = chromium(tmp_path, "--dump-dom", (out / "report.html").as_uri())
     dom = res.stdout
-    assert "Computation error at conv3" in dom and "cause: layout" in dom
+    assert "Computation error at conv2" in dom and "cause: layout" in dom
+    assert 'class="mark harmful"' in dom
     assert dom.count('<tr id="row-') == len(s["nodes"]) == 9
     assert "axes 2 and 3 swapped" in dom

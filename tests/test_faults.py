@@ -281,9 +281,11 @@ def collector_host(tmp_path):
     try:
         h.create()
         log = open(tmp_path / "collector.log", "w")
+        # a trusted test network: plain text, no tokens; dumps only below tmp_path
+        env = dict(os.environ, LAYERDIFF_INSECURE="1", LAYERDIFF_DUMP_ROOTS=str(tmp_path))
         proc = subprocess.Popen(h.in_ns(sys.executable, "-m", "layerdiff.client.cli", "collector", "serve", "--host",
                                         h.peer_ip, "--port", "0", "--workdir", str(tmp_path / "collector-state")),
-                                stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True, env=env)
         m = re.search(r"listening on (\S+)", proc.stdout.readline())
         assert m, f"the collector did not start: {(tmp_path / 'collector.log').read_text()}"
         yield h, m.group(1)
@@ -302,7 +304,8 @@ def test_a_cut_link_to_the_collector_fails_the_job_naming_it(collector_host, tmp
     h, address = collector_host
     model, inputs, _ = cnn_files
     analyzer = ServiceProcess("analyzer", tmp_path / "analyzer",
-                              env=dict(os.environ, LAYERDIFF_COLLECTOR_LIVENESS_S=str(LIVENESS_S)))
+                              env=dict(os.environ, LAYERDIFF_COLLECTOR_LIVENESS_S=str(LIVENESS_S),
+                                       LAYERDIFF_COLLECTOR_ALLOW=address.rpartition(":")[0]))
     records = _device_records(cnn_files)
     dump = tmp_path / "dump"        # the namespace shares this filesystem: the runtime writes, the collector reads
     dump.mkdir()

@@ -12,6 +12,7 @@ Topology (the root namespace is the analyzer's host):
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -66,6 +67,9 @@ def hosts(tmp_path_factory):
         rs = RedisServer(base, host=h.bridge_ip)
         url = rs.url
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+        # the broker is on the bridge: the analyzers, the worker and this test's pings sign their messages
+        env.update(LAYERDIFF_TASK_SECRET=SECRET, LAYERDIFF_INSECURE="1")   # a trusted test network: plain text
+        os.environ["LAYERDIFF_TASK_SECRET"] = SECRET
         env.update(LAYERDIFF_CHUNK_ELEMENTS=CHUNK, LAYERDIFF_FLIGHT_MIN_BYTES=FLIGHT_MIN_BYTES,
                    LAYERDIFF_VISIBILITY_TIMEOUT_S="10", LAYERDIFF_TASK_TIMEOUT_S="10", LAYERDIFF_JOB_DEADLINE_S="120")
         worker_log = open(base / "worker.log", "w")
@@ -76,16 +80,22 @@ def hosts(tmp_path_factory):
         procs.append(collector)
         local = ServiceProcess("analyzer", base / "analyzer-local", env=env)
         procs.append(local)
-        # the default: the endpoint listens on 127.0.0.1, which on the worker's host is the worker itself
-        loopback = ServiceProcess("analyzer", base / "analyzer-loopback", env=dict(env, LAYERDIFF_BROKER_URL=url))
+        # an endpoint advertised at an address of the bridge where nothing listens
+        nowhere = str(ipaddress.ip_address(h.bridge_ip) + 200)
+        loopback = ServiceProcess("analyzer", base / "analyzer-loopback",
+                                  env=dict(env, LAYERDIFF_BROKER_URL=url, LAYERDIFF_TENSOR_HOST="127.0.0.1",
+                                           LAYERDIFF_ADVERTISE_HOST=nowhere))
         procs.append(loopback)
+        # nothing set: the endpoint takes this host's address on the route to the broker
+        derived = ServiceProcess("analyzer", base / "analyzer-derived", env=dict(env, LAYERDIFF_BROKER_URL=url))
+        procs.append(derived)
         bridged = ServiceProcess("analyzer", base / "analyzer-bridged",
                                  env=dict(env, LAYERDIFF_BROKER_URL=url, LAYERDIFF_TENSOR_HOST=h.bridge_ip))
         procs.append(bridged)
         assert wait_for(lambda: _workers_ready(url, 1), 60), \
             f"the worker in {h.ns} did not answer over the bridge: {(base / 'worker.log').read_text()[-2000:]}"
         yield {"hosts": h, "url": url, "collector": collector, "local": local, "loopback": loopback,
-               "bridged": bridged, "base": base}
+               "bridged": bridged, "derived": derived, "base": base, "env": env, "nowhere": nowhere}
     finally:
         for p in procs:
             p.stop()
@@ -95,8 +105,12 @@ def hosts(tmp_path_factory):
             worker_log.close()
         if rs is not None:
             rs.stop()
+        os.environ.pop("LAYERDIFF_TASK_SECRET", None)
         problems = h.delete()
         assert not problems and not h.exists(), f"namespaces left behind: {problems}"
+
+
+SECRET = "worker-hosts-shared-task-secret"
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +133,8 @@ def test_workers_that_cannot_reach_the_tensor_endpoint_fail_the_job(hosts, wide_
             collector=hosts["collector"].address, progress=events.append, timeout=90)
     elapsed = time.monotonic() - started
     msg = str(ei.value)
-    assert "FAILED" in msg and "tensor endpoint at 127.0.0.1:" in msg, msg
-    assert "connection refused" in msg and "LAYERDIFF_TENSOR_HOST" in msg, msg
+    assert "FAILED" in msg and f"tensor endpoint at {hosts['nowhere']}:" in msg, msg
+    assert ("no route to host" in msg or "timed out" in msg) and "LAYERDIFF_TENSOR_HOST" in msg, msg
     assert elapsed < 45, f"the failure took {elapsed:.0f} s"
     assert ei.value.exit_status == 3      # no answer: a component failed, not the user's input
     last = events[-1]
@@ -145,3 +159,22 @@ def test_workers_on_another_host_compare_every_node_through_a_reachable_endpoint
     assert dist.summary["first_failing_node"]["node"] == "conv2"
     assert not (tmp_path / "dist" / "compare_skip.log").exists() or \
         not (tmp_path / "dist" / "compare_skip.log").read_text().strip()
+
+
+def test_an_endpoint_the_workers_cannot_reach_is_refused_at_start(hosts, tmp_path):
+    """Workers on other hosts (the broker is on the bridge) would be sent to
+    the analyzer's own loopback: the analyzer does not start, and says why."""
+    with pytest.raises(RuntimeError):
+        ServiceProcess("analyzer", tmp_path / "analyzer", env=dict(hosts["env"], LAYERDIFF_BROKER_URL=hosts["url"],
+                                                                   LAYERDIFF_TENSOR_HOST="127.0.0.1"))
+    log = (tmp_path / "analyzer" / "service.log").read_text()
+    assert "their own loopback" in log and "LAYERDIFF_TENSOR_HOST" in log and "Traceback" not in log, log
+
+
+def test_the_endpoint_address_is_derived_from_the_route_to_the_broker(hosts, wide_files, tmp_path):
+    model, inputs, device = wide_files
+    local = run(model, inputs, device_model=device, out=tmp_path / "local", analyzer=hosts["local"].address,
+                collector=hosts["collector"].address, diff_cnt=7, progress=False, timeout=90)
+    dist = run(model, inputs, device_model=device, out=tmp_path / "dist", analyzer=hosts["derived"].address,
+               collector=hosts["collector"].address, diff_cnt=7, progress=False, timeout=90)
+    assert dist.summary["counts"] == local.summary["counts"] and dist.summary["counts"]["skipped"] == 0

@@ -85,6 +85,9 @@ class Pairing:
     method: str
     confidence: float
     note: str = ""
+    # the device holds the reference's axes permuted: dev.transpose(perm) has
+    # the reference's shape (a Transpose the converter moved past this node)
+    perm: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Decision:
     method: str = "name"       # one of METHODS
     confidence: float = 1.0    # 0..1
     note: str = ""             # a few words of evidence
+    perm: tuple[int, ...] | None = None   # from the graphs: how the device permuted the axes
 
 
 @dataclass
@@ -104,7 +108,7 @@ class _Cand:
     affixes: tuple = ()        # (("prefix"|"suffix", canonical text), ...) this match dropped
 
 
-def _own_names_first(pairs: dict, unpaired: list[str]) -> dict:
+def _own_names_first(pairs: dict, unpaired: list[str], given_way: dict | None = None) -> dict:
     """Where the graphs pair several device tensors with one reference
     tensor (a device Transpose after the kernel, a device node computing the
     same op on the same inputs before an extra step), the device tensor that
@@ -124,6 +128,9 @@ def _own_names_first(pairs: dict, unpaired: list[str]) -> dict:
         if own or ref in named:
             for d in devs:
                 if normalize(d) != ref:
+                    if given_way is not None:
+                        given_way[d] = (pairs[d].ref_tensor, "another device copy of this reference tensor; the "
+                                                              "one carrying its name is compared")
                     del out[d]
     return out
 
@@ -168,15 +175,22 @@ class Aligner:
     def __init__(self, sites: list[TensorSite], *, map_node_dict: dict[str, str] | None = None,
                  skip_keys: list[str] | None = None, exclude_node_list: list[str] | None = None,
                  pairs: dict | None = None, fused: dict[str, str] | None = None,
-                 groups: dict[str, list[str]] | None = None, unpaired: list[str] | None = None) -> None:
+                 groups: dict[str, list[str]] | None = None, unpaired: list[str] | None = None,
+                 folded: dict[str, str] | None = None,
+                 attributed: dict[str, tuple[str, str]] | None = None) -> None:
         """``pairs``, ``fused``, ``groups`` and ``unpaired`` come from the two
         graphs (layerdiff.analyzer.graphalign): device tensor -> Pairing;
         reference tensor computed inside a device fusion -> the device node;
         reference tensor closing a fusion -> the reference nodes it covers;
-        device tensors the graph walk lost (GraphAlignment.lost)."""
+        device tensors the graph walk lost (GraphAlignment.lost); reference
+        tensors the device folded into constants -> why; device tensors that
+        are not compared but stand for a reference tensor (an INT8 view, the
+        device's copy of a weight, a second copy) -> (reference tensor, why)."""
         self.sites = sites
-        pairs = _own_names_first(pairs or {}, unpaired or [])
+        self.attributed: dict[str, tuple[str, str]] = dict(attributed or {})
+        pairs = _own_names_first(pairs or {}, unpaired or [], self.attributed)
         self.fused = dict(fused or {})
+        self.folded = dict(folded or {})
         self.groups = dict(groups or {})
         self.skip_keys = [k for k in (skip_keys or []) if k]
         self._skip_folded = [(k, k.casefold(), canonical(k) or k.casefold()) for k in self.skip_keys]
@@ -318,7 +332,7 @@ class Aligner:
         names = [device_name] + ([d.site.node, d.site.tensor] if d.site else [])
         reason = self._skipped(names)
         if reason:
-            d = Decision(d.site, reason, d.method, d.confidence, d.note)
+            d = Decision(d.site, reason, d.method, d.confidence, d.note, d.perm)
         if device_name not in self._rows and (d.site is not None or d.note):
             self._rows[device_name] = {"reference_tensor": d.site.tensor if d.site else "",
                                        "device_tensor": device_name, "method": d.method,
@@ -343,7 +357,7 @@ class Aligner:
         if p is not None:
             site = self._tensor[p.ref_tensor]
             if site.tensor not in self._map_claims:   # map_node_dict decides it otherwise
-                return Decision(site, "", p.method, p.confidence, p.note)
+                return Decision(site, "", p.method, p.confidence, p.note, p.perm)
         site = self._by_key.get(keys[0])
         if site is not None and tensor and site.tensor in self._pair_claims:
             # the graphs pair that reference tensor with another device tensor

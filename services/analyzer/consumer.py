@@ -85,7 +85,9 @@ class StreamConsumer:
 
     def __init__(self, prepared, executor, references: Callable[[], object], report: JobReport,
                  report_dir: Path, progress: Callable[[int, str, bool], None] | None = None,
-                 dump_mode: str = "output") -> None:
+                 dump_mode: str = "output", injected=None) -> None:
+        """``injected``: where the examiner keeps the device values of nodes
+        with an error of their own (layerdiff.analyzer.impact)."""
         self.p = prepared
         self.executor = executor
         self._references = references
@@ -95,7 +97,7 @@ class StreamConsumer:
         self.progress = progress or (lambda done, node, passed: None)
         self.examiner = NodeExaminer(prepared.reference, prepared.feeds, prepared.quantized,
                                      given_ranges=prepared.given_ranges, dump_mode=dump_mode,
-                                     groups=prepared.aligner.groups)
+                                     groups=prepared.aligner.groups, injected=injected)
         self.limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()
@@ -141,16 +143,21 @@ class StreamConsumer:
         if site is None and rec.status == STATUS_OK and rec.array is not None and self._by_value():
             self._take_by_value(rec)
             return
+        attributed = self.p.aligner.attributed.get(rec.name)
+        if site is None and attributed is not None and rec.status == STATUS_OK:
+            rep.attributed.append((rec.name, *attributed))   # an INT8 view, a weight copy: not compared
+            return
         if site is None:
             rep.invalid_out.append((rec.name, rec.message if rec.status != STATUS_OK
                                     else "not found in the reference model"))
             rep.log_splice_failure(rec)
             return
-        self._take_site(rec, site, decision.skip_reason)
+        self._take_site(rec, site, decision.skip_reason, decision.perm, "the axes the graphs say the device moved")
 
-    def _take_site(self, rec: NodeRecord, site: TensorSite, skip_reason: str, perm: tuple | None = None) -> None:
-        """A device output paired with its reference tensor (by name or by
-        value; ``perm``: the layout the values chose)."""
+    def _take_site(self, rec: NodeRecord, site: TensorSite, skip_reason: str, perm: tuple | None = None,
+                   perm_why: str = "") -> None:
+        """A device output paired with its reference tensor (by name, graph
+        or value; ``perm``: the layout the graphs or the values chose)."""
         rep = self.rep
         if site.tensor in self.seen:
             rep.skipped.append((rec.name, f"duplicate device tensor for {site.tensor!r}"))
@@ -168,7 +175,8 @@ class StreamConsumer:
             self._refuse(site.tensor, site.tensor, "the reference run produced no value")
             return
         self.examiner.note_range(site.tensor, ref)
-        self._aligned(site, rec, ref, lambda dev: self.examiner.keep_output(site.tensor, dev, rec.lease), perm)
+        self._aligned(site, rec, ref, lambda dev: self.examiner.keep_output(site.tensor, dev, rec.lease), perm,
+                      perm_why)
 
     # ---------------------------------------------------------- by value
 
@@ -213,7 +221,8 @@ class StreamConsumer:
             site = self._site_of[v.tensor]
             self.rep.value_pairs.append({"reference_tensor": v.tensor, "device_tensor": rec.name,
                                          "method": "value", "confidence": v.confidence, "note": v.note})
-            self._take_site(rec, site, self.p.aligner.skip_reason_for(site), v.perm)
+            self._take_site(rec, site, self.p.aligner.skip_reason_for(site), v.perm,
+                            "the layout the values fit: the shape fits several")
         elif v.kind == "unmatched":
             self.rep.invalid_out.append((rec.name, f"not found in the reference model; {v.note}"))
             self.rep.log_splice_failure(rec)
@@ -227,20 +236,20 @@ class StreamConsumer:
     # ------------------------------------------------------------- layout
 
     def _aligned(self, site: TensorSite, rec: NodeRecord, ref: np.ndarray, keep: Callable,
-                 perm: tuple | None = None) -> None:
+                 perm: tuple | None = None, perm_why: str = "") -> None:
         """Compare the device tensor in the reference's layout: the one its
         shape tells, the dump's dominant one where it does not (held until
-        the vote decides), or ``perm`` (chosen by the values)."""
+        the vote decides), or ``perm`` (chosen by the graphs or the values,
+        where it fits the shapes)."""
         dev = rec.array
         ndim = dev.ndim
         was = self.layout.decided(ndim)
         self.layout.note(ref.shape, dev.shape)
         p, note, undecided = L.resolve(ref.shape, dev.shape, self.layout)
-        if perm is not None:
+        if perm is not None and L.fits(tuple(perm), dev.shape, ref.shape):
             if tuple(perm) != p:
                 p = tuple(perm)
-                note = L.note_for(p, ref.shape) + (" (the layout the values fit: the shape fits several)"
-                                                   if p != L.identity(ndim) else "")
+                note = L.note_for(p, ref.shape) + (f" ({perm_why})" if p != L.identity(ndim) else "")
             undecided = False
         if undecided:
             lease = rec.lease.retain() if rec.lease is not None else None
@@ -390,7 +399,7 @@ class StreamConsumer:
             self.examiner.settle(item.key)
             passed = True
         else:
-            row = Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow,
+            row = Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow, device_dtype=dev.dtype.name,
                       constants_read=p.reference.constants_read(site.node),
                       reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
                                   if t and t not in p.feeds))   # model inputs are exact on both sides
@@ -445,6 +454,8 @@ class StreamConsumer:
                 rep.skipped.append((s.tensor, reason))
             elif s.tensor in fused:
                 rep.fused.append((s, fused[s.tensor]))
+            elif s.tensor in self.p.aligner.folded:
+                rep.folded.append((s, self.p.aligner.folded[s.tensor]))
             else:
                 rep.not_dumped.append(s)
 

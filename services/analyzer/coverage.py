@@ -57,9 +57,12 @@ def assess(rep, sites: list, aligner, *, min_coverage: float | None = None, sour
     floor = MIN_COVERAGE_DEFAULT if min_coverage is None else float(min_coverage)
     computed = [s for s in sites if not s.is_constant]
     fused = {s.tensor for s, _ in getattr(rep, "fused", [])}
+    folded = {s.tensor for s, _ in getattr(rep, "folded", [])}
     # a tensor computed inside a device fusion cannot be dumped: the fusion's
-    # output stands for it, so it is not expected
-    expected = [s for s in computed if s.tensor not in rep.user_skipped and s.tensor not in fused]
+    # output stands for it, so it is not expected; nor is one the device
+    # folded into a constant
+    expected = [s for s in computed if s.tensor not in rep.user_skipped and s.tensor not in fused
+                and s.tensor not in folded]
     compared_tensors = {r.site.tensor for r in rep.rows}
     compared = sum(1 for s in expected if s.tensor in compared_tensors)
     ratio = compared / len(expected) if expected else math.nan
@@ -70,6 +73,7 @@ def assess(rep, sites: list, aligner, *, min_coverage: float | None = None, sour
         "computed_tensors": len(computed),
         "skipped_by_options": sum(1 for s in computed if s.tensor in rep.user_skipped),
         "fused": len(fused),
+        "folded": len(folded),
         "expected": len(expected),
         "compared": compared,
         "ratio": None if math.isnan(ratio) else round(ratio, 6),
@@ -78,6 +82,7 @@ def assess(rep, sites: list, aligner, *, min_coverage: float | None = None, sour
         "device_tensors": len(rep.device_names),
         "device_unreadable": len(rep.device_errors),
         "device_unmatched": len(unmatched),
+        "device_attributed": len(getattr(rep, "attributed", [])),
         "unmatched_examples": [{"device": d, "closest": aligner.closest(d)} for d in unmatched[:_EXAMPLES]],
         "map_node_dict_unused": [{"reference": r, "device": d} for r, d in aligner.unused_map_entries()],
         "exclude_node_list_unknown": list(aligner.unknown_excludes),
@@ -87,8 +92,12 @@ def assess(rep, sites: list, aligner, *, min_coverage: float | None = None, sour
     # the sentence every view of the job shows (terminal, report.html)
     out["text"] = (f"{compared} of {len(expected)} reference tensors compared ({_pct(ratio)}); "
                    + (f"{len(fused)} more computed inside fused device nodes; " if fused else "")
+                   + (f"{len(folded)} folded into constants by the device; " if folded else "")
                    + f"{out['device_tensors']} device tensors, {out['device_unmatched']} matching no reference "
-                   f"tensor, {out['device_unreadable']} unreadable")
+                   f"tensor, "
+                   + (f"{out['device_attributed']} standing for a reference tensor without a comparison (INT8 "
+                      "views, weight and input copies), " if out["device_attributed"] else "")
+                   + f"{out['device_unreadable']} unreadable")
     if not adequate:
         out["cause"] = _cause(rep, out, aligner, source, dump_path, len(expected))
     return out

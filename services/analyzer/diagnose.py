@@ -16,9 +16,16 @@ concentrated on part of an axis; every input within tolerance while the
 output is not.
 
 NaN and Inf get their own reasoning: NaN on both sides is a model or input
-problem (named where the reference first has it); NaN/Inf on the device only
-is an FP16 overflow, named at the first node whose reference leaves the FP16
-range (|x| > 65504).
+problem (named where the reference first has it). On the device only, NaN
+from finite inputs is an *invalid operation* (sqrt or log of a negative,
+0/0, a negative epsilon); Inf is an *overflow*, and where the device computes
+in FP16 it is named at the first node whose reference leaves the FP16 range
+(|x| > 65504). FP16 range is never mentioned for a device that does not
+compute in FP16.
+
+A computation error is not yet the answer: its effect on the model's
+outputs is measured (layerdiff.analyzer.impact), and the first *harmful*
+one heads the report; the ones the outputs absorb are listed as benign.
 """
 from __future__ import annotations
 
@@ -33,10 +40,26 @@ from layerdiff.analyzer import metrics as M
 
 COMPUTATION = "computation error"
 ACCUMULATED = "accumulated precision error"
+# what the node read was not compared (not dumped, skipped, excluded) and it
+# could not be re-run alone: nothing tells its own error from an inherited one
+UNDECIDED = "no verdict"
 FP16_MAX = 65504.0
 # Advice for fixed-point builds (the vendor's rules of thumb).
 QUANT_RANGE_LIMIT = 30.0
 QUANT_RMSE_LIMIT = 0.5
+# Quantized builds: an error with an SQNR of 30 dB or more is what INT8
+# rounding gives (8 bits: ~6 dB a bit, less the headroom calibration leaves);
+# a gross error still at 10 dB or more is quantization noise too coarse for
+# the answer; below that, something computes wrongly.
+INT8_SQNR_DB = 30.0
+QUANT_LOSS_SQNR_DB = 10.0
+# a weight whose INT8 copy keeps an SQNR of 15 dB or more is the reference's
+# weight rounded (per-tensor INT8 of a weight with outliers gives ~18 dB);
+# a wrong weight (scaled, another tensor) is far below
+WEIGHT_ROUNDING_SQNR_DB = 15.0
+# a quantized Conv/Gemm/MatMul whose own error's RMSE is within this many
+# times the RMSE its INT8 rounding is expected to give (NodeExaminer._int8_bound)
+INT8_BOUND_FACTOR = 2.0
 QUANT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "QLinearConv", "ConvInteger"})
 
 
@@ -279,6 +302,13 @@ class Finding:
     verdict: str = ""
     cause: str = ""
     evidence: list[str] = field(default_factory=list)
+    impact: object = None      # impact.Impact of a computation error on the model's outputs
+    hand_over: list = field(default_factory=list)   # cause quantization: the nodes its INT8 output feeds
+
+    @property
+    def benign(self) -> bool:
+        """A computation error whose effect the outputs are shown to absorb."""
+        return self.verdict == COMPUTATION and self.impact is not None and self.impact.harmful is False
 
 
 def _f(v) -> str:
@@ -290,11 +320,15 @@ def _mean_rel(m: M.NodeMetrics) -> float:
     return m.mean_rel_err if m.finite_pairs and math.isfinite(m.mean_rel_err) else 0.0
 
 
-def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) -> dict[int, Finding]:
+def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
+           weight_issues: dict[str, list[str]] | None = None) -> dict[int, Finding]:
     """Findings for the failing output rows (by id(row)); ``producer_rows``
     maps a node to the rows of the tensors it reads (its input rows where
     the dump had them, else its producers' output rows). A quantized build
-    loses more in each layer by design, so its bar for "gross" is lower."""
+    loses more in each layer by design, so its bar for "gross" is lower.
+    ``weight_issues``: node -> the weights the device model holds wrongly
+    (weights.issues), which make a computation error's cause "weight"."""
+    weight_issues = weight_issues or {}
     cos_floor = 0.99 if quantized else 0.999
     out: dict[int, Finding] = {}
     for row in rows:
@@ -307,30 +341,80 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) 
         weights = [r for r in ins if r.site.tensor in row.constants_read or (not r.is_input and r.is_constant)]
         activations = [r for r in ins if r not in weights]
         in_metrics = [r.outcome.metrics for r in activations]
-        bad_weights = [r for r in weights if r.failed]
+        # in a quantized build a weight that differs by INT8-like noise is the
+        # reference's weight rounded, not a wrong one
+        rounded_weights = [r for r in weights if r.failed and quantized
+                           and r.outcome.metrics.sqnr_db >= WEIGHT_ROUNDING_SQNR_DB]
+        bad_weights = [r for r in weights if r.failed and r not in rounded_weights]
         dev_bad = m.dev_nan + m.dev_inf
         ref_bad = m.ref_nan + m.ref_inf
         inputs_bad = any(x.dev_nan + x.dev_inf > 0 for x in in_metrics)
+        fp16 = row.device_dtype == "float16"      # FP16 range talk only where the device computes in FP16
         if dev_bad and not ref_bad and not inputs_bad:
-            f.verdict, f.cause = COMPUTATION, "overflow"
-            f.evidence.append(f"{dev_bad} Inf/NaN values appear on the device here while every input it read was "
-                              "finite and the reference has none")
-            if m.fp16_overflow:
-                f.evidence.append(f"{m.fp16_overflow} reference values here lie beyond the FP16 range (65504)")
+            f.verdict = COMPUTATION
+            read = _inputs_read(row, activations)
+            if m.dev_inf:
+                f.cause = "overflow"
+                f.evidence.append(f"{m.dev_inf} Inf" + (f" and {m.dev_nan} NaN" if m.dev_nan else "")
+                                  + f" values appear on the device here from {read}, while the reference is finite")
+                if fp16 and m.fp16_overflow:
+                    f.evidence.append(f"{m.fp16_overflow} reference values here lie beyond the FP16 range (65504) "
+                                      "the device computes in")
+            else:
+                f.cause = "invalid operation"
+                f.evidence.append(f"{m.dev_nan} NaN values appear on the device here from {read}, while the "
+                                  "reference is finite: an invalid operation (the square root or logarithm of a "
+                                  "negative number, 0/0, Inf - Inf, a negative epsilon), not an overflow")
+        elif row.inherited and weight_issues.get(row.site.node):
+            # what it read explains the size of its error, but its weights are
+            # known to differ: it computes something else (impact says if it matters)
+            f.verdict = COMPUTATION
+            f.evidence.append(f"{row.inherited}; but it computes with other weights than the reference")
         elif row.inherited:
             f.verdict = ACCUMULATED
             f.evidence.append(row.inherited)
+        elif row.isolated is not None and quantized and row.quant_step and \
+                row.quant_step / 2 > _core(row).ref_rms > 0:
+            # the INT8 hand-over itself: a step coarser than the values it carries
+            core = _core(row)
+            f.verdict, f.cause = COMPUTATION, "quantization"
+            f.evidence.append(f"its output reaches the next node in INT8 on a grid of {row.quant_levels} levels "
+                              f"{_f(row.quant_step)} apart (read from the device values), coarser than the values "
+                              f"it carries (RMS {_f(core.ref_rms)}{_core_words(row)}): the quantization scale "
+                              f"destroys them (re-run alone: cosine {_f(core.cosine)}, largest difference "
+                              f"{_f(core.max_abs_diff)}); the node reading it gets the wrong input")
         elif row.isolated is not None:
-            iso = row.isolated
+            iso = _core(row)
             own = iso.errors / iso.total if iso.total else 0.0
             full = m.errors / m.total if m.total else 0.0
             # A wrong computation changes the result grossly: the cosine
             # drops, or some elements are off by the size of the values
             # themselves. Rounding in the node's own reduced precision (FP16,
-            # a quantized layer) does neither: that is precision loss.
+            # a quantized layer) does neither: that is precision loss. Mask-
+            # like values (-3.4e38) are left out: they would hide the rest.
+            scale = iso.ref_rms if row.isolated_core is not None else m.ref_rms
             gross = (not math.isnan(iso.cosine) and iso.cosine < cos_floor) or (
-                own >= 0.01 and own > 0.5 * full and iso.max_abs_diff > 0.5 * (m.ref_rms if m.ref_rms > 0 else 1.0))
-            if not gross:
+                own >= 0.01 and own > 0.5 * full and iso.max_abs_diff > 0.5 * (scale if scale > 0 else 1.0))
+            rounding = quantized and row.quant_step and iso.max_abs_diff <= row.quant_step
+            int8_noise = quantized and not math.isnan(iso.sqnr_db) and iso.sqnr_db >= INT8_SQNR_DB
+            bound = row.int8_bound if quantized else None
+            if gross and bound is not None and not rounding and iso.rmse <= INT8_BOUND_FACTOR * bound[0]:
+                f.verdict = ACCUMULATED
+                f.evidence.append(f"re-run alone on its device inputs, its own error (RMSE {_f(iso.rmse)}) is within "
+                                  f"{INT8_BOUND_FACTOR:g} times {bound[1]} (the bound used); precision, not a "
+                                  "kernel bug")
+            elif gross and int8_noise and not rounding:
+                f.verdict = ACCUMULATED
+                f.evidence.append(f"re-run alone on its device inputs, its own error has an SQNR of "
+                                  f"{_f(iso.sqnr_db)} dB (cosine {_f(iso.cosine)}), within what INT8 rounding gives "
+                                  f"(>= {INT8_SQNR_DB:g} dB, the bound used); precision, not a kernel bug")
+            elif gross and rounding:
+                f.verdict = ACCUMULATED
+                f.evidence.append(f"re-run alone on its device inputs, its own error (largest difference "
+                                  f"{_f(iso.max_abs_diff)}, cosine {_f(iso.cosine)}) stays within the INT8 rounding "
+                                  f"of its output: one quantization step, {_f(row.quant_step)} (the bound used, read "
+                                  f"from the device values: {row.quant_levels} levels); precision, not a kernel bug")
+            elif not gross:
                 f.verdict = ACCUMULATED
                 if own > 0.5 * full:
                     f.evidence.append(f"re-run alone on its device inputs, {iso.errors} of its {m.errors} errors "
@@ -345,10 +429,11 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) 
                 f.verdict = COMPUTATION
                 f.evidence.append(f"re-run alone on its device inputs, the reference still disagrees with the "
                                   f"device: {iso.errors}/{iso.total} outside tolerance, cosine {_f(iso.cosine)}, "
-                                  f"mean relative error {_f(iso.mean_rel_err)}")
-        elif not activations and any(t not in row.constants_read for t in row.reads):
-            f.verdict = ACCUMULATED
-            f.evidence.append("what it read was not dumped by the device, so nothing shows an error of its own")
+                                  f"mean relative error {_f(iso.mean_rel_err)}{_core_words(row)}")
+        elif unseen := _unseen_reads(row, activations):
+            f.verdict = UNDECIDED
+            f.evidence.append(f"what it read was not compared ({unseen}: not dumped, skipped or excluded), so "
+                              "nothing tells an error of its own from an inherited one")
             if row.isolation_note:
                 f.evidence.append(f"no isolated re-run: {row.isolation_note}")
         else:
@@ -376,6 +461,13 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) 
         if row.layout:
             f.cause = f.cause or "layout"
             f.evidence.append(row.layout)
+        if f.verdict == COMPUTATION and weight_issues.get(row.site.node):
+            issues = weight_issues[row.site.node]
+            # a differing attribute (epsilon, axis) is a parameter, a differing tensor a weight
+            params = all("(attribute)" in text for text in issues)
+            f.cause = f.cause or ("parameter" if params else "weight")
+            f.evidence.append(f"the device model's {'parameters' if params else 'weights'} differ from the "
+                              "reference's: " + "; ".join(issues))
         if row.uneven:
             f.evidence.append(row.uneven)
         if bad_weights and f.verdict == COMPUTATION:
@@ -384,14 +476,104 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False) 
                 f"{r.site.tensor} ({r.outcome.metrics.errors}/{r.outcome.metrics.total} outside tolerance"
                 + (f", {r.outcome.metrics.fp16_overflow} beyond the FP16 range" if r.outcome.metrics.fp16_overflow
                    else "") + ")" for r in bad_weights))
+        if f.verdict == COMPUTATION and not f.cause and quantized and (rounded_weights or (
+                row.isolated is not None and _core(row).sqnr_db >= QUANT_LOSS_SQNR_DB)):
+            # its weights are the reference's up to rounding, and its own
+            # error is quantization noise, only more than the answer tolerates
+            f.cause = "quantization"
+            if rounded_weights:
+                f.evidence.append("its weights are the reference's rounded to INT8 (" + ", ".join(
+                    f"{r.site.tensor}: SQNR {_f(r.outcome.metrics.sqnr_db)} dB" for r in rounded_weights)
+                    + "), and that rounding alone changes its output beyond tolerance: quantize them per channel "
+                      "or run this node in INT16")
+            else:
+                f.evidence.append(f"its own error is quantization noise (SQNR {_f(_core(row).sqnr_db)} dB re-run "
+                                  f"alone, >= {QUANT_LOSS_SQNR_DB:g}), more than the answer tolerates: run it in "
+                                  "INT16")
         if f.verdict == COMPUTATION and not f.cause:
-            f.cause = "range" if m.fp16_overflow else "kernel"
-        if m.fp16_overflow and "range" not in f.cause and f.cause != "overflow":
-            f.evidence.append(f"{m.fp16_overflow} reference values lie beyond the FP16 range (65504)")
+            f.cause = "range" if fp16 and m.fp16_overflow else "kernel"
+        if fp16 and m.fp16_overflow and "range" not in f.cause and f.cause != "overflow":
+            f.evidence.append(f"{m.fp16_overflow} reference values lie beyond the FP16 range (65504) the device "
+                              "computes in")
         if row.overflow:
             f.evidence.append(f"the device flagged an overflow here: {row.overflow}")
         out[id(row)] = f
     return out
+
+
+def _core(row):
+    """The isolated metrics to judge by: without the mask-like values where
+    the reference has some (they dominate cosine and RMS), else all."""
+    return row.isolated_core if row.isolated_core is not None else row.isolated
+
+
+def _core_words(row) -> str:
+    return f"; {row.core_note}" if row.isolated_core is not None and row.core_note else ""
+
+
+def core_mask(ref: np.ndarray) -> tuple[np.ndarray | None, float]:
+    """The elements that are not mask-like sentinels (|x| above 1000 times
+    the median magnitude: the -3.4e38 or -1e4 of an additive attention mask),
+    and the threshold; (None, nan) where there are none."""
+    a = np.abs(np.asarray(ref, np.float64)).ravel()
+    finite = a[np.isfinite(a)]
+    if not finite.size:
+        return None, math.nan
+    med = float(np.median(finite))
+    if med <= 0:
+        return None, math.nan
+    thr = 1e3 * med
+    keep = np.isfinite(a) & (a <= thr)
+    if keep.all() or not keep.any():
+        return None, math.nan
+    return keep, thr
+
+
+def quant_grid(dev: np.ndarray, max_levels: int = 256) -> tuple[float, int] | None:
+    """(step, levels) where the device values lie on a grid of at most
+    ``max_levels`` values (a dequantized INT8 tensor); None otherwise."""
+    a = np.asarray(dev).ravel()
+    if a.size > 1 << 22:
+        a = a[:: a.size // (1 << 22) + 1]
+    a = a[np.isfinite(a)]
+    if a.size < 2:
+        return None
+    u = np.unique(a)
+    if len(u) > max_levels or len(u) < 2:
+        return None
+    steps = np.diff(u.astype(np.float64))
+    step = float(steps.min())
+    # every gap a whole number of steps: one scale, not just few values
+    if step <= 0 or not np.allclose(steps / step, np.round(steps / step), atol=1e-3):
+        return None
+    return step, int(len(u))
+
+
+def _unseen_reads(row, activations: list) -> str:
+    """The tensors the node reads from other nodes that have no comparison
+    ('' when every one has): named where they can be, else counted."""
+    reads = [t for t in row.reads if t not in row.constants_read]
+    if len(activations) >= len(reads):
+        return ""
+    seen = {r.site.tensor for r in activations if not r.is_input}
+    names = [t for t in reads if t not in seen]
+    if len(names) == len(reads) - len(activations):
+        return ", ".join(repr(t) for t in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{len(reads) - len(activations)} of its inputs"
+
+
+def _inputs_read(row, activations: list) -> str:
+    """What the node read, as far as the data show it: a claim of finite
+    inputs only for the inputs that were compared."""
+    reads = [t for t in row.reads if t not in row.constants_read]
+    if not reads:
+        return "its weights alone"
+    if len(activations) >= len(reads):
+        return "inputs that were all finite"
+    if not activations:
+        return f"inputs the device did not send ({len(reads)}), so nothing shows whether they were finite"
+    return (f"inputs of which the {len(activations)} compared were finite ({len(reads) - len(activations)} not "
+            "sent by the device)")
 
 
 def nan_and_overflow(rows: list) -> dict:
@@ -415,9 +597,18 @@ def nan_and_overflow(rows: list) -> dict:
     first_bad_device = next((r for r in rows if not r.is_input and
                              (r.outcome.metrics.dev_nan or r.outcome.metrics.dev_inf) and
                              not (r.outcome.metrics.ref_nan or r.outcome.metrics.ref_inf)), None)
-    if first_bad_device is not None:
-        beyond = next((r for r in rows if not r.is_input and not r.is_constant and r.outcome.metrics.fp16_overflow
-                       and r.site.order <= first_bad_device.site.order), None)
+    if first_bad_device is not None and not first_bad_device.outcome.metrics.dev_inf and not any(
+            r.outcome.metrics.dev_inf for r in rows if not r.is_input
+            and r.site.order <= first_bad_device.site.order):
+        overflow = None    # NaN from finite values: an invalid operation, said in "nan"
+        if nan is not None and nan["where"] == "device" and nan["node"] == first_bad_device.site.node:
+            nan["text"] = (f"NaN first appears at {first_bad_device.site.node} on the device only, from finite values: "
+                           "an invalid operation (the square root or logarithm of a negative number, 0/0, a "
+                           "negative epsilon), not an overflow")
+    elif first_bad_device is not None:
+        fp16 = any(r.device_dtype == "float16" for r in rows)      # the device computes in FP16
+        beyond = next((r for r in rows if fp16 and not r.is_input and not r.is_constant
+                       and r.outcome.metrics.fp16_overflow and r.site.order <= first_bad_device.site.order), None)
         culprit = beyond or first_bad_device
         overflow = {"node": culprit.site.node,
                     "text": (f"FP16 overflow: {culprit.site.node} is the first node whose reference exceeds 65504 "
@@ -425,7 +616,11 @@ def nan_and_overflow(rows: list) -> dict:
                              f"{first_bad_device.site.node} on") if beyond else
                             (f"Inf/NaN on the device only, from {first_bad_device.site.node} on; no reference value "
                              "exceeds 65504 before it (a division by a tiny number, or an intermediate value "
-                             "inside the kernel)")}
+                             "inside the kernel)") if fp16 else
+                            (f"Inf/NaN on the device only, from {first_bad_device.site.node} on, while the reference "
+                             "is finite (the device computes in "
+                             f"{first_bad_device.device_dtype or 'its own precision'}: a value beyond that range, or "
+                             "a division by a tiny number)")}
     return {"nan": nan, "overflow": overflow}
 
 
@@ -433,12 +628,16 @@ def quantization_advice(sites: list, node_inputs: dict[str, list[str]], rows: li
                         input_ranges: dict[str, tuple[float, float]], quantized: bool) -> list[dict]:
     """For fixed-point builds: for every quantized op of the reference graph,
     the range of its input (reference values, or a tensor_min_max file) and
-    the RMSE of its output, with the vendor's advice (range > 30 or RMSE
+    the RMSE of its *own* error (re-run alone on its device inputs; what it
+    inherited does not count), with the vendor's advice (range > 30 or RMSE
     > 0.5: run that op's input in INT16). Ops the device fused away are
     listed too; their RMSE is then unknown."""
     if not quantized:
         return []
-    rmse_of = {r.site.node: r.outcome.metrics.rmse for r in rows if not r.is_input and r.site.output_index == 0}
+    rmse_of = {r.site.node: _own_rmse(r) for r in rows if not r.is_input and r.site.output_index == 0}
+    # the quantization error of its output as onnxruntime's qdq_loss_debug
+    # gives it: 10 log10(|ref|^2 / |ref - device|^2)
+    sqnr_of = {r.site.node: r.outcome.metrics.sqnr_db for r in rows if not r.is_input and r.site.output_index == 0}
     out, seen = [], set()
     for site in sites:
         if site.op_type not in QUANT_OPS or site.node in seen:
@@ -454,24 +653,47 @@ def quantization_advice(sites: list, node_inputs: dict[str, list[str]], rows: li
         if rmse > QUANT_RMSE_LIMIT:
             reasons.append(f"RMSE {rmse:.3g} > {QUANT_RMSE_LIMIT:g}")
         out.append({"node": site.node, "input": first, "min": _num(lo), "max": _num(hi), "range": _num(rng),
-                    "rmse": _num(rmse),
+                    "rmse": _num(rmse), "sqnr_db": _num(sqnr_of.get(site.node, math.nan)),
                     "advice": ("run this node's input in INT16 (" + "; ".join(reasons) + ")") if reasons else ""})
     return out
+
+
+def _own_rmse(row) -> float:
+    """The RMSE of the node's own error: its isolated re-run where there is
+    one; nothing where its error is plainly inherited; else (it passes) its
+    output's."""
+    if row.isolated is not None:
+        return _core(row).rmse
+    if row.inherited:
+        return math.nan
+    return row.outcome.metrics.rmse
 
 
 def _num(v: float):
     return None if v is None or not math.isfinite(v) else float(v)
 
 
-def headline(first_comp, first_fail, diagnosis: dict) -> str:
+def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None) -> str:
+    """The sentence the job answers with: the first computation error that
+    changes the outputs (``first_comp``); computation errors the outputs
+    absorb (``benign``) are named after it, never as the answer."""
+    benign = benign or []
+    absorbed = (f"{len(benign)} computation error{'s' if len(benign) > 1 else ''} the outputs absorb (first at "
+                f"{benign[0].site.node})") if benign else ""
     if first_comp is not None:
         text = (f"Computation error at {first_comp.site.node} ({first_comp.site.op_type}, execution "
                 f"#{first_comp.site.order})")
         if first_comp.finding.cause:
             text += f", cause: {first_comp.finding.cause}"
-        return text
+        if first_comp.finding.hand_over:
+            text += f" (its INT8 hand-over to {', '.join(first_comp.finding.hand_over)})"
+        return text + (f"; besides, {absorbed}" if absorbed else "")
     if diagnosis.get("nan") and diagnosis["nan"]["where"] in ("both", "reference"):
         return diagnosis["nan"]["text"]
+    if absorbed:
+        rest = (f"; the outputs' error builds up from {first_fail.site.node} on" if first_fail is not None
+                and first_fail.site.node != benign[0].site.node else "")
+        return f"No node's own error changes the outputs: {absorbed}{rest}"
     if first_fail is not None:
         return (f"Accumulated precision error: no node computes wrongly on its own; the error builds up from "
                 f"{first_fail.site.node} on")
@@ -508,11 +730,15 @@ class NodeExaminer:
     def __init__(self, reference, feeds: dict[str, np.ndarray], quantized: bool,
                  cap_bytes: int = 1 << 30, given_ranges: dict[str, tuple[float, float]] | None = None,
                  dump_mode: str = "output", wait_cap_bytes: int = 512 << 20,
-                 groups: dict[str, list[str]] | None = None) -> None:
+                 groups: dict[str, list[str]] | None = None, injected=None) -> None:
         """``groups``: reference tensor -> the reference nodes a fused device
         node computes as one kernel (graph alignment); such a tensor's node
-        is examined, and re-run alone, as that group."""
+        is examined, and re-run alone, as that group. ``injected``
+        (impact.InjectedValues): keeps the device value of every examined
+        node whose error is not plainly inherited, for the impact re-runs."""
         self.reference = reference
+        self.injected = injected
+        self._constant_nodes: dict | None = None
         self.groups = dict(groups or {})
         self.feeds = feeds
         self.quantized = quantized
@@ -683,8 +909,61 @@ class NodeExaminer:
         cos = 1.0 if math.isnan(m.cosine) else m.cosine
         if 1 - cos > 2 * (1 - worst_cos) + 1e-6 or ratio > 2 * worst_ratio + 1e-3:
             return ""
+        # a scale error leaves the cosine alone: the relative distance shows it
+        worst_dist = max((x.rel_euclidean for x in read if math.isfinite(x.rel_euclidean)), default=0.0)
+        if math.isfinite(m.rel_euclidean) and m.rel_euclidean > 2 * worst_dist + 0.05:
+            return ""
         return (f"its error is no larger than what it read (cosine {_f(cos)} against {_f(worst_cos)}, "
                 f"{ratio:.3g} of elements outside tolerance against {worst_ratio:.3g})")
+
+    def _weight(self, tensor: str) -> np.ndarray | None:
+        """A weight of the reference: an initializer or a Constant node's value."""
+        w = self.reference.constant(tensor) if hasattr(self.reference, "constant") else None
+        if w is not None or not hasattr(self.reference, "model"):
+            return w
+        if self._constant_nodes is None:
+            self._constant_nodes = {n.output[0]: n for n in self.reference.model.graph.node
+                                    if n.op_type == "Constant" and n.output and n.attribute}
+        n = self._constant_nodes.get(tensor)
+        if n is None or n.attribute[0].name != "value":
+            return None
+        from onnx import numpy_helper
+
+        return numpy_helper.to_array(n.attribute[0].t)
+
+    def _int8_bound(self, site) -> tuple[float, str] | None:
+        """The RMSE a Conv/Gemm/MatMul's own INT8 rounding is expected to give:
+        sqrt(K) * sqrt((s_w^2/12) rms_x^2 + (s_x^2/12) rms_w^2), with K the
+        reduction length (from the weight's shape), s_w = max|w|/127 the
+        weight step of symmetric INT8 (per channel is finer), s_x the input's
+        step over its calibrated range (255 steps), rms_x and rms_w the
+        reference's. None where something of it is unknown."""
+        if site.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+            return None
+        ins = self.reference.node_inputs.get(site.node, [])
+        if len(ins) < 2 or ins[0] not in self.input_ranges:
+            return None
+        w = self._weight(ins[1])
+        if w is None or w.ndim < 2 or not w.size:
+            return None
+        w = w.astype(np.float64)
+        if site.op_type.startswith("Conv"):
+            k = int(np.prod(w.shape[1:]))
+        elif site.op_type == "Gemm" and any(a.name == "transB" and a.i for a in
+                                            self.reference.model.graph.node[site.order].attribute):
+            k = w.shape[1]
+        else:
+            k = w.shape[0]
+        lo, hi = self.input_ranges[ins[0]]
+        s_x, s_w = (hi - lo) / 255.0, float(np.max(np.abs(w))) / 127.0
+        xm = self.metrics_of.get(ins[0])
+        rms_x = xm.ref_rms if xm is not None and math.isfinite(xm.ref_rms) else (hi - lo) / (2 * math.sqrt(3))
+        rms_w = float(np.sqrt(np.mean(w * w)))
+        e = math.sqrt(k) * math.sqrt((s_w ** 2 / 12) * rms_x ** 2 + (s_x ** 2 / 12) * rms_w ** 2)
+        if not math.isfinite(e) or e <= 0:
+            return None
+        return e, (f"the RMSE INT8 rounding gives over its reduction of {k} (weight step {_f(s_w)}, input step "
+                   f"{_f(s_x)}): {_f(e)}")
 
     def examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool) -> None:
         """Fill the row's evidence (a failing output row). A node whose error
@@ -704,6 +983,8 @@ class NodeExaminer:
             dev_aligned, _ = reconcile(ref, dev, force_compare)
         except SkipNode:
             return
+        if self.injected is not None and dev_aligned.shape == ref.shape:
+            self.injected.keep(site.tensor, dev_aligned)
         axes = getattr(self.reference, "layout", "NCHW")   # TensorFlow references are NHWC
         row.uneven = uneven_axis(ref, dev_aligned, axes if ref.ndim == 4 else "")
         row.layout = layout_match(ref, dev_aligned)
@@ -721,6 +1002,17 @@ class NodeExaminer:
                     run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
                 iso = outs[site.output_index]
             row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
+            keep, thr = core_mask(ref)
+            if keep is not None and iso.shape == dev_aligned.shape:
+                row.isolated_core = compare_node(np.asarray(iso).reshape(-1)[keep],
+                                                 np.asarray(dev_aligned).reshape(-1)[keep], tol, 0).metrics
+                row.core_note = (f"{int((~keep).sum())} mask-like values (|x| > {thr:.3g}) left out, "
+                                 f"{int(keep.sum())} compared")
+            if self.quantized:
+                grid = quant_grid(dev_aligned)
+                if grid is not None:
+                    row.quant_step, row.quant_levels = grid
+                row.int8_bound = self._int8_bound(site)
             if not row.layout:
                 row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
         except (IsolationUnavailable, SkipNode, IndexError, KeyError) as e:

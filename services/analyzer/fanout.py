@@ -43,7 +43,7 @@ from kombu.exceptions import OperationalError
 from layerdiff.analyzer import metrics as M
 from layerdiff.analyzer.celery_app import QUEUE, TASK, make_app
 from layerdiff.analyzer.compare import NodeOutcome, SkipNode, chunk_bounds, merge_chunks, reconcile
-from layerdiff.analyzer.store import FLIGHT_MIN_BYTES, TensorStore, drop_from_endpoint, tensor_endpoint
+from layerdiff.analyzer.store import FLIGHT_MIN_BYTES, TensorStore, drop_from_endpoint, mask_url, tensor_endpoint
 from layerdiff.errors import LayerdiffError, UnavailableError
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class CeleryPool:
                  max_inflight_bytes: int = 512 * 1024**2, max_attempts: int = MAX_ATTEMPTS,
                  retry_delay_s: float = RETRY_DELAY_S, store_grace_s: float = STORE_GRACE_S,
                  worker_silence_s: float = DEFAULT_WORKER_SILENCE_S) -> None:
-        self.broker_url = broker_url
+        self.broker_url = mask_url(broker_url)     # in messages and logs: never the password
         self.job_id = job_id
         self.max_cores = max_cores or 1
         self.max_in_flight = 4096          # nodes; memory is bounded by bytes below
@@ -195,7 +195,14 @@ class CeleryPool:
             item_id = next(self._ids)
             self._items[item_id] = _Item(node, k, nbytes, item)
             self._inflight_bytes += nbytes
-        item.update(id=item_id, ref=self._put(f"{item_id}:r", ref), dev=self._put(f"{item_id}:d", dev))
+        try:
+            item.update(id=item_id, ref=self._put(f"{item_id}:r", ref), dev=self._put(f"{item_id}:d", dev))
+        except BaseException:
+            with self._cv:      # never left registered and unsent: close() would wait for it
+                self._items.pop(item_id, None)
+                self._inflight_bytes -= nbytes
+                self._cv.notify_all()
+            raise
         with self._cv:
             if self._failure is not None:
                 raise self._failure

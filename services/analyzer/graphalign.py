@@ -130,6 +130,25 @@ class GraphAlignment:
     unmatched: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)       # unmatched device tensor -> why
     layout_only: dict[str, str] = field(default_factory=dict)   # blocked/quantized device tensor -> ref tensor
+    # reference tensor computed from constants or shapes only that no device
+    # node computes (the device folded it into a constant) -> why
+    folded: dict[str, str] = field(default_factory=dict)
+    # the weights of each paired node, side by side (layerdiff.analyzer.weights)
+    weights: list[dict] = field(default_factory=list)
+    input_copies: dict[str, str] = field(default_factory=dict)   # device tensor -> the graph input it copies
+
+    @property
+    def attributed(self) -> dict[str, tuple[str, str]]:
+        """Device tensors not compared that still stand for a reference
+        tensor: INT8 and blocked views (with why), and the device's own copy
+        of each reference weight (a DequantizeLinear output, a cast)."""
+        out = {d: (r, self.reasons.get(d, "")) for d, r in {**self.input_copies, **self.layout_only}.items()}
+        for w in self.weights:
+            d = w.get("device_weight", "")
+            if "attribute" not in w and d and d not in self.pairs:
+                out.setdefault(d, (w["reference_weight"], "the device's copy of this reference weight "
+                                                          "(compared in weights.csv)"))
+        return out
 
     @property
     def lost(self) -> list[str]:
@@ -201,7 +220,20 @@ FAMILIES = {
     "BiasAdd": _Family(frozenset({"Add"}), frozenset({"Add"}), 3, (("Add",),)),
 }
 
+# ops a transpose optimizer moves a Transpose past (see _Aligner.commute)
+COMMUTING = frozenset({"Slice", "Squeeze", "Transpose", "ReorderInput"}) | (ELEMENTWISE - COMMUTATIVE - {"Sub", "Div", "Pow"})
+
 _SEP = re.compile(r"[/.:\\ ]+")
+
+
+def _perm(layout: str) -> tuple[int, ...]:
+    """The axes of a ``perm:`` layout (device axis a = reference axis p[a]); () for none."""
+    return tuple(int(x) for x in layout[5:].split(",")) if layout.startswith("perm:") else ()
+
+
+def _moves_channels_first(perm) -> bool:
+    """Is this Transpose NHWC -> NCHW (0, n-1, 1, ..., n-2)?"""
+    return perm is not None and len(perm) >= 3 and list(perm) == [0, len(perm) - 1, *range(1, len(perm) - 1)]
 
 
 def _norm(name: str) -> str:
@@ -465,15 +497,23 @@ def _weights_relation(dev: np.ndarray | None, ref: np.ndarray | None) -> str:
     scale = float(np.max(np.abs(ref))) or 1.0
     if float(np.max(np.abs(dev - ref))) <= 1e-2 * scale + 1e-7:
         return "equal"
-    if ref.ndim >= 2 and ref[0].size > 1:
-        d, r = dev.reshape(len(dev), -1), ref.reshape(len(ref), -1)
-        nd, nr = np.linalg.norm(d, axis=1), np.linalg.norm(r, axis=1)
-        live = (nd > 0) & (nr > 0)
-        if live.any() and (nd[~live] == nr[~live]).all():
-            cos = np.abs(np.sum(d[live] * r[live], axis=1)) / (nd[live] * nr[live])
-            if float(cos.min()) > 0.999:
-                return "scaled"
+    if scaled_per_channel(dev, ref, 0.999):
+        return "scaled"
     return "different"
+
+
+def scaled_per_channel(dev: np.ndarray, ref: np.ndarray, min_cos: float) -> bool:
+    """Is each output channel (first axis) of ``dev`` a multiple of the
+    reference's (cosine above ``min_cos``), as after BatchNorm folding?"""
+    if ref.ndim < 2 or ref[0].size <= 1:
+        return False
+    d, r = dev.reshape(len(dev), -1), ref.reshape(len(ref), -1)
+    nd, nr = np.linalg.norm(d, axis=1), np.linalg.norm(r, axis=1)
+    live = (nd > 0) & (nr > 0)
+    if not live.any() or not (nd[~live] == nr[~live]).all():
+        return False
+    cos = np.abs(np.sum(d[live] * r[live], axis=1)) / (nd[live] * nr[live])
+    return float(cos.min()) > min_cos
 
 
 def _blocked_relation(dev: np.ndarray | None, ref: np.ndarray | None) -> str:
@@ -605,6 +645,9 @@ class _Binding:
     via: str = ""                 # device-only helper ops it passed through
     superseded: str = ""          # non-empty: a partial result the reference folds away (why)
     unfused: bool = False         # the reference computes in one node what the device splits
+    # its perm: layout comes from a Transpose the device moved down (commute):
+    # proven by the graph, so the values are compared with the axes put back
+    moved: bool = False
 
 
 @dataclass
@@ -626,6 +669,7 @@ class _Aligner:
         self.notes: dict[str, str] = {}       # device tensor -> why it stays unmatched
         self.inside: set[int] = set()         # device nodes inside a reference fused node (done)
         self._weight_index: dict[frozenset, dict[tuple, list[int]]] = {}
+        self._weights_done: set[tuple[int, int]] = set()
 
     # -- 2. graph inputs
     def bind_inputs(self) -> None:
@@ -660,7 +704,7 @@ class _Aligner:
                 for t in outs:
                     self.notes[t] = why
                 continue
-            if self.match(i) or self.passthrough(i) or self.absorb(i) or self.reverse_region(i):
+            if self.commute(i) or self.match(i) or self.passthrough(i) or self.absorb(i) or self.reverse_region(i):
                 continue
             for t in outs:
                 self.notes[t] = f"no reference node computes {self.dev.op(i)} from the aligned inputs"
@@ -920,6 +964,46 @@ class _Aligner:
             score *= RELATION_SCORE[rel]
         return score, min(relations, key=RELATION_SCORE.get, default="unknown")
 
+    def weight_slots(self, i: int, j: int) -> list[tuple[int, int]]:
+        """(device slot, reference slot) of the weights two paired nodes read."""
+        dev, ref = self.dev, self.ref
+        dn, rn = dev.nodes[i], ref.nodes[j]
+        if dev.op(i) in CHAIN_HEADS:
+            slots = [(1, 1)]
+        elif dev.op(i) in COMMUTATIVE:
+            slots = list(zip([k for k, t in enumerate(dn.input) if t in dev.const],
+                             [k for k, t in enumerate(rn.input) if t in ref.const]))
+        else:
+            slots = [(k, k) for k in range(min(len(dn.input), len(rn.input)))]
+        return [(kd, kr) for kd, kr in slots if kd < len(dn.input) and kr < len(rn.input)
+                and dn.input[kd] in dev.const and rn.input[kr] in ref.const
+                and dn.input[kd] not in dev.meta and rn.input[kr] not in ref.meta]
+
+    def weight_rows(self, out: GraphAlignment, i: int, j: int, folding: bool) -> None:
+        """The weights (float constants) of device node i and its reference
+        node j, side by side, once per pair; ``folding``: the device node
+        covers more reference nodes than j (a BN folded into its weights)."""
+        key = (i, j)
+        if key in self._weights_done:
+            return
+        self._weights_done.add(key)
+        dev, ref = self.dev, self.ref
+        for kd, kr in self.weight_slots(i, j):
+            td, tr = dev.nodes[i].input[kd], ref.nodes[j].input[kr]
+            if ref.types.get(tr) not in FLOAT_TYPES:     # shapes, axes, indices: not weights
+                continue
+            out.weights.append({"folding": folding, "reference_node": ref.label(j), "reference_weight": tr,
+                                "device_node": dev.label(i), "device_weight": td, "slot": kr,
+                                "reference": ref.value(tr), "device": dev.value(td),
+                                "blocked": dev.nodes[i].domain == NCHWC_DOMAIN and kd == 1})
+        if dev.op(i) == ref.op(j):      # the same op: its attributes are parameters too (epsilon, alpha...)
+            da, ra = dev.attrs(i), ref.attrs(j)
+            for name in sorted((set(da) & set(ra)) - IGNORED_ATTRS - {"to", "saturate"}):   # Cast: the precision
+                if da[name] != ra[name]:
+                    out.weights.append({"reference_node": ref.label(j), "reference_weight": f"{name} (attribute)",
+                                        "device_node": dev.label(i), "device_weight": f"{name} (attribute)",
+                                        "slot": -1, "attribute": (ra[name], da[name])})
+
     def weight_relations(self, i: int, j: int) -> list[str]:
         dev, ref = self.dev, self.ref
         dn, rn = dev.nodes[i], ref.nodes[j]
@@ -1051,6 +1135,113 @@ class _Aligner:
         return list(dict.fromkeys(out))
 
     # -- 5. device-only helpers
+    # ---- a Transpose the device moved down past Slice / Squeeze / elementwise ops
+    def commute(self, i: int) -> bool:
+        """onnxruntime's transpose optimizer pushes a Transpose down through
+        Slice, Squeeze and elementwise nodes and merges it with the next
+        Transpose: the device slices in the original axis order and
+        transposes after, where the reference transposes first. Such a
+        device node stands for the reference node that reads the Transpose
+        (or, once its input is already permuted, the one reading that input
+        itself), its output holding the reference's axes permuted
+        (``perm:`` layout); the device Transpose that restores an order a
+        reference Transpose makes stands for that Transpose's output."""
+        dev, ref = self.dev, self.ref
+        op, flows = dev.op(i), dev.flows[i]
+        if op not in COMMUTING or len(flows) != 1 or flows[0][1] not in self.bind:
+            return False
+        b = self.bind[flows[0][1]]
+        if b.layout and not b.layout.startswith("perm:"):
+            return False
+        before = _perm(b.layout)
+        if before and not b.moved:     # a device-only Transpose: match() and the values judge what follows
+            return False
+        found: list[tuple[str, int, tuple[int, ...]]] = []
+        for alt in b.cell.alts:
+            if op == "ReorderInput":     # the reference's NHWC -> NCHW Transpose folded into the reorder
+                if dev.attrs(i).get("channels_last") and not before:
+                    found += [(ref.out(j), j, ()) for j, _ in ref.data_consumers.get(alt.ref, [])
+                              if ref.op(j) == "Transpose" and _moves_channels_first(ref.attrs(j).get("perm"))]
+                continue
+            if op == "Transpose":
+                after = self.next_layout(i, b.layout) if before else None
+                if after and after.startswith("perm:"):
+                    found += [(ref.out(j), j, ()) for j, _ in ref.data_consumers.get(alt.ref, [])
+                              if ref.op(j) == "Transpose" and tuple(ref.attrs(j).get("perm", ())) == _perm(after)]
+                continue
+            if not before and any(ref.op(k) == op for k, _ in ref.data_consumers.get(alt.ref, [])):
+                return False      # read directly, as the device does: match() pairs it
+            paths = [(alt.ref, ())] if before else []
+            paths += [(ref.out(j), tuple(ref.attrs(j).get("perm", ()))) for j, _ in ref.data_consumers.get(alt.ref, [])
+                      if ref.op(j) == "Transpose"]
+            for y, p in paths:
+                rank = len(before or p)
+                if not rank or (before and p and len(p) != len(before)):
+                    continue
+                inv = [0] * rank
+                for a, x in enumerate(p or range(rank)):
+                    inv[x] = a
+                q = tuple(inv[x] for x in (before or range(rank)))     # device input axis -> axis of y
+                for k, _ in ref.data_consumers.get(y, []):
+                    if ref.op(k) == op and len(ref.flows[k]) == 1:
+                        out = self.commuted(i, k, q)
+                        if out is not None:
+                            found.append((ref.out(k), k, out))
+        if len(found) != 1:
+            return False
+        t, k, out = found[0]
+        layout = "" if list(out) == sorted(out) else "perm:" + ",".join(map(str, out))
+        if op == "ReorderInput":
+            layout = "nchwc"
+        via = f"{dev.op(i)} {dev.label(i)!r} before the Transpose the reference does first"
+        self.bind[dev.nodes[i].output[0]] = _Binding(_Cell(i, [_Alt(t, (k,), k, 0.9, "graph")]), layout,
+                                                     "" if op == "Transpose" else via, moved=True)
+        return True
+
+    def commuted(self, i: int, k: int, q: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Does device node i compute reference node k on its input with the
+        axes permuted by ``q`` (device axis a = reference axis q[a])? The
+        permutation of the output, or None."""
+        dev, ref = self.dev, self.ref
+        op, rank = dev.op(i), len(q)
+        if op in ELEMENTWISE:
+            same = {n: v for n, v in dev.attrs(i).items() if n not in IGNORED_ATTRS} == \
+                {n: v for n, v in ref.attrs(k).items() if n not in IGNORED_ATTRS}
+            return q if same else None
+        if op == "Slice":
+            d, r = self._slice_args(dev, i), self._slice_args(ref, k)
+            if d is None or r is None or d[:3] != r[:3]:
+                return None
+            return q if [q[a % rank] for a in d[3]] == [a % rank for a in r[3]] else None
+        if op == "Squeeze":
+            d, r = self._squeeze_axes(dev, i), self._squeeze_axes(ref, k)
+            if d is None or r is None or {q[a % rank] for a in d} != {a % rank for a in r}:
+                return None
+            kept_ref = [a for a in range(rank) if a not in {x % rank for x in r}]
+            return tuple(kept_ref.index(q[a]) for a in range(rank) if a not in {x % rank for x in d})
+        return None
+
+    @staticmethod
+    def _slice_args(g: _Graph, j: int) -> tuple | None:
+        """(starts, ends, steps, axes) of a Slice, as lists; None where not constant."""
+        n = g.nodes[j]
+        if len(n.input) < 4 or not n.input[3]:
+            return None
+        vals = [g.value(t) if t else None for t in list(n.input[1:5]) + [""] * (5 - len(n.input))]
+        if any(v is None for v in vals[:3]):
+            return None
+        steps = vals[3] if vals[3] is not None else np.ones(len(vals[0]))
+        return ([int(x) for x in vals[0]], [int(x) for x in vals[1]], [int(x) for x in steps],
+                [int(x) for x in vals[2]])
+
+    @staticmethod
+    def _squeeze_axes(g: _Graph, j: int) -> list[int] | None:
+        n = g.nodes[j]
+        if "axes" in g.attrs(j):
+            return [int(a) for a in g.attrs(j)["axes"]]
+        v = g.value(n.input[1]) if len(n.input) > 1 and n.input[1] else None
+        return None if v is None else [int(a) for a in v.ravel()]
+
     def passthrough(self, i: int) -> bool:
         dev = self.dev
         flows = dev.flows[i]
@@ -1335,12 +1526,22 @@ class _Aligner:
                 elif not b.cell.alts:
                     self.unmatched(out, t, "no reference tensor left for it")
                 elif b.cell.node < 0:
+                    out.input_copies[t] = b.cell.alts[0].ref
                     self.unmatched(out, t, f"a copy of graph input {b.cell.alts[0].ref!r} (via {b.via}); "
                                            "graph inputs are not compared")
                 else:
                     self.emit(out, t, b)
         paired = {p.ref_tensor for p in out.pairs.values()}
         out.fused = {r: d for r, d in out.fused.items() if r not in paired and r not in out.layout_only.values()}
+        ref = self.ref
+        for j, n in enumerate(ref.nodes):
+            if n.op_type in ("Constant", "ConstantOfShape"):
+                continue
+            for t in n.output:
+                if t and (t in ref.const or t in ref.meta) and ref.c(t) not in paired and t not in paired \
+                        and t not in out.fused:
+                    out.folded[t] = ("computed from constants only" if t in ref.const
+                                     else "a shape computation") + "; no device node computes it (folded)"
         return out
 
     def unmatched(self, out: GraphAlignment, t: str, why: str) -> None:
@@ -1375,7 +1576,11 @@ class _Aligner:
         if layout.startswith("perm:"):
             score *= 0.9
         note = self.describe(b, alt, folded, layout)
-        out.pairs[t] = Pairing(self.member(t, alt.ref, out), method, round(min(score, 1.0), 3), note)
+        if alt.head is not None and b.cell.node >= 0 and not b.unfused:
+            self.weight_rows(out, b.cell.node, alt.head, len(alt.cover) > 1)
+        q = _perm(layout) if b.moved else ()
+        perm = tuple(int(a) for a in np.argsort(q)) if q else None     # numpy's: dev.transpose(perm)
+        out.pairs[t] = Pairing(self.member(t, alt.ref, out), method, round(min(score, 1.0), 3), note, perm)
         if method == "fused" and len(alt.cover) > 1:
             out.groups[alt.ref] = [ref.label(j) for j in alt.cover]
 

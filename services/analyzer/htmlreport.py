@@ -2,9 +2,9 @@
 
 What it shows, top to bottom: the verdict (the diagnosis' headline
 sentence), the first failing node and the first computation error, the
-NaN and overflow diagnosis, the error-along-the-graph chart (mean relative
-error, log scale, and cosine similarity by execution order; the first
-failing node marked by a red dashed line), the sortable per-node table, the
+NaN and overflow diagnosis, the error-along-the-graph chart (1 - cosine,
+log scale, by execution order; the first failing node marked by a red
+dashed line, computation errors marked harmful or benign), the sortable per-node table, the
 verdict of every failing node with its evidence, the analysis plots of the
 failing nodes, the quantization advice, the overflowing nodes, the counts
 and the job's parameters.
@@ -213,14 +213,21 @@ def _diagnosis(summary: dict) -> str:
     return '<section id="diagnosis"><h2>Diagnosis</h2>' + "".join(parts) + "</section>"
 
 
-def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 340) -> str:
-    """Inline SVG: mean relative error (log scale, left axis, red) and cosine
-    (right axis, blue) of each node output by execution order; failing
-    points filled, the first failing node marked by a red dashed line."""
+COS_DIST_FLOOR = 1e-12   # 1 - cosine below this (or exactly 0) is drawn at the floor
+
+
+def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 340,
+              verdicts: list[dict] | None = None) -> str:
+    """Inline SVG: the cosine distance (1 - cosine, log scale) of each node
+    output by execution order, so that where the error grows shows as a
+    climb whatever the values' scale (a relative error is dominated by
+    near-zero references); failing points filled, the first failing node
+    marked by a red dashed line, computation errors marked by impact
+    (harmful: a black diamond, benign: a hollow one)."""
     pts = [n for n in nodes if n.get("role") != "input"]
     if not pts:
         return '<p class="muted">No node output was compared.</p>'
-    ml, mr, mt, mb = 70, 70, 20, 44
+    ml, mr, mt, mb = 70, 20, 20, 44
     pw, ph = width - ml - mr, height - mt - mb
     orders = [num(n.get("order")) for n in pts]
     orders = [o if math.isfinite(o) else float(i) for i, o in enumerate(orders)]
@@ -231,40 +238,29 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
     def X(o: float) -> float:
         return ml + (o - x0) / (x1 - x0) * pw
 
-    rel = [num(n.get("mean_rel_err")) for n in pts]
-    pos = [r for r in rel if math.isfinite(r) and r > 0]
+    dist = []
+    for n in pts:
+        c = num(n.get("cosine"))
+        dist.append(max(1.0 - c, 0.0) if math.isfinite(c) else math.nan)
+    pos = [d for d in dist if math.isfinite(d) and d > COS_DIST_FLOOR]
     lo_dec = math.floor(math.log10(min(pos))) if pos else -6
-    hi_dec = math.ceil(math.log10(max(pos))) if pos else 0
-    if hi_dec <= lo_dec:
-        hi_dec = lo_dec + 1
-    lo_dec -= 1  # room for exact zeros at the floor
+    hi_dec = max(math.ceil(math.log10(max(pos))) if pos else 0, lo_dec + 1)
+    lo_dec -= 1  # room for the floor (cosine 1)
 
-    def YR(r: float) -> float:
-        if math.isinf(r):
-            return mt
-        v = math.log10(r) if r > 0 else lo_dec
+    def Y(d: float) -> float:
+        v = math.log10(d) if d > COS_DIST_FLOOR else lo_dec
+        v = max(lo_dec, min(hi_dec, v))
         return mt + (hi_dec - v) / (hi_dec - lo_dec) * ph
-
-    cos = [num(n.get("cosine")) for n in pts]
-    cmin = min([c for c in cos if math.isfinite(c)] + [0.0])
-    cmin = max(-1.0, math.floor(cmin * 10) / 10)
-
-    def YC(c: float) -> float:
-        return mt + (1.0 - c) / (1.0 - cmin) * ph
 
     out = [f'<svg id="error-chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" aria-label="error along the graph">',
            f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="#fff" stroke="#999"/>']
     every = max(1, math.ceil((hi_dec - lo_dec) / 10))  # at most ~10 labelled decades
     for d in range(lo_dec, hi_dec + 1):
-        y = YR(10.0 ** d)
-        # the lowest line is where exact zeros are drawn: it is labelled 0
+        y = Y(10.0 ** d) if d > lo_dec else Y(0.0)
         tick = "0" if d == lo_dec else f"1e{d}" if (d - lo_dec) % every == 0 or d == hi_dec else ""
         out.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
                    f'<text x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end" class="ax">{tick}</text>')
-    for k in range(0, 6):
-        c = cmin + (1.0 - cmin) * k / 5
-        out.append(f'<text x="{ml + pw + 6}" y="{YC(c) + 4:.1f}" class="ax cos">{c:.2f}</text>')
     step = max(1, round((x1 - x0) / 10))
     t = math.ceil(x0)
     while t <= x1:
@@ -272,9 +268,7 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
         t += step
     out.append(f'<text x="{ml + pw / 2}" y="{height - 6}" text-anchor="middle" class="ax">execution order</text>'
                f'<text x="14" y="{mt + ph / 2}" text-anchor="middle" class="ax rel" '
-               f'transform="rotate(-90 14 {mt + ph / 2})">mean relative error</text>'
-               f'<text x="{width - 10}" y="{mt + ph / 2}" text-anchor="middle" class="ax cos" '
-               f'transform="rotate(90 {width - 10} {mt + ph / 2})">cosine similarity</text>')
+               f'transform="rotate(-90 14 {mt + ph / 2})">1 − cosine</text>')
     if isinstance(first, dict):
         fo = num(first.get("order"))
         if math.isfinite(fo):
@@ -284,40 +278,36 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
                        f'<text x="{fx + 4:.1f}" y="{mt + 12}" fill="#d00" class="ax" paint-order="stroke" stroke="#fff" '
                        f'stroke-width="3">first failing: '
                        f'{esc(first.get("node"))}</text>')
-
-    def polyline(ys: list[float | None], colour: str) -> None:
-        seg: list[str] = []
-        for o, y in zip(orders, ys):
-            if y is None:
-                if len(seg) > 1:
-                    out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.2" points="{" ".join(seg)}"/>')
-                seg = []
-            else:
-                seg.append(f"{X(o):.1f},{y:.1f}")
-        if len(seg) > 1:
-            out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.2" points="{" ".join(seg)}"/>')
-
-    polyline([YR(r) if not math.isnan(r) else None for r in rel], "#d62728")
-    polyline([YC(c) if math.isfinite(c) else None for c in cos], "#1f77b4")
-    for n, o, r, c in zip(pts, orders, rel, cos):
+    seg: list[str] = []
+    for o, d in zip(orders, dist):
+        if math.isnan(d):
+            if len(seg) > 1:
+                out.append(f'<polyline fill="none" stroke="#d62728" stroke-width="1.2" points="{" ".join(seg)}"/>')
+            seg = []
+        else:
+            seg.append(f"{X(o):.1f},{Y(d):.1f}")
+    if len(seg) > 1:
+        out.append(f'<polyline fill="none" stroke="#d62728" stroke-width="1.2" points="{" ".join(seg)}"/>')
+    impact = {(v.get("tensor")): (v.get("impact") or {}).get("harmful") for v in verdicts or []
+              if v.get("verdict") == "computation error"}
+    for n, o, d in zip(pts, orders, dist):
         failing = n.get("passed") is False
-        tip = esc(f"{n.get('order')}. {n.get('node')} [{n.get('op_type')}]: mean rel err {fmt(n.get('mean_rel_err'))}, "
-                  f"cosine {fmt(n.get('cosine'))}" + (", FAIL" if failing else ""))
-        if not math.isnan(r):
-            fill = "#d62728" if failing else "#fff"
-            shape = (f'<path d="M{X(o) - 4:.1f},{YR(r) + 4:.1f} L{X(o):.1f},{YR(r) - 4:.1f} '
-                     f'L{X(o) + 4:.1f},{YR(r) + 4:.1f} Z"' if math.isinf(r) else
-                     f'<circle cx="{X(o):.1f}" cy="{YR(r):.1f}" r="3.2"')
-            out.append(f'{shape} class="pt rel" fill="{fill}" stroke="#d62728"><title>{tip}</title>'
-                       f'{"</path>" if math.isinf(r) else "</circle>"}')
-        if math.isfinite(c):
-            fill = "#1f77b4" if failing else "#fff"
-            out.append(f'<rect class="pt cos" x="{X(o) - 2.8:.1f}" y="{YC(c) - 2.8:.1f}" width="5.6" height="5.6" '
-                       f'fill="{fill}" stroke="#1f77b4"><title>{tip}</title></rect>')
+        tip = esc(f"{n.get('order')}. {n.get('node')} [{n.get('op_type')}]: cosine {fmt(n.get('cosine'))}, "
+                  f"mean rel err {fmt(n.get('mean_rel_err'))}" + (", FAIL" if failing else ""))
+        y = Y(d) if not math.isnan(d) else mt
+        fill = "#d62728" if failing else "#fff"
+        out.append(f'<circle cx="{X(o):.1f}" cy="{y:.1f}" r="3.2" class="pt rel" fill="{fill}" stroke="#d62728">'
+                   f'<title>{tip}</title></circle>')
+        if n.get("tensor") in impact:
+            harmful = impact[n.get("tensor")]
+            kind = "harmful" if harmful is not False else "benign"
+            out.append(f'<path class="mark {kind}" d="M{X(o):.1f},{y - 13:.1f} l5,6 l-5,6 l-5,-6 Z" '
+                       f'fill="{"#000" if kind == "harmful" else "#fff"}" stroke="#000">'
+                       f'<title>{esc(n.get("node"))}: computation error, {kind}</title></path>')
     out.append("</svg>")
-    legend = ('<p class="legend"><span class="sw rel"></span> mean relative error (log scale; zero at the floor, '
-              'inf as a triangle at the top) <span class="sw cos"></span> cosine similarity; filled points fail'
-              + ('; <span class="sw first"></span> first failing node' if isinstance(first, dict) else "")
+    legend = ('<p class="legend"><span class="sw rel"></span> 1 − cosine of each node output (log scale; cosine 1 '
+              'at the floor); filled points fail; ◆ a computation error that breaks the outputs, ◇ one the outputs '
+              'absorb' + ('; <span class="sw first"></span> first failing node' if isinstance(first, dict) else "")
               + "</p>")
     return "".join(out) + legend
 
@@ -447,11 +437,12 @@ def _quantization(summary: dict) -> str:
     rows = "".join(
         f'<tr><td>{esc(a.get("node"))}</td><td>{esc(a.get("input"))}</td><td>{esc(fmt(a.get("min")))}</td>'
         f'<td>{esc(fmt(a.get("max")))}</td><td>{esc(fmt(a.get("range")))}</td><td>{esc(fmt(a.get("rmse")))}</td>'
-        f'<td>{esc(a.get("advice"))}</td></tr>' for a in q if isinstance(a, dict))
+        f'<td>{esc(fmt(a.get("sqnr_db")))}</td><td>{esc(a.get("advice"))}</td></tr>' for a in q if isinstance(a, dict))
     return ('<section id="quantization"><h2>Quantization advice</h2><p class="muted">A convolution input whose '
-            'range (max − min) is above 30, or an RMSE above 0.5, is better quantized to INT16.</p>'
+            'range (max − min) is above 30, or whose own error (re-run alone) has an RMSE above 0.5, is better '
+            'quantized to INT16. SQNR: the output\'s quantization error, 10 log10(|ref|² / |ref − device|²).</p>'
             '<table class="grid"><thead><tr><th>node</th><th>input</th><th>min</th><th>max</th><th>range</th>'
-            f'<th>RMSE</th><th>advice</th></tr></thead><tbody>{rows}</tbody></table></section>')
+            f'<th>own RMSE</th><th>SQNR dB</th><th>advice</th></tr></thead><tbody>{rows}</tbody></table></section>')
 
 
 def _overflow(summary: dict) -> str:
@@ -614,7 +605,8 @@ def render(out_dir: Path, summary: dict) -> str:
     plots_html, plots_of = _plots(out_dir, summary, nodes)
     nonce = secrets.token_urlsafe(18)
     failed = _failed(summary)
-    meta = " · ".join(f"{k} <b>{esc(summary.get(k))}</b>" for k in ("model", "device", "precision", "source",
+    shown = dict(summary, precision=summary.get("device_precision") or summary.get("precision"))
+    meta = " · ".join(f"{k} <b>{esc(shown.get(k))}</b>" for k in ("model", "device", "precision", "source",
                                                                      "job_id") if summary.get(k) is not None)
     comp = summary.get("first_computation_error")
     same = isinstance(first, dict) and isinstance(comp, dict) and \
@@ -632,7 +624,8 @@ def render(out_dir: Path, summary: dict) -> str:
         f'{_coverage(summary)}</section>',
         f'<section id="first"><div class="cards">{cards}</div></section>',
         _diagnosis(summary),
-        f'<section id="chart"><h2>Error along the graph</h2>{chart_svg(nodes, first)}</section>',
+        f'<section id="chart"><h2>Error along the graph</h2>'
+        f'{chart_svg(nodes, first, verdicts=summary.get("verdicts"))}</section>',
         f'<section id="table"><h2>Every compared tensor ({len(nodes)})</h2>{_table(nodes, first_key)}</section>',
         _verdicts(summary, row_of, detail_files),
         plots_html,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterable
 
 from layerdiff.errors import EXIT_NO_ANSWER, LayerdiffError
+from layerdiff.settings import parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ RESTARTED_MESSAGE = "analyzer restarted while the job was running; run it again"
 GiB = 1024 ** 3
 _ID = re.compile(r"^[0-9a-f]{8,64}$")
 _REMEMBER_FORGOTTEN = 10000   # ids deleted by retention, kept to say why a job is gone
-_UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": GiB, "t": 1024 ** 4}
 
 
 def _number(env: dict, name: str, default: float, parse=float) -> float:
@@ -53,14 +53,6 @@ def _number(env: dict, name: str, default: float, parse=float) -> float:
     if value < 0:
         raise LayerdiffError(f"must be a number >= 0, got {text!r}", field=name)
     return value
-
-
-def parse_bytes(text: str) -> int:
-    """``10737418240``, ``10G``, ``10GiB``, ``512M``, ``1.5T`` (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not m:
-        raise ValueError(text)
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def format_bytes(n: int) -> str:

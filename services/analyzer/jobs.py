@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,6 +25,9 @@ import pyarrow as pa
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.consumer import StreamConsumer
 from layerdiff.analyzer.coverage import MIN_COVERAGE_DEFAULT
+from layerdiff.analyzer.impact import ImpactRunner, InjectedValues
+from layerdiff.security import check_collector_allowed
+from layerdiff.settings import env_limit
 from layerdiff.analyzer.jobrecords import JobRecords, Retention, drop_broker_keys, is_disk_full
 from layerdiff.analyzer.minmax import parse_min_max
 from layerdiff.analyzer.perf import PerfSettings, check_perf_options
@@ -34,7 +38,8 @@ from layerdiff.analyzer.tfreference import TFReference, open_reference
 from layerdiff.analyzer.report import JobReport, write_report
 from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.artifacts import ArtifactStore
-from layerdiff.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, LayerdiffError, NotFoundError, UnavailableError
+from layerdiff.errors import (EXIT_BAD_INPUT, EXIT_NO_ANSWER, LayerdiffError, LimitError, NotFoundError,
+                              UnavailableError)
 from layerdiff.onnxgraph import load_inputs
 from layerdiff.collector.service import CollectorClient
 from layerdiff.schema import BufferPool, TensorAssembler, check_dump_mode
@@ -67,6 +72,7 @@ class Job:
     created_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     dropped: int = 0    # events let go from the front of ``events`` (a finished job's history)
+    owner: str = ""     # digest of the token that submitted it ("" on a service without tokens)
 
     def emit(self, state: int | None = None, **kw) -> None:
         with self.cond:
@@ -94,7 +100,7 @@ class Job:
                 "finished_at": self.finished_at, "error": self.error,
                 "event": {f: getattr(event, f) for f in RECORDED_EVENT_FIELDS},
                 "artifacts": self.artifacts, "model": s.model_name, "collector": s.collector,
-                "precision": s.precision, "device": s.device, "dump_path": s.dump_path}
+                "precision": s.precision, "device": s.device, "dump_path": s.dump_path, "owner": self.owner}
 
     @classmethod
     def from_record(cls, rec: dict, report_dir: Path) -> "Job":
@@ -104,7 +110,8 @@ class Job:
                           precision=str(rec.get("precision") or ""), device=str(rec.get("device") or ""),
                           dump_path=str(rec.get("dump_path") or ""))
         job = cls(id=rec["id"], spec=spec, report_dir=report_dir, state=state, error=str(rec.get("error") or ""),
-                  created_at=float(rec.get("created_at") or 0.0), finished_at=rec.get("finished_at"))
+                  created_at=float(rec.get("created_at") or 0.0), finished_at=rec.get("finished_at"),
+                  owner=str(rec.get("owner") or ""))
         event = rec.get("event") or {}
         job.events.append(pb.JobEvent(job_id=job.id, state=state,
                                       **{f: event[f] for f in RECORDED_EVENT_FIELDS if f in event}))
@@ -129,11 +136,13 @@ class Prepared:
     range_skips: list = field(default_factory=list)      # its lines that did not parse
     perf: PerfSettings = field(default_factory=PerfSettings)
     min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
+    weights: list | None = None         # weights.csv rows where both models are at hand
 
 
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     if not spec.collector:
         raise LayerdiffError("no collector address given", field="collector")
+    check_collector_allowed(spec.collector)
     if spec.precision and spec.precision not in PRECISIONS and not spec.device_model_artifact:
         raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
                              field="precision")
@@ -148,10 +157,8 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
         reference.check_device_precision(spec.precision)
     o = spec.options
     graph = _graph_alignment(spec, store, reference)
-    aligner = Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
-                      exclude_node_list=list(o.exclude_node_list), pairs=graph.pairs if graph else None,
-                      fused=graph.fused if graph else None, groups=graph.groups if graph else None,
-                      unpaired=graph.lost if graph else None)
+    aligner = _aligner(reference, o, graph)
+    weight_rows = _weights(graph)
     tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
                             o.op_config_csv)
     if o.diff_cnt < 0:
@@ -179,7 +186,85 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
                              "the counter files once: run it when the runtime has finished", field="watch")
     return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
                     o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips,
-                    perf=perf, min_coverage=min_coverage)
+                    perf=perf, min_coverage=min_coverage, weights=weight_rows)
+
+
+MAX_JOBS_PER_CLIENT_DEFAULT = 4
+REPORT_QUOTA_BYTES_DEFAULT = 2 * 1024 ** 3
+
+
+def _check_report_quota(report_dir: Path) -> None:
+    """A job's reports past LAYERDIFF_REPORT_QUOTA_BYTES (2 GiB) fail it (and
+    a failed job's partial reports are deleted): the reports are bounded by
+    construction (diff_cnt rows per failing node, plots for the first 40),
+    and this bound is the one an operator sets."""
+    quota = env_limit("LAYERDIFF_REPORT_QUOTA_BYTES", REPORT_QUOTA_BYTES_DEFAULT, size=True)
+    used = sum(f.stat().st_size for f in report_dir.rglob("*") if f.is_file())
+    if used > quota:
+        raise LimitError(f"the reports take {used} bytes, over the per-job quota of {quota} "
+                         "(LAYERDIFF_REPORT_QUOTA_BYTES); fewer rows per failing node (--diff-cnt) or no plots "
+                         "make them smaller", field="reports")
+
+
+def max_jobs_per_client() -> int:
+    """LAYERDIFF_MAX_JOBS_PER_CLIENT: jobs one token may have running at once (4)."""
+    return env_limit("LAYERDIFF_MAX_JOBS_PER_CLIENT", MAX_JOBS_PER_CLIENT_DEFAULT)
+
+
+def _aligner(reference, o: pb.CompareOptions, graph) -> Aligner:
+    """The job's aligner: the user's mapping, then the graphs' pairs, then names."""
+    return Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
+                   exclude_node_list=list(o.exclude_node_list), pairs=graph.pairs if graph else None,
+                   fused=graph.fused if graph else None, groups=graph.groups if graph else None,
+                   unpaired=graph.lost if graph else None, folded=graph.folded if graph else None,
+                   attributed=graph.attributed if graph else None)
+
+
+def _weights(graph) -> list | None:
+    """The device model's weights against the reference's (weights.csv rows),
+    from the graph alignment of a device model."""
+    from layerdiff.analyzer import weights
+
+    if graph is None or not getattr(graph, "weights", None):
+        return None
+    return weights.compare(graph.weights)
+
+
+def _fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
+    """For a live FP16 build of an ONNX reference, its weights against the
+    reference's, from the same conversion the collector makes (run when the
+    report is written, not at submit: it costs a conversion of the model)."""
+    if not isinstance(reference, OnnxReference) or spec.device_model_artifact or spec.dump_path \
+            or spec.precision != "fp16":
+        return None
+    from layerdiff.analyzer.graphalign import align_graphs
+    from layerdiff.collector.live import to_fp16
+
+    try:
+        return _weights(align_graphs(reference.model, to_fp16(reference.model)))
+    except Exception as e:    # the collector's conversion reports its own failure
+        log.warning("comparing the FP16 build's weights failed (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _dump_graph_alignment(spec: pb.JobSpec, reference, collector: CollectorClient):
+    """A dump whose manifest describes its graph (op types and inputs) pairs
+    with an ONNX reference by structure, as a device model does; None where
+    it describes none (names decide)."""
+    if not spec.dump_path or spec.device_model_artifact or spec.watch or not isinstance(reference, OnnxReference):
+        return None
+    from layerdiff.analyzer.graphalign import align_graphs
+    from layerdiff.analyzer.manifestgraph import skeleton
+
+    try:
+        graph = collector.dump_graph(pb.DumpSource(path=spec.dump_path, format=spec.dump_format,
+                                                   default_concat_dim=spec.default_concat_dim))
+        return align_graphs(reference.model, skeleton(graph, reference.model)) if graph.nodes else None
+    except LayerdiffError as e:    # the stream says what is wrong with the dump; names pair what they can
+        log.warning("the dump's graph could not be read (%s); pairing by names", e)
+    except Exception as e:
+        log.warning("aligning the dump's graph failed (%s: %s); pairing by names", type(e).__name__, e)
+    return None
 
 
 def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
@@ -252,6 +337,10 @@ class JobRunner:
         self.broker_url = broker_url or None
         self.jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        # jobs each owner has being prepared: they count against the owner's
+        # bound before they are in self.jobs, so two submits at once cannot
+        # both pass it
+        self._submitting: dict[str, int] = {}
         self._retention_lock = threading.Lock()
         self.records = JobRecords(self.jobs_dir, retention if retention is not None else Retention.from_env())
         records, interrupted = self.records.load()
@@ -277,9 +366,29 @@ class JobRunner:
             return CeleryPool(self.broker_url, job_id, max_cores)
         return LocalPool(max_cores)
 
-    def submit(self, spec: pb.JobSpec) -> Job:
+    def submit(self, spec: pb.JobSpec, owner: str = "") -> Job:
+        """``owner``: the digest of the submitting token; only it (or an
+        admin token) may watch, fetch or cancel the job."""
+        limit = max_jobs_per_client()
+        with self._lock:
+            # a cancelled job is winding down: Ctrl-C and run again is not refused
+            running = self._submitting.get(owner, 0) + sum(
+                1 for j in self.jobs.values() if j.owner == owner and not j.done and not j.cancelled.is_set())
+            if owner and running >= limit:     # without tokens every client is the same one: no per-client bound
+                raise LimitError(f"{running} jobs of this client are still running, the most one client may run "
+                                 f"at once (LAYERDIFF_MAX_JOBS_PER_CLIENT={limit}); wait for one to end")
+            self._submitting[owner] = self._submitting.get(owner, 0) + 1
+        try:
+            return self._submit(spec, owner)
+        finally:
+            with self._lock:
+                self._submitting[owner] -= 1
+                if not self._submitting[owner]:
+                    del self._submitting[owner]
+
+    def _submit(self, spec: pb.JobSpec, owner: str) -> Job:
         job_id = uuid.uuid4().hex[:16]
-        job = Job(id=job_id, spec=spec, report_dir=self.records.report_dir(job_id))
+        job = Job(id=job_id, spec=spec, report_dir=self.records.report_dir(job_id), owner=owner)
         self.store.hold(job.artifacts)   # from here until the job ends, retention leaves them alone
         try:
             prepared = prepare(spec, self.store)
@@ -435,12 +544,20 @@ class JobRunner:
         helper.shutdown(wait=False)
 
         rep = JobReport()
-        with self._stream(job, collector_request=None) as stream:
+        # device values of nodes with an error of their own, for the impact re-runs
+        injected = InjectedValues() if isinstance(p.reference, OnnxReference) else None
+
+        def on_ready(collector: CollectorClient) -> None:
+            graph = _dump_graph_alignment(spec, p.reference, collector)
+            if graph is not None:
+                p.aligner = _aligner(p.reference, spec.options, graph)
+
+        with self._stream(job, collector_request=None, on_ready=on_ready) as stream:
             job.executor = executor = self.executor(job.id, p.max_cores or None)
             try:
                 if job.cancelled.is_set():
                     executor.cancel()
-                self._consume(job, p, stream, ref_future, executor, rep, total)
+                self._consume(job, p, stream, ref_future, executor, rep, total, injected)
             finally:
                 executor.close()
                 job.executor = None
@@ -454,13 +571,22 @@ class JobRunner:
         if perf is not None:
             from layerdiff.analyzer.perf import write_perf_sections
 
-            def sections():
-                return write_perf_sections(job.report_dir, perf, p.aligner, p.reference.sites, p.perf, rep,
-                                           job_info)
-        return write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
-                            node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
-                            all_sites=p.reference.sites, aligner=p.aligner, node_inputs=p.reference.node_inputs,
-                            sections=sections, min_coverage=p.min_coverage)
+            sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
+                               rep, job_info)
+        impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default) if injected else None
+        if p.weights is None:
+            p.weights = _fp16_build_weights(spec, p.reference)
+        try:
+            summary = write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
+                                   node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
+                                   all_sites=p.reference.sites, aligner=p.aligner,
+                                   node_inputs=p.reference.node_inputs, sections=sections,
+                                   min_coverage=p.min_coverage, impact=impact, weights=p.weights)
+        finally:
+            if injected is not None:
+                injected.release()
+        _check_report_quota(job.report_dir)
+        return summary
 
     def _parameters(self, job: Job, p: Prepared) -> dict:
         o = job.spec.options
@@ -507,9 +633,10 @@ class JobRunner:
         return data
 
     @contextmanager
-    def _stream(self, job: Job, collector_request=None):
+    def _stream(self, job: Job, collector_request=None, on_ready=None):
         """The job's stream from its collector, open and watched for
-        liveness; ``collector_request`` may amend the capture request.
+        liveness; ``collector_request`` may amend the capture request,
+        ``on_ready`` is called with the collector once it answers.
         Closed (connection and watchdog released) when the block ends."""
         collector = CollectorClient(job.spec.collector)
         stream = None
@@ -517,6 +644,8 @@ class JobRunner:
             collector.wait_ready(stop=job.cancelled)
             if job.cancelled.is_set():
                 raise _Cancelled()
+            if on_ready is not None:
+                on_ready(collector)
             request = self._capture_request(job, collector)
             if collector_request is not None:
                 collector_request(request)
@@ -539,7 +668,7 @@ class JobRunner:
             collector.close()
 
     def _consume(self, job: Job, p: Prepared, stream, ref_future: Future, executor, rep: JobReport,
-                 total: int) -> None:
+                 total: int, injected=None) -> None:
         assembler = TensorAssembler(pool=BufferPool())
 
         def progress(done: int, node: str, passed: bool) -> None:
@@ -554,7 +683,7 @@ class JobRunner:
                         raise _Cancelled() from None
 
         consumer = StreamConsumer(p, executor, references, rep, job.report_dir, progress,
-                                  dump_mode=check_dump_mode(job.spec.dump_mode))
+                                  dump_mode=check_dump_mode(job.spec.dump_mode), injected=injected)
         try:
             for batch in stream:
                 if job.cancelled.is_set():

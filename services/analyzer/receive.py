@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from layerdiff.collector.service import CollectorClient, flight_message
-from layerdiff.errors import LayerdiffError, UnavailableError
+from layerdiff.errors import LayerdiffError, PermissionDenied, Unauthenticated, UnavailableError
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 # Silence after which a collector is declared unreachable; the collector is
@@ -173,4 +173,8 @@ def collector_error(address: str, e: BaseException) -> LayerdiffError:
     text = f"collector {address}: {flight_message(e)}"
     if isinstance(e, (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightCancelledError)):
         return UnavailableError(text, field="collector")
+    if isinstance(e, flight.FlightUnauthenticatedError):
+        return Unauthenticated(text, field="collector")
+    if isinstance(e, flight.FlightUnauthorizedError):
+        return PermissionDenied(text, field="dump_path")
     return LayerdiffError(text)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from layerdiff import __version__
 from layerdiff.analyzer import coverage, diagnose
+from layerdiff.analyzer import weights as weights_mod
 from layerdiff.analyzer.compare import NodeOutcome
 from layerdiff.names import safe_filename
 from layerdiff.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
@@ -54,9 +55,15 @@ class Row:
     outcome: NodeOutcome
     role: str = "output"
     overflow: str = ""
+    device_dtype: str = ""           # what the device computed this tensor in (float16: FP16 range applies)
     # evidence gathered while the tensors were at hand (failing nodes only)
     isolated: object = None          # metrics of the device against the node re-run alone on its device inputs
     isolation_note: str = ""         # why there is no isolated re-run
+    isolated_core: object = None     # the same without mask-like values (|x| >> the rest), where the reference has some
+    core_note: str = ""
+    quant_step: float = 0.0          # a quantized build: the step of the grid the device values lie on
+    quant_levels: int = 0
+    int8_bound: object = None        # a quantized Conv/Gemm/MatMul: (expected rounding RMSE, how it was had)
     inherited: str = ""              # why no closer look was needed: its error is what it read
     layout: str = ""
     uneven: str = ""
@@ -90,6 +97,11 @@ class JobReport:
     # reference tensors computed inside a fused device node (Conv+BN+Relu as one
     # kernel): not dumped by design; the fusion's output is compared instead
     fused: list[tuple[TensorSite, str]] = field(default_factory=list)   # (site, device node covering it)
+    # device tensors standing for a reference tensor without being compared:
+    # (device tensor, reference tensor, why) - INT8 views, weight copies
+    attributed: list[tuple[str, str, str]] = field(default_factory=list)
+    # reference tensors the device folded into constants (the graphs say so)
+    folded: list[tuple[TensorSite, str]] = field(default_factory=list)  # (site, why)
     value_pairs: list[dict] = field(default_factory=list)   # pairings decided by value (alignment.csv rows)
     device_names: list[str] = field(default_factory=list)
     check_skip: list[tuple[str, str]] = field(default_factory=list)     # tiled slices that failed validation
@@ -196,11 +208,57 @@ def node_summary(r: Row) -> dict:
     if r.is_input:
         d["input_index"] = r.site.output_index
     d.update(verdict=r.finding.verdict if r.finding else None, cause=r.finding.cause if r.finding else "",
-             evidence=list(r.finding.evidence) if r.finding else [])
+             evidence=list(r.finding.evidence) if r.finding else [],
+             impact=r.finding.impact.as_dict() if r.finding and r.finding.impact is not None else None)
     if r.isolated is not None:
         d["isolated"] = {k: _json_num(getattr(r.isolated, k)) for k in ("errors", "total", "cosine",
                                                                           "mean_rel_err", "max_abs_diff")}
     return d
+
+
+_PRECISION = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+def device_precision(rows: list[Row], quantized: bool) -> str:
+    """What the device computed in, as its tensors show it (not as asked):
+    int8 for a quantized build, else the float type most node outputs came
+    in ("mixed fp16/fp32" where neither holds most of them)."""
+    if quantized:
+        return "int8"
+    kinds: dict[str, int] = {}
+    for r in rows:
+        if not r.is_input and r.device_dtype in _PRECISION:
+            kinds[_PRECISION[r.device_dtype]] = kinds.get(_PRECISION[r.device_dtype], 0) + 1
+    if not kinds:
+        return ""
+    top, n = max(kinds.items(), key=lambda kv: kv[1])
+    if len(kinds) > 1 and 2 * n < sum(kinds.values()):
+        return "mixed " + "/".join(sorted(kinds))
+    return top
+
+
+def _measure_impact(rows: list[Row], impact) -> None:
+    """Each computation error's effect on the model's outputs, in execution
+    order (the budget goes to the earliest), as the last piece of its evidence."""
+    if impact is None:
+        return
+    for r in rows:
+        f = r.finding
+        if f is None or f.verdict != diagnose.COMPUTATION or r.is_input or r.is_constant:
+            continue
+        f.impact = impact.measure(r.site.tensor)
+        if f.impact.harmful is False:
+            f.impact.why = _why_absorbed(r)
+        f.evidence.append(f.impact.sentence())
+
+
+def _why_absorbed(r: Row) -> str:
+    """What the data say about why a computation error does not reach the outputs."""
+    if r.isolated_core is not None:
+        return f"its differences lie in mask-like values ({r.core_note}), which what follows saturates"
+    if any("clamped" in e for e in r.finding.evidence):
+        return "a constant the device clamped, whose new value acts the same downstream"
+    return ""
 
 
 def _read_rows(rows: list[Row], node_inputs: dict[str, list[str]]) -> dict[str, list[Row]]:
@@ -220,17 +278,27 @@ def _read_rows(rows: list[Row], node_inputs: dict[str, list[str]]) -> dict[str, 
 def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node_runtime: list[dict],
                  consumers: dict[str, list[str]], all_sites: list[TensorSite], aligner,
                  node_inputs: dict[str, list[str]] | None = None, sections: dict | None = None,
-                 min_coverage: float | None = None) -> dict:
+                 min_coverage: float | None = None, impact=None, weights: list | None = None) -> dict:
     """``sections``: further top-level parts of summary.json (the performance
     data, its per-node view), written by their own modules; a callable is
     called once every row carries its diagnosis. The coverage comes first:
-    below ``min_coverage`` the headline is that the job cannot answer."""
+    below ``min_coverage`` the headline is that the job cannot answer.
+    ``impact`` (impact.ImpactRunner): measures what each computation error
+    does to the outputs; the headline names the first harmful one.
+    ``weights``: the device model's weights against the reference's
+    (weights.csv), which name "cause: weight" without the node's inputs."""
     out.mkdir(parents=True, exist_ok=True)
     rep.in_graph_order(all_sites)
     rows = rep.ordered()
-    findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized)
+    weight_issues = weights_mod.issues(weights or [], getattr(aligner, "groups", {}))
+    findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized, weight_issues)
     for r in rows:
         r.finding = findings.get(id(r))
+        if r.finding and r.finding.cause == "quantization" and r.quant_step and consumers.get(r.site.node):
+            # the hand-over's break shows in what it feeds: name it
+            r.finding.hand_over = list(consumers[r.site.node])
+            r.finding.evidence.append("its INT8 hand-over feeds " + ", ".join(consumers[r.site.node]))
+    _measure_impact(rows, impact)
     nan_overflow = diagnose.nan_and_overflow(rows)
     cov = coverage.assess(rep, all_sites, aligner, min_coverage=min_coverage, source=job.get("source", ""),
                           dump_path=job.get("dump_path") or "")
@@ -253,9 +321,12 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                 w.writerow([idx, g6(rv), g6(dv), g6(ad), g6(rd)])
     _write_log(out / "compare_skip.log", rep.skipped +
                [(s.tensor, f"fused into device node {dev!r}: its output is compared instead") for s, dev in rep.fused] +
+               [(s.tensor, why) for s, why in rep.folded] +
                [(s.tensor, "not dumped by the device (not produced, or fused away where no device graph says so)")
                 for s in rep.not_dumped])
     write_alignment(out / "alignment.csv", rep, aligner, all_sites)
+    if weights is not None:
+        weights_mod.write_csv(out / "weights.csv", weights)
     _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
     _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
     _write_log(out / "check_skip.log", rep.check_skip)
@@ -277,14 +348,21 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     (out / "consumer_map.json").write_text(json.dumps(consumers, indent=1), encoding="utf-8")
 
     first = rep.first_failing()
-    first_comp = next((r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION), None)
+    first_comp = next((r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION
+                       and not r.finding.benign), None)
+    benign = [r for r in rows if r.finding and r.finding.benign]
     answer = coverage.outcome(rep, cov)
-    text = diagnose.headline(first_comp, first, nan_overflow)
+    text = diagnose.headline(first_comp, first, nan_overflow, benign)
     if answer["status"] == "no_answer":
         text = f"NO ANSWER: {answer['reason']}"
     diagnosis = {"headline": text, **nan_overflow}
+    if impact is not None:
+        unmeasured = [r.site.node for r in rows if r.finding and r.finding.impact is not None
+                      and r.finding.impact.harmful is None]
+        diagnosis["impact"] = {**impact.summary(), "not_measured": unmeasured}
     verdicts = [{"node": r.site.node, "tensor": r.site.tensor, "op_type": r.site.op_type, "order": r.site.order,
-                 "verdict": r.finding.verdict, "cause": r.finding.cause, "evidence": list(r.finding.evidence)}
+                 "verdict": r.finding.verdict, "cause": r.finding.cause, "evidence": list(r.finding.evidence),
+                 "impact": r.finding.impact.as_dict() if r.finding.impact is not None else None}
                 for r in rows if r.finding]
     inputs = [r for r in rows if r.is_input]
     rows_out = [r for r in rows if not r.is_input]
@@ -299,7 +377,9 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "coverage": cov,
         "diagnosis": diagnosis,
         "first_computation_error": node_summary(first_comp) if first_comp else None,
+        "device_precision": device_precision(rows, rep.quantized),
         "first_failing_node": node_summary(first) if first else None,
+        "benign_computation_errors": [node_summary(r) for r in benign],
         "counts": {
             "reference_tensors": len(all_sites),
             "compared": len(rows_out),
@@ -312,6 +392,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
             "skipped": len(rep.skipped),
             "not_dumped": len(rep.not_dumped),
             "fused": len(rep.fused),
+            "folded": len(rep.folded),
+            "attributed": len(rep.attributed),
             "invalid_out": len(rep.invalid_out),
             "device_tensors": len(rep.device_names),
         },
@@ -343,7 +425,8 @@ ALIGNMENT_COLUMNS = ["reference_tensor", "device_tensor", "method", "confidence"
 def write_alignment(path: Path, rep: JobReport, aligner, sites: list[TensorSite]) -> None:
     """alignment.csv: how every reference tensor and every device tensor was
     paired, or why not: map (map_node_dict), graph, fused, name, value;
-    "fused into" for reference tensors a device fusion covers, "not dumped",
+    "fused into" for reference tensors a device fusion covers, "folded" for
+    those the device computes as constants, "not dumped",
     and "unmatched" device tensors with the closest reference names."""
     by_value = {r["device_tensor"] for r in rep.value_pairs}
     rows = [r for r in aligner.rows() if r.get("device_tensor") not in by_value]
@@ -363,8 +446,12 @@ def write_alignment(path: Path, rep: JobReport, aligner, sites: list[TensorSite]
                         _one_line(r.get("note", ""))])
         for s, dev in rep.fused:
             w.writerow([_one_line(s.tensor), "", "fused into", "", _one_line(f"computed inside device node {dev}")])
+        for s, why in rep.folded:
+            w.writerow([_one_line(s.tensor), "", "folded", "", _one_line(why)])
         for s in rep.not_dumped:
             w.writerow([_one_line(s.tensor), "", "not dumped", "", ""])
+        for dev, ref, why in rep.attributed:
+            w.writerow([_one_line(ref), _one_line(dev), "attributed", "", _one_line(why)])
         for name, reason in rep.invalid_out:
             close = aligner.closest(name.split(" (input ")[0])
             note = "; ".join(x for x in (reason, why_open.get(name, "")) if x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -12,19 +13,30 @@ from layerdiff import __version__
 from layerdiff.analyzer.jobs import JobRunner
 from layerdiff.artifacts import ArtifactStore
 from layerdiff.memory import release_freed_tensors_to_system
-from layerdiff.errors import LayerdiffError, NotFoundError, abort_with
-from layerdiff.net import DEFAULT_CHUNK_BYTES, bind, make_server
+from layerdiff.errors import LayerdiffError, NotFoundError, PermissionDenied, abort_with
+from layerdiff.net import DEFAULT_CHUNK_BYTES, bind, make_server, serve_health
+from layerdiff.security import ServerSecurity, grpc_identity, grpc_interceptors
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
 
 log = logging.getLogger(__name__)
+READINESS_S = 5.0
 
 
 class AnalyzerService(pbg.AnalyzerServicer):
-    def __init__(self, workdir: Path, broker_url: str | None = None) -> None:
+    def __init__(self, workdir: Path, broker_url: str | None = None,
+                 security: ServerSecurity | None = None) -> None:
         self.workdir = Path(workdir)
+        self.security = security or ServerSecurity()
         self.store = ArtifactStore(self.workdir / "artifacts")
         self.runner = JobRunner(self.store, self.workdir / "jobs", broker_url)
+
+    def _job(self, job_id: str, context):
+        """The job, if the caller's token submitted it (or is an admin token)."""
+        job = self.runner.get(job_id)
+        if not grpc_identity(self.security, context).may_read(job.owner):
+            raise PermissionDenied(f"job {job_id} was submitted with another token", field="job_id")
+        return job
 
     def Health(self, request, context):
         return pb.HealthReply(service="analyzer", version=__version__, status="SERVING")
@@ -37,7 +49,7 @@ class AnalyzerService(pbg.AnalyzerServicer):
 
     def Submit(self, request, context):
         try:
-            job = self.runner.submit(request)
+            job = self.runner.submit(request, owner=grpc_identity(self.security, context).owner)
         except Exception as e:
             if not isinstance(e, LayerdiffError):
                 log.exception("submit failed")
@@ -46,7 +58,7 @@ class AnalyzerService(pbg.AnalyzerServicer):
 
     def Watch(self, request, context):
         try:
-            job = self.runner.get(request.job_id)
+            job = self._job(request.job_id, context)
         except Exception as e:
             abort_with(context, e)
         sent = 0   # counted over the job's whole history, of which a finished job keeps the end
@@ -66,7 +78,7 @@ class AnalyzerService(pbg.AnalyzerServicer):
 
     def FetchReport(self, request, context):
         try:
-            job = self.runner.get(request.job_id)
+            job = self._job(request.job_id, context)
             if job.state != pb.DONE:
                 raise LayerdiffError(f"job is {pb.JobState.Name(job.state)}, reports exist once it is DONE"
                                      + (f" ({job.error})" if job.error else ""), field="job_id")
@@ -95,6 +107,7 @@ class AnalyzerService(pbg.AnalyzerServicer):
 
     def Cancel(self, request, context):
         try:
+            self._job(request.job_id, context)
             job = self.runner.cancel(request.job_id)
         except Exception as e:
             abort_with(context, e)
@@ -103,24 +116,76 @@ class AnalyzerService(pbg.AnalyzerServicer):
 
 class AnalyzerServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None,
-                 broker_url: str | None = None) -> None:
+                 broker_url: str | None = None, security: ServerSecurity | None = None) -> None:
         """``broker_url`` (default: LAYERDIFF_BROKER_URL) sends comparisons to
-        Celery workers; without one they run on the local pool."""
+        Celery workers; without one they run on the local pool. ``security``
+        (default: from LAYERDIFF_TOKEN_FILE, LAYERDIFF_TLS_*): TLS and tokens;
+        a non-loopback host without them is refused unless LAYERDIFF_INSECURE=1."""
+        security = security if security is not None else ServerSecurity.from_env()
+        security.check_exposure(host, "analyzer API")
+        if broker_url is None:
+            broker_url = os.environ.get("LAYERDIFF_BROKER_URL") or None
+        if broker_url:       # where workers will fetch large tensors: decided (and checked) now
+            from layerdiff.analyzer.store import configure_tensor_endpoint
+
+            configure_tensor_endpoint(broker_url)
         release_freed_tensors_to_system()
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-analyzer-")
             workdir = self._tmp.name
-        if broker_url is None:
-            broker_url = os.environ.get("LAYERDIFF_BROKER_URL") or None
-        self.service = AnalyzerService(Path(workdir), broker_url)
-        self.server = make_server()
+        self.service = AnalyzerService(Path(workdir), broker_url, security)
+        self.server = make_server(interceptors=grpc_interceptors(security))
         pbg.add_AnalyzerServicer_to_server(self.service, self.server)
-        self.port = bind(self.server, host, port)
+        self.health = serve_health(self.server)
+        self.port = bind(self.server, host, port, security)
         self.address = f"{host}:{self.port}"
+        self.broker_url = broker_url
+        self._runtime: str | None = None     # why no model can run here ('' when one can), once known
+        self._stopping = threading.Event()
+        self._ready_thread = threading.Thread(target=self._readiness, name="analyzer-readiness", daemon=True)
         self.server.start()
+        self._ready_thread.start()
+
+    def ready(self) -> str:
+        """'' when the analyzer can take jobs, else why not: it can run a
+        reference model (checked once: the runtime does not come and go),
+        and reach its broker when it has one (checked each time)."""
+        if self._runtime is None:
+            from layerdiff.onnxgraph import runtime_ready
+
+            self._runtime = runtime_ready()
+        if self._runtime:
+            return self._runtime
+        if self.broker_url:
+            from layerdiff.analyzer.store import TensorStore
+
+            try:
+                with TensorStore(self.broker_url) as store:
+                    store.ping()
+            except Exception as e:
+                return f"broker unreachable ({type(e).__name__})"
+        return ""
+
+    def _readiness(self) -> None:
+        """Keeps grpc.health.v1 true: NOT_SERVING while not ready (checked
+        every READINESS_S seconds)."""
+        from grpc_health.v1 import health_pb2
+
+        last = None
+        while not self._stopping.is_set():
+            why = self.ready()
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if why else health_pb2.HealthCheckResponse.SERVING
+            if status != last and not self._stopping.is_set():
+                self.health.set("", status)
+                if why:
+                    log.warning("analyzer not ready: %s", why)
+                last = status
+            self._stopping.wait(READINESS_S)
 
     def stop(self, grace: float | None = 1.0) -> None:
+        self._stopping.set()
+        self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         if self._tmp is not None:
             self._tmp.cleanup()

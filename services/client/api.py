@@ -32,12 +32,16 @@ import numpy as np
 from layerdiff.artifacts import chunks_of
 from layerdiff.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
 from layerdiff.net import channel, connect_timeout, wait_ready
+from layerdiff.security import ClientSecurity, with_token
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
 
 CALL_TIMEOUT = 600.0
 # Ctrl-C: the Cancel call (and the wait for a Submit under way) may take this long.
 CANCEL_TIMEOUT = 5.0
+# Closing a channel waits for its calls to drain; a call that Ctrl-C broke off
+# inside grpc may never drain, so the client waits this long and goes on.
+CLOSE_TIMEOUT = 2.0
 # fetch of a job that is not DONE: how long its events are read to learn its state.
 STATE_TIMEOUT = 5.0
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
@@ -144,6 +148,8 @@ def rpc_failure(what: str, e: grpc.RpcError) -> LayerdiffError:
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS):
         return JobFailed(details, EXIT_BAD_INPUT)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):   # usage: the wrong token
+        return JobFailed(f"{what}: {details}", EXIT_BAD_INPUT)
     return JobFailed(f"{what}: {details}", EXIT_NO_ANSWER)
 
 
@@ -199,17 +205,21 @@ class AnalyzerClient:
     def __init__(self, address: str, connect_timeout_s: float | None = None) -> None:
         self.address = address
         wait = connect_timeout() if connect_timeout_s is None else connect_timeout_s
-        self.channel = channel(address)
+        security = ClientSecurity.from_env()
+        self.channel = channel(address, security)
         try:
             wait_ready(self.channel, timeout=wait)
         except grpc.FutureTimeoutError:
             self.channel.close()
-            raise JobFailed(f"analyzer {address} is not reachable (no answer within {wait:g} s)",
+            hint = ("; over TLS: check that LAYERDIFF_TLS_CA signed its certificate and that it accepts this "
+                    "client's (LAYERDIFF_TLS_CERT)") if security.tls else \
+                "; if it serves TLS, give its CA in LAYERDIFF_TLS_CA"
+            raise JobFailed(f"analyzer {address} is not reachable (no answer within {wait:g} s{hint})",
                             EXIT_NO_ANSWER) from None
         except BaseException:
             self.channel.close()
             raise
-        self.stub = pbg.AnalyzerStub(self.channel)
+        self.stub = pbg.AnalyzerStub(with_token(self.channel, security))
 
     def upload(self, data: bytes, name: str) -> str:
         call = self.stub.PutArtifact.future(chunks_of(data, name), timeout=CALL_TIMEOUT)
@@ -311,7 +321,9 @@ class AnalyzerClient:
         return Interrupted(f"interrupted; job {job_id} cancelled", job_id)
 
     def close(self) -> None:
-        self.channel.close()
+        closing = threading.Thread(target=self.channel.close, name="channel-close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_TIMEOUT)
 
 
 def _progress_bar(enabled):
@@ -495,7 +507,8 @@ def _job_failure(analyzer: str, job_id: str, e: grpc.RpcError, when: str, reatta
     code = e.code() if hasattr(e, "code") else None
     if code == grpc.StatusCode.NOT_FOUND:
         return JobFailed(f"analyzer {analyzer}: {e.details() or 'no job ' + repr(job_id)}", EXIT_BAD_INPUT)
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return JobFailed(f"analyzer {analyzer}: {e.details()}", EXIT_BAD_INPUT)
     hint = f" (reattach: {retry or reattach_command(job_id, analyzer)})" if reattachable else ""
     return JobFailed(f"analyzer {analyzer} stopped answering {when} job {job_id}: {_details(e)}{hint}",
@@ -582,6 +595,10 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     if comp:
         lines.append(f"FIRST COMPUTATION ERROR: {comp['node']} ({comp['op_type']}, execution #{comp['order']}): "
                      + "; ".join(comp.get("evidence") or []))
+    for b in (summary.get("benign_computation_errors") or [])[:top]:
+        lines.append(f"BENIGN: {b['node']} ({b['op_type']}, execution #{b['order']}, cause: {b.get('cause') or '?'}) "
+                     "computes differently, but the outputs absorb it"
+                     + (f": {b['impact']['why']}" if (b.get("impact") or {}).get("why") else ""))
     for key in ("nan", "overflow"):
         if diagnosis.get(key):
             lines.append(f"{key.upper()}: {diagnosis[key]['text']}")
@@ -597,7 +614,8 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
                      f"ref {_f(first['ref_value'])} vs device {_f(first['dev_value'])}")
     elif not no_answer:
         lines.append("NO FAILING NODE: every compared node is within atol/rtol")
-    lines.append(f"{summary.get('model')} on {summary.get('device')} ({summary.get('precision')}, "
+    lines.append(f"{summary.get('model')} on {summary.get('device')} "
+                 f"({summary.get('device_precision') or summary.get('precision')}, "
                  f"{summary.get('source')}): {c['compared']} compared, {c['failed']} failed, {c['passed']} passed, "
                  f"{c['skipped']} skipped, {c['not_dumped']} not dumped, {c['invalid_out']} unknown device names")
     constants = summary.get("failing_constants") or []

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+
+# gRPC's own log lines (a failed TLS handshake, a refused connection) are not
+# for the user: the command says in one line what went wrong. Set before the
+# first import of grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 
 EXIT_STATUS_HELP = """exit status:
@@ -201,6 +207,15 @@ def _add_service(sub, name: str) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=0, help="0 picks a free port")
     serve.add_argument("--workdir", help="private working directory (default: a temporary one)")
+    serve.add_argument("--token-file", help="accepted tokens, one a line (default: LAYERDIFF_TOKEN_FILE)")
+    serve.add_argument("--tls-cert", help="server certificate, PEM (default: LAYERDIFF_TLS_CERT)")
+    serve.add_argument("--tls-key", help="its private key, PEM (default: LAYERDIFF_TLS_KEY)")
+    serve.add_argument("--tls-ca", help="CA client certificates must chain to: mutual TLS (default: LAYERDIFF_TLS_CA)")
+    if name == "collector":
+        serve.add_argument("--dump-roots", help="':'-separated directories dumps may be read from "
+                                                "(default: LAYERDIFF_DUMP_ROOTS)")
+        serve.add_argument("--health-port", type=int, default=None,
+                           help="also serve grpc.health.v1 on this port (default: LAYERDIFF_HEALTH_PORT; none)")
     if name == "analyzer":
         serve.add_argument("--broker", help="Redis URL: fan comparisons out to Celery workers "
                                             "(default: LAYERDIFF_BROKER_URL; none = local pool)")
@@ -208,13 +223,16 @@ def _add_service(sub, name: str) -> None:
 
 
 def _cmd_serve(a) -> int:
+    from layerdiff.security import ServerSecurity
+
+    security = ServerSecurity.from_env(token_file=a.token_file, cert=a.tls_cert, key=a.tls_key, ca=a.tls_ca)
     if a.service == "collector":
         from layerdiff.collector.service import CollectorServer
 
-        return _serve(CollectorServer, a)
+        return _serve(CollectorServer, a, security=security, dump_roots=a.dump_roots, health_port=a.health_port)
     from layerdiff.analyzer.service import AnalyzerServer
 
-    return _serve(AnalyzerServer, a, broker_url=a.broker)
+    return _serve(AnalyzerServer, a, broker_url=a.broker, security=security)
 
 
 def _add_convert(sub) -> None:
@@ -412,7 +430,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overflow(sub)
     _add_perf_diff(sub)
     _add_histogram(sub)
+    _add_health(sub)
     return parser
+
+
+def _add_health(sub) -> None:
+    p = sub.add_parser("health", help="probe a service's health (grpc.health.v1): exit 0 when SERVING, "
+                                      "1 when not ready, 3 when it does not answer")
+    p.add_argument("address", help="HOST:PORT of an analyzer, or of a collector (its Flight or health port)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    p.set_defaults(func=_cmd_health)
+
+
+def _cmd_health(a) -> int:
+    from layerdiff.client.health import probe
+
+    status, line = probe(a.address, a.timeout)
+    print(line, flush=True)
+    return status
 
 
 def _on_sigint(signum, frame) -> None:
@@ -477,11 +512,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         return 3
     finally:
-        # After a Ctrl-C the command line (argv from sys.argv) keeps ignoring
-        # more presses through the interpreter's shutdown; a caller in this
-        # process gets its handler back.
-        if previous is not None and (argv is not None or signal.getsignal(signal.SIGINT) is _on_sigint):
-            signal.signal(signal.SIGINT, previous)
+        # A caller in this process gets its handler back. The command line
+        # (argv from sys.argv) has given its answer: it ignores Ctrl-C through
+        # the interpreter's shutdown, where one would only print a traceback.
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous if argv is not None else signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -225,6 +225,8 @@ def read_npz(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[
         zf = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as e:
         raise LayerdiffError(f"is not an .npz archive ({e})", file=shown) from e
+    except Exception as e:   # a damaged directory: "zip file version 6.4", bad sizes...
+        raise LayerdiffError(f"is not a readable .npz archive ({type(e).__name__}: {e})", file=shown) from e
     with zf:
         for info in zf.infolist():
             key = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
@@ -414,6 +416,7 @@ class DumpDirectory:
         self.fmt = fmt
         self.default_concat_dim = default_concat_dim
         self.ascend_files: list[Path] | None = None
+        self.graph_inputs: list[str] = []     # the manifest's top-level "inputs" (see collector.dumpgraph)
         self.entries = entries if entries is not None else self._entries()
 
     def _entries(self) -> list[dict]:
@@ -437,6 +440,9 @@ class DumpDirectory:
         except (ValueError, UnicodeDecodeError) as e:
             raise LayerdiffError(f"is not valid JSON: {e}", file=str(mpath)) from e
         nodes = doc.get("nodes") if isinstance(doc, dict) else None
+        inputs = doc.get("inputs") if isinstance(doc, dict) else None
+        if isinstance(inputs, list):
+            self.graph_inputs = [v for v in inputs if isinstance(v, str)]
         if not isinstance(nodes, list):
             raise LayerdiffError("must hold {\"nodes\": [...]}", file=str(mpath), field="nodes")
         return nodes

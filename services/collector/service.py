@@ -9,6 +9,8 @@ a Python-side copy.
 - ``DoPut(descriptor path ["artifact", NAME])``: upload one file as batches of
   one binary column; the reply's metadata is a ``layerdiff.v1.ArtifactRef``.
 - ``DoAction("health")``: a ``layerdiff.v1.HealthReply``.
+- ``DoAction("dump_graph", DumpSource bytes)``: the ``layerdiff.v1.DeviceGraph``
+  the dump's manifest describes (see ``layerdiff.collector.dumpgraph``).
 
 User errors travel as INVALID_ARGUMENT (or NOT_FOUND) with the message of the
 LayerdiffError, which names the file, node or field.
@@ -16,6 +18,7 @@ LayerdiffError, which names the file, node or field.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import tempfile
 import threading
@@ -34,37 +37,56 @@ from layerdiff.collector.profile import profile_model
 from layerdiff.collector.stream import DEFAULT_HEARTBEAT_S, OutgoingStream
 from layerdiff.collector.watch import watch_records
 from layerdiff.memory import release_freed_tensors_to_system
-from layerdiff.errors import LayerdiffError, NotFoundError, UnavailableError
+from layerdiff.errors import LayerdiffError, NotFoundError, PermissionDenied, Unauthenticated, UnavailableError
 from layerdiff.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
-from layerdiff.onnxgraph import load_inputs
+from layerdiff.onnxgraph import load_inputs, runtime_ready
 from layerdiff.perfschema import PERF_SCHEMA, PerfEncoder, PerfRecord
 from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
+from layerdiff.collector.roots import DumpRoots
+from layerdiff.security import ClientSecurity, ServerSecurity, flight_middleware, is_loopback
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 ARTIFACT_SCHEMA = pa.schema([("data", pa.binary())])
 HEALTH = "health"
+DUMP_GRAPH = "dump_graph"
 
 
 def _to_flight_error(e: BaseException) -> Exception:
     if isinstance(e, NotFoundError):
         return KeyError(str(e))   # Flight maps KeyError to NOT_FOUND
+    if isinstance(e, PermissionDenied):
+        return flight.FlightUnauthorizedError(str(e))
     if isinstance(e, LayerdiffError):
         return pa.ArrowInvalid(str(e))
     return flight.FlightServerError(f"internal error: {type(e).__name__}: {e}")
 
 
 class CollectorFlight(flight.FlightServerBase):
-    def __init__(self, location: str, workdir: Path) -> None:
-        super().__init__(location)
+    def __init__(self, location: str, workdir: Path, security: ServerSecurity | None = None,
+                 roots: DumpRoots | None = None) -> None:
+        security = security or ServerSecurity()
+        super().__init__(location, middleware=flight_middleware(security), **security.flight_kwargs())
         self.store = ArtifactStore(Path(workdir) / "artifacts")
+        self.roots = roots or DumpRoots(None, local=True)
+        why = runtime_ready()     # checked once: a collector that cannot run a model is not ready
+        self.status = "NOT_SERVING" if why else "SERVING"
+        if why:
+            log.warning("collector not ready: %s", why)
+
+    def _confined(self, d: pb.DumpSource) -> pb.DumpSource:
+        """The dump source with its path checked against the dump roots."""
+        confined = pb.DumpSource()
+        confined.CopyFrom(d)
+        confined.path = self.roots.check(d.path)
+        return confined
 
     # -------------------------------------------------------------- capture
     def source(self, request: pb.CaptureRequest) -> Iterator[NodeRecord]:
         kind = request.WhichOneof("source")
         if kind == "dump":
-            d = request.dump
+            d = self._confined(request.dump)
             if d.watch:
                 return watch_records(d.path, fmt=d.format, default_concat_dim=d.default_concat_dim,
                                      idle_s=d.idle_timeout_s or 10.0)
@@ -89,7 +111,7 @@ class CollectorFlight(flight.FlightServerBase):
         run whole under onnxruntime's profiler."""
         kind = request.WhichOneof("source")
         if kind == "dump":
-            return dump_perf_records(request.dump.path)
+            return dump_perf_records(self._confined(request.dump).path)
         if kind == "live":
             runner = self._live_runner(request.live)
             if not isinstance(runner, LiveRunner):
@@ -146,13 +168,28 @@ class CollectorFlight(flight.FlightServerBase):
 
     # -------------------------------------------------------------- actions
     def list_actions(self, context):
-        return [(HEALTH, "layerdiff.v1.HealthReply of this collector")]
+        return [(HEALTH, "layerdiff.v1.HealthReply of this collector"),
+                (DUMP_GRAPH, "layerdiff.v1.DeviceGraph of a dump's manifest (body: layerdiff.v1.DumpSource)")]
 
     def do_action(self, context, action):
+        if action.type == DUMP_GRAPH:
+            return [flight.Result(self._dump_graph(action.body.to_pybytes()).SerializeToString())]
         if action.type != HEALTH:
             raise KeyError(f"unknown action {action.type!r}")
-        yield flight.Result(pb.HealthReply(service="collector", version=__version__,
-                                           status="SERVING").SerializeToString())
+        return [flight.Result(pb.HealthReply(service="collector", version=__version__,
+                                             status=self.status).SerializeToString())]
+
+    def _dump_graph(self, body: bytes) -> pb.DeviceGraph:
+        from layerdiff.collector.dumpgraph import dump_graph
+
+        try:
+            source = pb.DumpSource.FromString(body)
+        except Exception as e:
+            raise pa.ArrowInvalid(f"action body is not a layerdiff.v1.DumpSource: {e}") from None
+        try:
+            return dump_graph(self._confined(source))
+        except Exception as e:
+            raise _to_flight_error(e) from None
 
 
 def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, device_model: bytes | None,
@@ -180,7 +217,20 @@ def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, devi
 class CollectorServer:
     """A running collector; use as a context manager or call stop()."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None,
+                 security: ServerSecurity | None = None, dump_roots: str | None = None,
+                 health_port: int | None = None) -> None:
+        """``security`` (default: from LAYERDIFF_TOKEN_FILE, LAYERDIFF_TLS_*):
+        TLS and tokens, required on a non-loopback host unless
+        LAYERDIFF_INSECURE=1. ``dump_roots`` (default LAYERDIFF_DUMP_ROOTS,
+        ``:``-separated): the only directories dumps are read from; without
+        any, a collector on loopback reads any path and one on the network none.
+        ``health_port`` (default LAYERDIFF_HEALTH_PORT): also serve
+        grpc.health.v1 there (a Flight endpoint cannot carry it), with the
+        same TLS; ``layerdiff health`` asks either."""
+        security = security if security is not None else ServerSecurity.from_env()
+        security.check_exposure(host, "collector")
+        roots = DumpRoots.from_env(dump_roots, local=is_loopback(host))
         release_freed_tensors_to_system()
         self._tmp = None
         if workdir is None:
@@ -189,15 +239,32 @@ class CollectorServer:
         # A Flight server answers from its construction. Its serve() is not
         # called: it would take SIGINT over, and shut down on Ctrl-C only
         # once the capture under way had ended, before the process saw it.
-        self.flight = CollectorFlight(f"grpc+tcp://{host}:{port}", Path(workdir))
+        self.flight = CollectorFlight(f"{security.flight_scheme()}://{host}:{port}", Path(workdir), security, roots)
         self.port = self.flight.port
         self.address = f"{host}:{self.port}"
         self._stopped = threading.Event()
+        self.health = None
+        if health_port is None and os.environ.get("LAYERDIFF_HEALTH_PORT", "").strip():
+            health_port = int(os.environ["LAYERDIFF_HEALTH_PORT"])
+        if health_port is not None:
+            from layerdiff.net import bind, make_server, serve_health
+
+            from grpc_health.v1 import health_pb2
+
+            self._health_server = make_server(max_workers=2)
+            self.health = serve_health(self._health_server)
+            if runtime_ready():     # no device runs here: not ready
+                self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.health_port = bind(self._health_server, host, health_port, security)
+            self._health_server.start()
 
     def stop(self, grace: float | None = None) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()
+            self._health_server.stop(1.0)
         self.flight.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -230,20 +297,39 @@ def flight_message(e: BaseException) -> str:
 class CollectorClient:
     """Client side of the collector; every call carries a deadline."""
 
-    def __init__(self, address: str, timeout: float = 600.0) -> None:
+    def __init__(self, address: str, timeout: float = 600.0, security: ClientSecurity | None = None) -> None:
+        """``security`` (default: LAYERDIFF_TOKEN, LAYERDIFF_TLS_CA...): the
+        token sent on every call, and TLS when a CA is known."""
         self.address = address
         self.timeout = timeout
-        self.client = flight.connect(f"grpc+tcp://{address}")
+        self.security = security if security is not None else ClientSecurity.from_env()
+        self.client = flight.connect(self.security.flight_location(address), **self.security.flight_connect_kwargs())
 
     def _options(self, timeout: float | None = None) -> flight.FlightCallOptions:
-        return flight.FlightCallOptions(timeout=timeout or self.timeout)
+        return flight.FlightCallOptions(timeout=timeout or self.timeout, headers=self.security.flight_headers())
 
     def health(self, timeout: float = 10.0) -> pb.HealthReply:
         try:
             results = list(self.client.do_action(flight.Action(HEALTH, b""), self._options(timeout)))
+        except (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError) as e:
+            raise Unauthenticated(f"collector {self.address} refused this token ({flight_message(e)}); set "
+                                  "LAYERDIFF_TOKEN to one the collector accepts", field="collector") from None
+        except flight.FlightUnavailableError as e:
+            hint = "" if self.security.tls else " (if it serves TLS, give its CA in LAYERDIFF_TLS_CA)"
+            raise UnavailableError(f"collector {self.address} is not reachable{hint}", field="collector") from e
+        return pb.HealthReply.FromString(results[0].body.to_pybytes())
+
+    def dump_graph(self, source: pb.DumpSource, timeout: float = 60.0) -> pb.DeviceGraph:
+        """The graph the dump's manifest describes (empty if none)."""
+        try:
+            results = list(self.client.do_action(flight.Action(DUMP_GRAPH, source.SerializeToString()),
+                                                 self._options(timeout)))
         except flight.FlightUnavailableError as e:
             raise UnavailableError(f"collector {self.address} is not reachable", field="collector") from e
-        return pb.HealthReply.FromString(results[0].body.to_pybytes())
+        except pa.ArrowException as e:
+            raise LayerdiffError(f"collector could not read the dump's graph: {flight_message(e)}",
+                                 field="dump_path") from None
+        return pb.DeviceGraph.FromString(results[0].body.to_pybytes()) if results else pb.DeviceGraph()
 
     def wait_ready(self, timeout: float = 15.0, stop: threading.Event | None = None) -> None:
         """Wait for the collector to answer its health check; gives up early
@@ -257,7 +343,9 @@ class CollectorClient:
                 return
             except (UnavailableError, flight.FlightError):
                 if time.monotonic() > end:
-                    raise UnavailableError(f"collector {self.address} is not reachable", field="collector") from None
+                    hint = "" if self.security.tls else " (if it serves TLS, give its CA in LAYERDIFF_TLS_CA)"
+                    raise UnavailableError(f"collector {self.address} is not reachable{hint}",
+                                           field="collector") from None
                 if stop is None:
                     time.sleep(0.1)
                 elif stop.wait(0.1):
@@ -296,7 +384,9 @@ class CollectorClient:
         No deadline unless ``timeout`` is given: a stream lasts as long as its
         source, and its liveness is watched by the receiver (heartbeats, see
         ``layerdiff.collector.stream``)."""
-        options = flight.FlightCallOptions(timeout=timeout) if timeout else flight.FlightCallOptions()
+        headers = self.security.flight_headers()
+        options = flight.FlightCallOptions(timeout=timeout, headers=headers) if timeout else \
+            flight.FlightCallOptions(headers=headers)
         return self.client.do_get(flight.Ticket(request.SerializeToString()), options)
 
     def close(self) -> None:

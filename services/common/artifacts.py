@@ -23,6 +23,14 @@ from layerdiff.net import DEFAULT_CHUNK_BYTES
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 DEFAULT_MAX_ARTIFACT_BYTES = 8 * 1024**3
+DEFAULT_QUOTA_BYTES = 64 * 1024**3
+
+
+def quota_bytes() -> int:
+    """LAYERDIFF_ARTIFACT_QUOTA_BYTES: what all of a store's uploads together may hold (64 GiB)."""
+    from layerdiff.settings import env_limit
+
+    return env_limit("LAYERDIFF_ARTIFACT_QUOTA_BYTES", DEFAULT_QUOTA_BYTES, size=True)
 
 
 class ArtifactStore:
@@ -32,11 +40,23 @@ class ArtifactStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self.quota = quota_bytes()
         self._names: dict[str, str] = {}
         self._held: Counter[str] = Counter()
         self._lock = threading.Lock()
         for partial in self.root.glob(".upload-*"):   # left by a service that died mid-upload
             _unlink(partial)
+
+    def used_bytes(self) -> int:
+        """Bytes the stored artifacts take (uploads under way included)."""
+        total = 0
+        with os.scandir(self.root) as it:
+            for e in it:
+                try:
+                    total += e.stat(follow_symlinks=False).st_size if e.is_file(follow_symlinks=False) else 0
+                except OSError:
+                    pass
+        return total
 
     def receive(self, chunks: Iterable[pb.ArtifactChunk]) -> pb.ArtifactRef:
         try:
@@ -62,7 +82,15 @@ class ArtifactStore:
                         if expected > self.max_bytes:
                             raise LimitError(f"declared size {expected} exceeds the limit of {self.max_bytes} bytes",
                                              file=name, field="total_size")
+                        used = self.used_bytes()
+                        if used + max(expected, 0) > self.quota:
+                            raise LimitError(f"the store holds {used} bytes; {expected} more would pass its quota "
+                                             f"of {self.quota} (LAYERDIFF_ARTIFACT_QUOTA_BYTES)", file=name,
+                                             field="total_size")
                     size += len(chunk.data)
+                    if expected < 0 and used + size > self.quota:
+                        raise LimitError(f"the upload passes the store's quota of {self.quota} bytes "
+                                         "(LAYERDIFF_ARTIFACT_QUOTA_BYTES)", file=name, field="data")
                     if size > self.max_bytes or (expected >= 0 and size > expected):
                         raise LimitError(f"upload is larger than declared ({size} > {expected})",
                                          file=name, field="data")

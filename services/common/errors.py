@@ -6,13 +6,14 @@ Anything else reaching a service boundary is a bug and is reported as such.
 """
 from __future__ import annotations
 
-import grpc
+# grpc is imported only where a status is sent: importing layerdiff must not
+# load it, so that a command can quiet gRPC's own logging before it starts.
 
 
 class LayerdiffError(Exception):
     """A problem with the user's input or environment, described for the user."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+    code: str = "INVALID_ARGUMENT"     # the grpc.StatusCode it travels as
 
     def __init__(self, message: str, *, file: str | None = None, node: str | None = None,
                  field: str | None = None) -> None:
@@ -31,21 +32,33 @@ class LayerdiffError(Exception):
 
 
 class NotFoundError(LayerdiffError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = "NOT_FOUND"
 
 
 class LimitError(LayerdiffError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = "RESOURCE_EXHAUSTED"
 
 
 class UnavailableError(LayerdiffError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code = "UNAVAILABLE"
 
 
-def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
+class Unauthenticated(LayerdiffError):
+    """No token, or one the service does not accept."""
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(LayerdiffError):
+    """An accepted token asking for what another token owns."""
+    code = "PERMISSION_DENIED"
+
+
+def abort_with(context, exc: BaseException) -> None:
     """Translate an exception into a gRPC status (raises)."""
+    import grpc
+
     if isinstance(exc, LayerdiffError):
-        context.abort(exc.code, str(exc))
+        context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 

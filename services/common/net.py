@@ -120,21 +120,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def make_server(max_workers: int = 16) -> grpc.Server:
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options())
+def make_server(max_workers: int = 16, interceptors: list | None = None) -> grpc.Server:
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options(),
+                       interceptors=interceptors or None)
 
 
-def bind(server: grpc.Server, host: str, port: int) -> int:
-    """Bind an insecure port; port 0 picks a free one. Returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.Server, host: str, port: int, security=None) -> int:
+    """Bind a port, over TLS when ``security`` (security.ServerSecurity) has a
+    certificate; port 0 picks a free one. Returns the bound port."""
+    if security is not None and security.tls:
+        bound = server.add_secure_port(f"{host}:{port}", security.grpc_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return bound
 
 
-def channel(address: str) -> grpc.Channel:
-    """An insecure channel with the message limits and keepalive above."""
-    return grpc.insecure_channel(address, options=client_options())
+def channel(address: str, security=None) -> grpc.Channel:
+    """A channel with the message limits and keepalive above: over TLS and
+    with the bearer token where ``security`` (security.ClientSecurity) says."""
+    if security is None:
+        return grpc.insecure_channel(address, options=client_options())
+    return security.channel(address, client_options())
+
+
+def serve_health(server: grpc.Server):
+    """grpc.health.v1 on ``server``: SERVING for the whole server ("") once
+    started; the caller sets NOT_SERVING while it shuts down."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return servicer
 
 
 def wait_ready(ch: grpc.Channel, timeout: float = 10.0) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import shape_inference
 
-from layerdiff.errors import LayerdiffError
+from layerdiff.errors import LayerdiffError, LimitError
 
 # onnx TensorProto element type -> numpy dtype name
 ONNX_TO_NUMPY = {
@@ -182,10 +182,38 @@ def consumer_map(model: onnx.ModelProto) -> dict[str, list[str]]:
     return cmap
 
 
+MAX_INPUTS_BYTES_DEFAULT = 1 << 30
+
+
+def max_inputs_bytes() -> int:
+    """LAYERDIFF_MAX_INPUTS_BYTES: the most an inputs .npz may inflate to (1 GiB)."""
+    from layerdiff.settings import env_limit
+
+    return env_limit("LAYERDIFF_MAX_INPUTS_BYTES", MAX_INPUTS_BYTES_DEFAULT, size=True)
+
+
+def _check_inflated_size(data: bytes, name: str) -> None:
+    """An .npz's members are decompressed only if what they declare fits the
+    limit (a member inflating past its declared size fails its own check)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            total = sum(i.file_size for i in z.infolist())
+    except Exception as e:
+        raise LayerdiffError(f"is not a readable .npz of inputs ({type(e).__name__}: {e})", file=name) from e
+    limit = max_inputs_bytes()
+    if total > limit:
+        raise LimitError(f"inflates to {total} bytes, over the limit of {limit} (LAYERDIFF_MAX_INPUTS_BYTES)",
+                         file=name, field="inputs")
+
+
 def load_inputs(data: bytes, name: str) -> dict[str, np.ndarray]:
     """Read an .npz (or a single .npy) of named inputs without pickles."""
     if data[:6] != b"\x93NUMPY" and data[:2] != b"PK":
         raise LayerdiffError("is not an .npz or .npy file of inputs", file=name)
+    if data[:2] == b"PK":
+        _check_inflated_size(data, name)
     try:
         if data[:6] == b"\x93NUMPY":
             arr = np.load(io.BytesIO(data), allow_pickle=False)
@@ -229,3 +257,21 @@ def check_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray], name: str
 
 def _fmt_shape(shape: tuple) -> str:
     return "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
+
+
+def runtime_ready() -> str:
+    """'' when onnxruntime can build and run a session here, else why not
+    (what the services' readiness reports)."""
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "ready",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as e:
+        return f"cannot run a model ({type(e).__name__})"
+    return ""

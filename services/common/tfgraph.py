@@ -105,7 +105,7 @@ def model_format(name: str, data: bytes) -> str:
         try:
             with zipfile.ZipFile(io.BytesIO(data)) as z:
                 names = z.namelist()
-        except zipfile.BadZipFile:
+        except Exception:     # BadZipFile, a damaged directory ("zip file version 6.4"...)
             return FORMAT_KERAS if lower.endswith(".keras") else FORMAT_ONNX
         if any(n.rstrip("/").split("/")[-1] in ("saved_model.pb", "saved_model.pbtxt") for n in names):
             return FORMAT_SAVEDMODEL
@@ -174,8 +174,9 @@ def check_zip_members(data: bytes, archive: str, max_bytes: int = MAX_UNPACKED_B
     unpacking it."""
     try:
         z = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
-        raise LayerdiffError(f"is not a readable zip archive ({e})", file=archive, field="model") from e
+    except Exception as e:    # BadZipFile, a damaged directory ("zip file version 6.4"...)
+        raise LayerdiffError(f"is not a readable zip archive ({type(e).__name__}: {e})", file=archive,
+                             field="model") from e
     infos = z.infolist()
     if len(infos) > MAX_ARCHIVE_MEMBERS:
         raise LimitError(f"archive has {len(infos)} members (limit {MAX_ARCHIVE_MEMBERS})", file=archive,

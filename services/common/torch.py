@@ -1,0 +1,125 @@
+"""Golden runs from PyTorch: every module's (or every operator's) inputs and
+outputs of a model, written as the seed's HDF5 dump layout
+``/op/seqid/{input,output}/N``, which layerdiff reads as a dump (``--dump
+run.h5``; the first call of ``op`` is the node ``op``, later calls
+``op@seqid``, output N > 0 is ``op:N``).
+
+    from layerdiff.torch import capture
+
+    with capture(model, "cpu.h5"):          # on the reference device
+        model(x)
+    with capture(npu_model, "npu.h5"):      # and the same on the device
+        npu_model(x.to("npu"))
+
+``level="module"`` (default) hooks every leaf module (``layer1.0.conv1``);
+``level="operator"`` records every ATen operator the forward dispatches
+(``aten.convolution.default``). Tensors are written as they came (moved to
+the CPU; bfloat16, which NumPy lacks, as float32 with the original dtype in
+the dataset's ``dtype`` attribute); what is not a tensor is left out. Only
+this module imports torch, and only when used.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+LEVELS = ("module", "operator")
+
+
+class _Writer:
+    """The HDF5 file being written; owns the per-op call counters."""
+
+    def __init__(self, path: Path, max_calls: int) -> None:
+        import h5py
+
+        self.file = h5py.File(path, "w", track_order=True)
+        self.calls: dict[str, int] = {}
+        self.max_calls = max_calls
+        self.dropped = 0
+
+    def record(self, op: str, inputs, outputs) -> None:
+        seq = self.calls.get(op, 0)
+        if seq >= self.max_calls:      # a training loop: the first calls are what a comparison needs
+            self.dropped += 1
+            return
+        self.calls[op] = seq + 1
+        key = op.replace("/", ".")
+        op_group = self.file[key] if key in self.file else self.file.create_group(key, track_order=True)
+        group = op_group.create_group(str(seq), track_order=True)
+        for role, values in (("input", inputs), ("output", outputs)):
+            side = group.create_group(role, track_order=True)
+            for n, t in enumerate(_tensors(values)):
+                arr, dtype = _to_numpy(t)
+                ds = side.create_dataset(str(n), data=arr)
+                if dtype:
+                    ds.attrs["dtype"] = dtype
+
+    def close(self) -> None:
+        self.file.attrs["calls_dropped"] = self.dropped
+        self.file.close()
+
+
+def _tensors(values) -> list:
+    """The tensors of a hook's or operator's arguments, flattened in order."""
+    import torch
+
+    out = []
+    stack = [values]
+    while stack:
+        v = stack.pop(0)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack[:0] = list(v)
+        elif isinstance(v, dict):
+            stack[:0] = list(v.values())
+    return out
+
+
+def _to_numpy(t) -> tuple[np.ndarray, str]:
+    import torch
+
+    t = t.detach()
+    if t.layout != torch.strided:      # sparse: the values as a dense tensor
+        t = t.to_dense()
+    if t.dtype == torch.bfloat16:
+        return t.to(device="cpu", dtype=torch.float32).contiguous().numpy(), "bfloat16"
+    return t.to("cpu").contiguous().numpy(), ""
+
+
+@contextmanager
+def capture(model, path, *, level: str = "module", max_calls: int = 64):
+    """Record ``model``'s forward passes made inside the block into the HDF5
+    file ``path`` (replaced). ``max_calls``: calls kept per op (the rest are
+    counted in the file's ``calls_dropped`` attribute)."""
+    import torch
+
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+    writer = _Writer(Path(path), max_calls)
+    handles = []
+    try:
+        if level == "module":
+            for name, module in model.named_modules():
+                if name and not any(True for _ in module.children()):
+                    handles.append(module.register_forward_hook(
+                        lambda mod, inputs, outputs, name=name: writer.record(name, inputs, outputs)))
+            with torch.no_grad():
+                yield writer
+        else:
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            class _Record(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    out = func(*args, **(kwargs or {}))
+                    writer.record(str(func), (args, kwargs or {}), out)
+                    return out
+
+            with torch.no_grad(), _Record():
+                yield writer
+    finally:
+        for h in handles:
+            h.remove()
+        writer.close()

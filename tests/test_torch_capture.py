@@ -1,0 +1,96 @@
+"""layerdiff.torch: a PyTorch model's golden run written in the seed's HDF5
+layout, read back by the dump reader as the same tensors, repeated calls as
+op@seqid; the operator level records ATen operators."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from layerdiff.collector.dumpdir import DumpDirectory
+from layerdiff.schema import ROLE_INPUT, STATUS_OK
+
+torch = pytest.importorskip("torch")
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(8, 4)).eval()
+
+
+def _records(path):
+    return {(r.name, r.role, r.slot): r for r in DumpDirectory(str(path.parent), fmt="h5").records()}
+
+
+def test_every_leaf_module_is_written_and_read_back_as_it_computed(tmp_path):
+    from layerdiff.torch import capture
+
+    model, x = net(), torch.randn(1, 3, 16, 16)
+    seen = {}
+
+    def keep(name):
+        def hook(mod, inputs, output):
+            seen[name] = output.detach().numpy().copy()
+        return hook
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    with capture(model, tmp_path / "cpu.h5"):
+        model(x)
+        model(x * 2)       # a second call of every module: op@1
+    recs = _records(tmp_path / "cpu.h5")
+    assert all(r.status == STATUS_OK for r in recs.values()), [r.message for r in recs.values() if r.message]
+    for name, value in seen.items():
+        np.testing.assert_array_equal(recs[(name, "output", 0)].array, value)
+        assert (f"{name}@1", "output", 0) in recs
+    # a node's input is the previous node's output, as the seed's layout keeps both
+    np.testing.assert_array_equal(recs[("1", ROLE_INPUT, 0)].array, seen["0"])
+
+
+def test_operators_and_a_bounded_number_of_calls(tmp_path):
+    import h5py
+
+    from layerdiff.torch import capture
+
+    model, x = net(), torch.randn(1, 3, 16, 16)
+    with capture(model, tmp_path / "ops.h5", level="operator", max_calls=1):
+        model(x)
+        model(x)
+    with h5py.File(tmp_path / "ops.h5") as f:
+        ops = list(f.keys())
+        assert "aten.convolution.default" in ops and all(len(f[op]) == 1 for op in ops)
+        assert f.attrs["calls_dropped"] > 0
+    recs = _records(tmp_path / "ops.h5")
+    conv = recs[("aten.convolution.default", "output", 0)].array
+    assert conv.shape == (1, 8, 16, 16)
+
+
+def test_bfloat16_is_kept_as_float32_with_its_dtype_named(tmp_path):
+    import h5py
+
+    from layerdiff.torch import capture
+
+    model = net().to(torch.bfloat16)
+    with capture(model, tmp_path / "bf16.h5"):
+        model(torch.randn(1, 3, 8, 8, dtype=torch.bfloat16))
+    with h5py.File(tmp_path / "bf16.h5") as f:
+        ds = f["0"]["0"]["output"]["0"]
+        assert ds.dtype == np.float32 and ds.attrs["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="level"):
+        with capture(model, tmp_path / "x.h5", level="graph"):
+            pass
+
+
+def test_torch_is_imported_only_by_the_helper():
+    import subprocess
+    import sys
+
+    code = "import sys, layerdiff.client.cli, layerdiff.collector.service, layerdiff.analyzer.jobs; " \
+           "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
