@@ -1,6 +1,6 @@
 """layerdiff.torch: a PyTorch model's golden run written in the seed's HDF5
 layout, read back by the dump reader as the same tensors, repeated calls as
-op@seqid; the operator level records ATen operators."""
+op@k; the operator level records ATen operators."""
 from __future__ import annotations
 
 import numpy as np

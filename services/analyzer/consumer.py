@@ -172,7 +172,9 @@ class StreamConsumer:
             return
         ref = self._reference().pop(site.tensor)
         if ref is None:
-            self._refuse(site.tensor, site.tensor, "the reference run produced no value")
+            missing = getattr(self.p.reference, "missing_reason", None)   # a golden dump's unreadable record
+            self._refuse(site.tensor, site.tensor, (missing(site.tensor) if missing else "")
+                         or "the reference run produced no value")
             return
         self.examiner.note_range(site.tensor, ref)
         self._aligned(site, rec, ref, lambda dev: self.examiner.keep_output(site.tensor, dev, rec.lease), perm,
@@ -309,6 +311,9 @@ class StreamConsumer:
         owner = decision.site
         ins = self.p.reference.node_inputs.get(owner.node, [])
         shown = f"{owner.node} (input {rec.slot})"
+        if owner.node in getattr(self.p.reference, "presumed", {}):
+            rep.skipped.append((shown, "the reference dump holds no inputs of this node"))
+            return
         if rec.slot >= len(ins) or not ins[rec.slot]:
             rep.invalid_out.append((shown, f"the reference node has {len(ins)} inputs"))
             return

@@ -919,7 +919,7 @@ class NodeExaminer:
     def _weight(self, tensor: str) -> np.ndarray | None:
         """A weight of the reference: an initializer or a Constant node's value."""
         w = self.reference.constant(tensor) if hasattr(self.reference, "constant") else None
-        if w is not None or not hasattr(self.reference, "model"):
+        if w is not None or getattr(self.reference, "model", None) is None:   # a golden dump has no model
             return w
         if self._constant_nodes is None:
             self._constant_nodes = {n.output[0]: n for n in self.reference.model.graph.node

@@ -25,6 +25,7 @@ import pyarrow as pa
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.consumer import StreamConsumer
 from layerdiff.analyzer.coverage import MIN_COVERAGE_DEFAULT
+from layerdiff.analyzer.dumpreference import DumpReference
 from layerdiff.analyzer.impact import ImpactRunner, InjectedValues
 from layerdiff.security import check_collector_allowed
 from layerdiff.settings import env_limit
@@ -121,13 +122,13 @@ class Job:
 @dataclass
 class Prepared:
     """Everything checked at submit time, so bad input fails the Submit call."""
-    reference: OnnxReference | TFReference
+    reference: OnnxReference | TFReference | DumpReference
     feeds: dict
     aligner: Aligner
     tolerances: Tolerances
-    diff_cnt: int
-    max_cores: int
-    force_compare: bool
+    diff_cnt: int = DIFF_CNT_DEFAULT
+    max_cores: int = 0
+    force_compare: bool = False
     quantized: bool = False
     show_graph: bool = False
     max_bins: int = 128
@@ -137,9 +138,12 @@ class Prepared:
     perf: PerfSettings = field(default_factory=PerfSettings)
     min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
     weights: list | None = None         # weights.csv rows where both models are at hand
+    golden: bool = False                # the reference is a golden dump, streamed first (DumpReference)
 
 
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
+    if spec.HasField("reference_dump"):
+        return _prepare_dump_reference(spec, store)
     if not spec.collector:
         raise LayerdiffError("no collector address given", field="collector")
     check_collector_allowed(spec.collector)
@@ -155,10 +159,23 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
         store.path(spec.device_model_artifact, "device_model_artifact")
     elif isinstance(reference, TFReference) and not spec.dump_path:
         reference.check_device_precision(spec.precision)
-    o = spec.options
     graph = _graph_alignment(spec, store, reference)
-    aligner = _aligner(reference, o, graph)
-    weight_rows = _weights(graph)
+    aligner = _aligner(reference, spec.options, graph)
+    options = _checked_options(spec)
+    options["quantized"] = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
+        store.read(spec.device_model_artifact, "device_model_artifact")))
+    perf = options["perf"]
+    if perf.enabled and not spec.dump_path:
+        _check_live_perf(spec, store)
+    if perf.only and spec.watch:
+        raise LayerdiffError("watch streams tensors while the runtime writes them; a performance-only job reads "
+                             "the counter files once: run it when the runtime has finished", field="watch")
+    return Prepared(reference, feeds, aligner, weights=_weights(graph), **options)
+
+
+def _checked_options(spec: pb.JobSpec) -> dict:
+    """The comparison options of a job, checked: Prepared's fields."""
+    o = spec.options
     tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
                             o.op_config_csv)
     if o.diff_cnt < 0:
@@ -173,23 +190,64 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     if not 1 <= min_bins <= max_bins:
         raise LayerdiffError(f"must be in [1, max_bins={max_bins}], got {min_bins}", field="min_bins")
     given_ranges, range_skips = parse_min_max(o.min_max_text) if o.min_max_text.strip() else ({}, [])
-    quantized = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
-        store.read(spec.device_model_artifact, "device_model_artifact")))
     min_coverage = o.min_coverage if o.has_min_coverage or o.min_coverage else None
     if min_coverage is not None and not 0.0 <= min_coverage <= 1.0:
         raise LayerdiffError(f"must be in [0, 1], got {min_coverage:g}", field="min_coverage")
-    perf = check_perf_options(spec.perf)
-    if perf.enabled and not spec.dump_path:
-        _check_live_perf(spec, store)
-    if perf.only and spec.watch:
-        raise LayerdiffError("watch streams tensors while the runtime writes them; a performance-only job reads "
-                             "the counter files once: run it when the runtime has finished", field="watch")
-    return Prepared(reference, feeds, aligner, tolerances, o.diff_cnt or DIFF_CNT_DEFAULT, o.max_cores,
-                    o.force_compare, quantized, o.show_graph, max_bins, min_bins, given_ranges, range_skips,
-                    perf=perf, min_coverage=min_coverage, weights=weight_rows)
+    return dict(tolerances=tolerances, diff_cnt=o.diff_cnt or DIFF_CNT_DEFAULT, max_cores=o.max_cores,
+                force_compare=o.force_compare, show_graph=o.show_graph, max_bins=max_bins, min_bins=min_bins,
+                given_ranges=given_ranges, range_skips=range_skips, perf=check_perf_options(spec.perf),
+                min_coverage=min_coverage)
+
+
+def _prepare_dump_reference(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
+    """Two dumps: the golden one (read by its collector first, in the job)
+    is the reference; an ONNX model, if given, lends its graph."""
+    golden = spec.reference_dump
+    if not golden.collector:
+        raise LayerdiffError("no collector address given for the reference dump", field="reference_dump.collector")
+    if not golden.dump.path:
+        raise LayerdiffError("no reference dump path given", field="reference_dump.dump.path")
+    if golden.dump.watch:
+        raise LayerdiffError("the reference dump is read once, whole: it cannot be watched",
+                             field="reference_dump.dump.watch")
+    if not spec.collector:
+        raise LayerdiffError("no collector address given for the device dump", field="collector")
+    if not spec.dump_path:
+        raise LayerdiffError("a reference dump is compared with a device dump: give the device dump's path",
+                             field="dump_path")
+    if spec.device_model_artifact:
+        raise LayerdiffError("two dumps are compared without running a device model", field="device_model_artifact")
+    if spec.precision and spec.precision not in PRECISIONS:
+        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
+                             field="precision")
+    for address in (golden.collector, spec.collector):
+        check_collector_allowed(address)
+    model = None
+    if spec.model_artifact:
+        from layerdiff.onnxgraph import load_model
+        from layerdiff.tfgraph import is_tensorflow
+
+        name = store.name(spec.model_artifact)
+        data = store.read(spec.model_artifact, "model_artifact")
+        if is_tensorflow(name, data):
+            raise LayerdiffError("only an ONNX model lends its graph to a comparison of two dumps", file=name,
+                                 field="model")
+        model = load_model(data, name)
+    options = _checked_options(spec)
+    if options["perf"].enabled:
+        raise LayerdiffError("a comparison of two dumps is of accuracy only", field="perf")
+    provenance = {"collector": golden.collector, "dump_path": golden.dump.path,
+                  "format": golden.dump.format or "detected"}
+    reference = DumpReference(spec.model_name or f"reference dump {golden.dump.path}", model=model,
+                              provenance=provenance)
+    # the aligner needs the golden dump's tensors: built once it has streamed (JobRunner._receive_golden)
+    return Prepared(reference, {}, Aligner([]), quantized=spec.precision == "int8", golden=True, **options)
 
 
 MAX_JOBS_PER_CLIENT_DEFAULT = 4
+# a golden dump is spilled to the analyzer's disk while its job runs
+REFERENCE_DUMP_BYTES_DEFAULT = 64 * 1024 ** 3
+SPILL_DIR = "spill"
 REPORT_QUOTA_BYTES_DEFAULT = 2 * 1024 ** 3
 
 
@@ -343,6 +401,8 @@ class JobRunner:
         self._submitting: dict[str, int] = {}
         self._retention_lock = threading.Lock()
         self.records = JobRecords(self.jobs_dir, retention if retention is not None else Retention.from_env())
+        # golden dumps spilled by jobs a stopped analyzer left behind
+        shutil.rmtree(self.workdir / SPILL_DIR, ignore_errors=True)
         records, interrupted = self.records.load()
         for rec in records:
             try:
@@ -459,10 +519,10 @@ class JobRunner:
 
     def _run(self, job: Job, p: Prepared) -> None:
         started = time.time()
-        total = len(p.reference.sites)
         try:
             try:
                 summary = self._execute(job, p, started)
+                total = len(p.reference.sites)     # a golden dump's are known once it has streamed
                 first = summary["first_failing_node"]
                 answer = summary["outcome"]
                 state, end = pb.DONE, dict(
@@ -487,6 +547,8 @@ class JobRunner:
             self._finish(job, state, end)
         finally:
             self.store.release(job.artifacts)
+            if isinstance(p.reference, DumpReference):
+                p.reference.close()
         self._enforce_retention()
 
     def _finish(self, job: Job, state: int, end: dict) -> None:
@@ -521,6 +583,8 @@ class JobRunner:
 
     def _execute(self, job: Job, p: Prepared, started: float) -> dict:
         spec = job.spec
+        if p.golden:
+            self._receive_golden(job, p)
         total = len(p.reference.sites)
         # Timed first, before the reference runs, so that nothing of this job
         # loads the host while the device is being timed; a watched dump's
@@ -544,10 +608,14 @@ class JobRunner:
         helper.shutdown(wait=False)
 
         rep = JobReport()
+        if isinstance(p.reference, DumpReference):
+            rep.reference_overflow = dict(p.reference.overflow)
         # device values of nodes with an error of their own, for the impact re-runs
         injected = InjectedValues() if isinstance(p.reference, OnnxReference) else None
 
         def on_ready(collector: CollectorClient) -> None:
+            if p.golden and p.reference.model is None:
+                return      # the golden dump's names and values pair the device's
             graph = _dump_graph_alignment(spec, p.reference, collector)
             if graph is not None:
                 p.aligner = _aligner(p.reference, spec.options, graph)
@@ -581,7 +649,8 @@ class JobRunner:
                                    node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
                                    all_sites=p.reference.sites, aligner=p.aligner,
                                    node_inputs=p.reference.node_inputs, sections=sections,
-                                   min_coverage=p.min_coverage, impact=impact, weights=p.weights)
+                                   min_coverage=p.min_coverage, impact=impact, weights=p.weights,
+                                   presumed=getattr(p.reference, "presumed", None))
         finally:
             if injected is not None:
                 injected.release()
@@ -602,13 +671,23 @@ class JobRunner:
     def _job_info(self, job: Job, p: Prepared, started: float) -> dict:
         spec = job.spec
         return {
-            "job_id": job.id, "model": p.reference.name, "device": spec.device or "cpu",
+            "job_id": job.id, "model": p.reference.name, "device": spec.device or ("device" if p.golden else "cpu"),
             "precision": spec.precision or "fp32",
             "source": "dump" if spec.dump_path else ("device_model" if spec.device_model_artifact else "live"),
             "dump_path": spec.dump_path or None, "collector": spec.collector,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "elapsed_s": round(time.time() - started, 3),
+            **({"reference_dump": self._golden_provenance(p)} if p.golden else {}),
         }
+
+    @staticmethod
+    def _golden_provenance(p: Prepared) -> dict:
+        """Where the reference came from: the golden dump, its collector,
+        what it held; the device dump's is the job's dump_path/collector."""
+        g = p.reference
+        return {**g.provenance, "records": g.records, "tensors": g.tensors, "bytes": g.bytes,
+                "duplicates": len(g.duplicates), "model": p.reference.name if g.model is not None else None,
+                "structure": "model" if g.model is not None else "dump"}
 
     def _capture_perf(self, job: Job, p: Prepared):
         """The collector's performance stream for this job's source: the
@@ -633,12 +712,13 @@ class JobRunner:
         return data
 
     @contextmanager
-    def _stream(self, job: Job, collector_request=None, on_ready=None):
-        """The job's stream from its collector, open and watched for
-        liveness; ``collector_request`` may amend the capture request,
-        ``on_ready`` is called with the collector once it answers.
-        Closed (connection and watchdog released) when the block ends."""
-        collector = CollectorClient(job.spec.collector)
+    def _stream(self, job: Job, collector_request=None, on_ready=None, golden: bool = False):
+        """The job's stream from its collector (``golden``: the reference
+        dump's, from its own collector), open and watched for liveness;
+        ``collector_request`` may amend the capture request, ``on_ready`` is
+        called with the collector once it answers. Closed (connection and
+        watchdog released) when the block ends."""
+        collector = CollectorClient(job.spec.reference_dump.collector if golden else job.spec.collector)
         stream = None
         try:
             collector.wait_ready(stop=job.cancelled)
@@ -646,7 +726,10 @@ class JobRunner:
                 raise _Cancelled()
             if on_ready is not None:
                 on_ready(collector)
-            request = self._capture_request(job, collector)
+            if golden:
+                request = pb.CaptureRequest(job_id=job.id, dump=job.spec.reference_dump.dump)
+            else:
+                request = self._capture_request(job, collector)
             if collector_request is not None:
                 collector_request(request)
             stream = CollectorStream(collector, request)
@@ -666,6 +749,52 @@ class JobRunner:
                 stream.cancel()
                 stream.close()
             collector.close()
+
+    def _receive_golden(self, job: Job, p: Prepared) -> None:
+        """Stream the golden dump into the job's spill directory, then fix
+        the reference's sites and the aligner the device stream pairs by."""
+        golden: DumpReference = p.reference
+        spec = job.spec
+        where = f"reference dump {spec.reference_dump.dump.path!r} on collector {spec.reference_dump.collector}"
+        job.emit(pb.REFERENCE, message=f"reading the {where}")
+        golden.start(self.workdir / SPILL_DIR / job.id)
+        limit = env_limit("LAYERDIFF_REFERENCE_DUMP_BYTES", REFERENCE_DUMP_BYTES_DEFAULT, size=True)
+        assembler = TensorAssembler(pool=BufferPool())
+        with self._stream(job, golden=True) as stream:
+            try:
+                for batch in stream:
+                    if job.cancelled.is_set():
+                        break
+                    for rec in assembler.feed(batch):
+                        self._take_golden(golden, rec, limit, where)
+                if not job.cancelled.is_set():
+                    for rec in assembler.finish():
+                        self._take_golden(golden, rec, limit, where)
+            except LayerdiffError:
+                if job.cancelled.is_set():
+                    raise _Cancelled() from None
+                raise
+        if job.cancelled.is_set():
+            raise _Cancelled()
+        golden.seal()
+        if not golden.tensors:
+            raise LayerdiffError(f"the {where} holds no readable tensor ({golden.records} records): check the "
+                                 "path on that collector's host and the reference dump's format",
+                                 field="reference_dump")
+        p.aligner = _aligner(golden, spec.options, None)
+        job.emit(pb.REFERENCE, nodes_total=len(golden.sites),
+                 message=f"{golden.tensors} reference tensors read from the {where}")
+
+    @staticmethod
+    def _take_golden(golden: DumpReference, rec, limit: int, where: str) -> None:
+        try:
+            if rec.array is not None and golden.bytes + rec.array.nbytes > limit:
+                raise LimitError(f"the {where} is larger than the analyzer takes, {limit} bytes "
+                                 "(LAYERDIFF_REFERENCE_DUMP_BYTES)", field="reference_dump")
+            golden.take(rec)
+        finally:
+            if rec.lease is not None:
+                rec.lease.release()
 
     def _consume(self, job: Job, p: Prepared, stream, ref_future: Future, executor, rep: JobReport,
                  total: int, injected=None) -> None:

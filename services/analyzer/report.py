@@ -107,6 +107,7 @@ class JobReport:
     check_skip: list[tuple[str, str]] = field(default_factory=list)     # tiled slices that failed validation
     concat_skip: list[tuple[str, str]] = field(default_factory=list)    # slices that did not splice
     overflow: dict[str, str] = field(default_factory=dict)              # node -> why the device flagged it
+    reference_overflow: dict[str, str] = field(default_factory=dict)    # node -> why a golden dump's runtime did
     input_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # reference min/max of op inputs
     quantized: bool = False
     range_skips: list[tuple[str, str]] = field(default_factory=list)    # tensor_min_max.txt lines not read
@@ -278,7 +279,8 @@ def _read_rows(rows: list[Row], node_inputs: dict[str, list[str]]) -> dict[str, 
 def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node_runtime: list[dict],
                  consumers: dict[str, list[str]], all_sites: list[TensorSite], aligner,
                  node_inputs: dict[str, list[str]] | None = None, sections: dict | None = None,
-                 min_coverage: float | None = None, impact=None, weights: list | None = None) -> dict:
+                 min_coverage: float | None = None, impact=None, weights: list | None = None,
+                 presumed: dict[str, str] | None = None) -> dict:
     """``sections``: further top-level parts of summary.json (the performance
     data, its per-node view), written by their own modules; a callable is
     called once every row carries its diagnosis. The coverage comes first:
@@ -286,7 +288,10 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     ``impact`` (impact.ImpactRunner): measures what each computation error
     does to the outputs; the headline names the first harmful one.
     ``weights``: the device model's weights against the reference's
-    (weights.csv), which name "cause: weight" without the node's inputs."""
+    (weights.csv), which name "cause: weight" without the node's inputs.
+    ``presumed``: node -> the tensor it is presumed to read (a golden dump
+    that records no inputs: the node before it in execution order), said
+    in its evidence."""
     out.mkdir(parents=True, exist_ok=True)
     rep.in_graph_order(all_sites)
     rows = rep.ordered()
@@ -294,6 +299,10 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized, weight_issues)
     for r in rows:
         r.finding = findings.get(id(r))
+        if r.finding and presumed and r.site.node in presumed:
+            r.finding.evidence.append(f"what it read is presumed from the execution order: {presumed[r.site.node]}, "
+                                      "the output of the node before it (neither dump records its inputs; a model "
+                                      "or dump_mode all gives them)")
         if r.finding and r.finding.cause == "quantization" and r.quant_step and consumers.get(r.site.node):
             # the hand-over's break shows in what it feeds: name it
             r.finding.hand_over = list(consumers[r.site.node])
@@ -331,7 +340,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
     _write_log(out / "check_skip.log", rep.check_skip)
     _write_log(out / "concate_skip.log", rep.concat_skip)
-    _write_log(out / "overflow_nodename.log", list(rep.overflow.items()))
+    _write_log(out / "overflow_nodename.log", list(rep.overflow.items()) +
+               [(f"{n} (reference dump)", why) for n, why in rep.reference_overflow.items()])
     if rep.range_skips:
         _write_log(out / "min_max_skip.log", rep.range_skips)
     (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
@@ -400,7 +410,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "failing_nodes": [r.site.tensor for r in failed if not r.is_constant],
         "failing_constants": [node_summary(r) for r in failed_constants],
         "failing_inputs": [r.label for r in inputs if r.failed],
-        "overflow_nodes": [{"node": n, "why": why} for n, why in rep.overflow.items()],
+        "overflow_nodes": [{"node": n, "why": why, "side": "device"} for n, why in rep.overflow.items()] +
+                          [{"node": n, "why": why, "side": "reference"} for n, why in rep.reference_overflow.items()],
         "verdicts": verdicts,
         "plots": rep.plots,
         "quantization": diagnose.quantization_advice(all_sites, node_inputs or {}, rows, rep.input_ranges,

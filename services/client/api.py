@@ -381,8 +381,6 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     and the job.
     """
     from layerdiff.analyzer.perf import parse_mode
-    from layerdiff.analyzer.service import AnalyzerServer
-    from layerdiff.collector.service import CollectorServer
 
     perf = pb.PerfOptions(mode=parse_mode(perf_mode), hide_span_nodes=not perf_all_nodes, runs=perf_runs or 0,
                           clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")
@@ -390,6 +388,50 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     inputs_data, inputs_name = _inputs_bytes(inputs)
     device_model_bytes, device_model_name = read_artifact(device_model, "device_model") \
         if device_model is not None else (None, "")
+    options = compare_options(atol=atol, rtol=rtol, diff_cnt=diff_cnt, op_config=op_config,
+                              map_node_dict=map_node_dict, skip_keys=skip_keys, exclude_node_list=exclude_node_list,
+                              force_compare=force_compare, max_cores=max_cores, show_graph=show_graph,
+                              max_bins=max_bins, min_bins=min_bins, min_max=min_max, min_coverage=min_coverage)
+
+    def spec(client: AnalyzerClient, collector: str) -> pb.JobSpec:
+        return pb.JobSpec(
+            model_artifact=client.upload(model_bytes, model_name),
+            inputs_artifact=client.upload(inputs_data, inputs_name),
+            device_model_artifact=client.upload(device_model_bytes, device_model_name)
+            if device_model_bytes is not None else "",
+            collector=collector, device=device, precision=precision, dump_path=dump or "",
+            dump_format=dump_format, default_concat_dim=default_concat_dim, watch=watch,
+            dump_mode=dump_mode or "output", options=options, model_name=model_name, perf=perf,
+            signature=signature or "")
+
+    return _run_job(spec, analyzer=analyzer, collector=collector, out=out, progress=progress, timeout=timeout,
+                    on_job=on_job)
+
+
+def compare_options(*, atol: float | None = None, rtol: float | None = None, diff_cnt: int | None = None,
+                    op_config=None, map_node_dict=None, skip_keys=None, exclude_node_list=None,
+                    force_compare: bool = False, max_cores: int | None = None, show_graph: bool = False,
+                    max_bins: int | None = None, min_bins: int | None = None, min_max=None,
+                    min_coverage: float | None = None) -> pb.CompareOptions:
+    """The comparison options ``run`` and ``compare`` share, as the wire carries them."""
+    return pb.CompareOptions(
+        atol=atol or 0.0, has_atol=atol is not None, rtol=rtol or 0.0, has_rtol=rtol is not None,
+        diff_cnt=diff_cnt or 0, op_config_csv=_text_arg(op_config), map_node_dict=parse_map_node_dict(map_node_dict),
+        skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
+        force_compare=force_compare, max_cores=max_cores or 0, show_graph=show_graph, max_bins=max_bins or 0,
+        min_bins=min_bins or 0, min_max_text=_text_arg(min_max), min_coverage=min_coverage or 0.0,
+        has_min_coverage=min_coverage is not None)
+
+
+def _run_job(make_spec: Callable[[AnalyzerClient, str], pb.JobSpec], *, analyzer: str | None,
+             collector: str | None, out, progress, timeout: float | None,
+             on_job: Callable[[str], None] | None) -> RunResult:
+    """Start what is not running (an embedded collector, analyzer), submit
+    the job ``make_spec(client, collector address)`` describes, follow it
+    and fetch its reports. Ctrl-C cancels the job and raises Interrupted."""
+    from layerdiff.analyzer.service import AnalyzerServer
+    from layerdiff.collector.service import CollectorServer
+
     out = Path(out)
     # the job outlives this process only when neither service runs inside it
     reattachable = analyzer is not None and collector is not None
@@ -403,23 +445,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
                 analyzer = stack.enter_context(AnalyzerServer()).address
             client = AnalyzerClient(analyzer)
             stack.callback(client.close)
-            options = pb.CompareOptions(
-                atol=atol or 0.0, has_atol=atol is not None, rtol=rtol or 0.0, has_rtol=rtol is not None,
-                diff_cnt=diff_cnt or 0, op_config_csv=_text_arg(op_config),
-                map_node_dict=parse_map_node_dict(map_node_dict),
-                skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
-                force_compare=force_compare, max_cores=max_cores or 0, show_graph=show_graph,
-                max_bins=max_bins or 0, min_bins=min_bins or 0, min_max_text=_text_arg(min_max),
-                min_coverage=min_coverage or 0.0, has_min_coverage=min_coverage is not None)
-            spec = pb.JobSpec(
-                model_artifact=client.upload(model_bytes, model_name),
-                inputs_artifact=client.upload(inputs_data, inputs_name),
-                device_model_artifact=client.upload(device_model_bytes, device_model_name)
-                if device_model_bytes is not None else "",
-                collector=collector, device=device, precision=precision, dump_path=dump or "",
-                dump_format=dump_format, default_concat_dim=default_concat_dim, watch=watch,
-                dump_mode=dump_mode or "output", options=options, model_name=model_name, perf=perf,
-                signature=signature or "")
+            spec = make_spec(client, collector)
             try:
                 job_id = client.submit(spec)
             except grpc.RpcError as e:
@@ -433,6 +459,44 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
             if job_id is None or client is None:
                 raise Interrupted("interrupted; no job was started") from None
             raise client.interrupted(job_id) from None
+
+
+def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model=None,
+            reference_collector: str | None = None, collector: str | None = None, analyzer: str | None = None,
+            reference_format: str = "", dump_format: str = "", default_concat_dim: int = 0,
+            watch: bool = False, dump_mode: str = "output", precision: str = "fp32", device: str = "",
+            progress: bool | Callable[[pb.JobEvent], None] = True, timeout: float | None = None,
+            on_job: Callable[[str], None] | None = None, **options) -> RunResult:
+    """Compare two dumps, with the golden one as the reference and no model
+    run: ``reference_dump`` on ``reference_collector``'s host (default: the
+    device's collector), ``device_dump`` on ``collector``'s (default: one
+    started in this process, reading both). Each is read where it lies, in
+    any dump format (``reference_format`` / ``dump_format``: default
+    detected). ``model``: an ONNX file (either side's) lending its graph
+    (structure, op types, node order) to alignment and diagnosis.
+    ``dump_mode`` all: both dumps hold node inputs, and a node whose inputs
+    agree while its outputs do not is a computation error. ``precision``
+    names the device's (fp16, int8) for the reasoning that depends on it.
+    ``options``: the comparison options of ``run`` (atol, rtol, diff_cnt,
+    map_node_dict, skip_keys, exclude_node_list, min_coverage, ...). The
+    RunResult, exit statuses and reports are those of ``run``, the summary
+    naming both dumps (``reference_dump``: path, collector, what it held)."""
+    model_bytes, model_name = read_artifact(model, "model") if model is not None else (None, "")
+    opts = compare_options(**options)
+    golden_format = reference_format or ""
+
+    def spec(client: AnalyzerClient, device_collector: str) -> pb.JobSpec:
+        golden = pb.ReferenceDump(collector=reference_collector or device_collector, dump=pb.DumpSource(
+            path=str(reference_dump), format=golden_format, default_concat_dim=default_concat_dim))
+        return pb.JobSpec(
+            model_artifact=client.upload(model_bytes, model_name) if model_bytes is not None else "",
+            collector=device_collector, device=device or "", precision=precision or "fp32",
+            dump_path=str(device_dump), dump_format=dump_format, default_concat_dim=default_concat_dim,
+            watch=watch, dump_mode=dump_mode or "output", options=opts, reference_dump=golden,
+            model_name=model_name if model_bytes is not None else "")
+
+    return _run_job(spec, analyzer=analyzer, collector=collector, out=out, progress=progress, timeout=timeout,
+                    on_job=on_job)
 
 
 def follow(client: AnalyzerClient, job_id: str, out, *, progress: bool | Callable[[pb.JobEvent], None] = True,
@@ -614,6 +678,12 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
                      f"ref {_f(first['ref_value'])} vs device {_f(first['dev_value'])}")
     elif not no_answer:
         lines.append("NO FAILING NODE: every compared node is within atol/rtol")
+    golden = summary.get("reference_dump")
+    if golden:
+        lines.append(f"reference: dump {golden.get('dump_path')} on collector {golden.get('collector')} "
+                     f"({golden.get('tensors')} tensors, {golden.get('bytes')} bytes"
+                     + (f", graph from {golden.get('model')}" if golden.get("model") else "") + "); device: dump "
+                     f"{summary.get('dump_path')} on collector {summary.get('collector')}")
     lines.append(f"{summary.get('model')} on {summary.get('device')} "
                  f"({summary.get('device_precision') or summary.get('precision')}, "
                  f"{summary.get('source')}): {c['compared']} compared, {c['failed']} failed, {c['passed']} passed, "
@@ -627,7 +697,8 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     if c.get("inputs_compared"):
         lines.append(f"node inputs: {c['inputs_compared']} compared, {c['inputs_failed']} failed")
     for o in (summary.get("overflow_nodes") or [])[:top]:
-        lines.append(f"OVERFLOW flagged by the device at {o['node']}: {o['why']}")
+        side = "the reference dump" if o.get("side") == "reference" else "the device"
+        lines.append(f"OVERFLOW flagged by {side} at {o['node']}: {o['why']}")
     failing = [n for n in summary.get("nodes", []) if not n["passed"] and not n.get("constant")
                and n.get("role") != "input"]
     if failing:

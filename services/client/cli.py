@@ -59,6 +59,13 @@ def _add_run(sub) -> None:
                    help="with --dump: stream nodes while the runtime is still writing them")
     p.add_argument("--analyzer", help="HOST:PORT of a running analyzer (default: start one in-process)")
     p.add_argument("--collector", help="HOST:PORT of a running collector (default: start one in-process)")
+    _add_compare_options(p)
+    _add_perf_options(p)
+    p.set_defaults(func=_cmd_run)
+
+
+def _add_compare_options(p) -> None:
+    """The comparison options ``run`` and ``compare`` share."""
     p.add_argument("--atol", type=float, help="absolute tolerance (default 0.005)")
     p.add_argument("--rtol", type=float, help="relative tolerance (default 0.2)")
     p.add_argument("--diff-cnt", "--diff_cnt", type=int, help="rows per failing-node CSV (default 128)")
@@ -84,8 +91,51 @@ def _add_run(sub) -> None:
     p.add_argument("--listing", action="store_true",
                    help="also print every compared node as index.name OP_TYPE MSE COS RMSE")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_perf_options(p)
-    p.set_defaults(func=_cmd_run)
+
+
+def _compare_kwargs(a) -> dict:
+    return dict(atol=a.atol, rtol=a.rtol, diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict,
+                skip_keys=a.skip_keys, exclude_node_list=a.exclude_node_list, force_compare=a.force_compare,
+                max_cores=a.max_cores, show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins,
+                min_max=a.min_max, min_coverage=a.min_coverage)
+
+
+def _add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="compare a device dump against a golden dump, with no model",
+                       description="Compare every tensor of DEVICE_DUMP against the golden run REFERENCE_DUMP (a "
+                                   "run on another host, device or framework: PyTorch on a GPU, a CPU build of the "
+                                   "runtime) and name the first node that departs; no model is run. Each dump is "
+                                   "read where it lies by its collector, in any dump format; repeated calls of an "
+                                   "operator (HDF5 op@k) pair call by call.",
+                       epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("reference_dump", metavar="REFERENCE_DUMP",
+                   help="the golden dump: a directory on the reference collector's host")
+    p.add_argument("device_dump", metavar="DEVICE_DUMP", help="the device's dump: a directory on the collector's host")
+    p.add_argument("--model", help="an ONNX model (either side's) lending its graph: structure, op types and node "
+                                   "order for alignment, and the isolated re-run of a failing node")
+    p.add_argument("--reference-collector", help="HOST:PORT of the collector on the golden dump's host (default: "
+                                                 "--collector)")
+    p.add_argument("--collector", help="HOST:PORT of the collector on the device dump's host (default: start one "
+                                       "in-process, reading both dumps)")
+    p.add_argument("--analyzer", help="HOST:PORT of a running analyzer (default: start one in-process)")
+    formats = ["", "npy", "npz", "onnx", "bin", "h5", "ascend"]
+    p.add_argument("--reference-format", default="", choices=formats,
+                   help="the golden dump's format (default: detected)")
+    p.add_argument("--dump-format", "--dump_format", default="", choices=formats,
+                   help="the device dump's format (default: detected)")
+    p.add_argument("--dump-mode", "--dump_mode", default="output", choices=["output", "input", "all"],
+                   help="node tensors to compare: outputs, the inputs each node read, or both; with all, a node "
+                        "whose inputs agree while its output does not is a computation error (default output)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"],
+                   help="the device's precision, for the reasoning that depends on it (default fp32)")
+    p.add_argument("--device", default="", help="the device's name, for the reports")
+    p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
+                   help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1 (default 0)")
+    p.add_argument("--watch", action="store_true",
+                   help="stream the device dump's nodes while the runtime is still writing them")
+    p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
+    _add_compare_options(p)
+    p.set_defaults(func=_cmd_compare)
 
 
 def _add_watch_fetch(sub) -> None:
@@ -134,9 +184,8 @@ def _add_perf_options(p) -> None:
                         "keep their first node's name; all: as deployed, x86 layout nodes renamed)")
 
 
-def _cmd_run(a) -> int:
-    from layerdiff.client.api import reattach_command, run
-
+def _job_line(a):
+    """on_job for run and compare: the job id, and how to find it again."""
     if not a.verbose and not (a.analyzer and a.collector):
         # the services run in this process: what they log is for operators
         # (-v shows it); the job's own outcome reaches the user below
@@ -144,6 +193,8 @@ def _cmd_run(a) -> int:
 
     def on_job(job_id: str) -> None:
         # a job on running services outlives this process: say how to find it again
+        from layerdiff.client.api import reattach_command
+
         if a.analyzer and a.collector:
             line = f"job {job_id} on analyzer {a.analyzer} (reattach: {reattach_command(job_id, a.analyzer)})"
         elif a.analyzer:
@@ -152,16 +203,30 @@ def _cmd_run(a) -> int:
             line = f"job {job_id}"
         print(f"layerdiff: {line}", file=sys.stderr, flush=True)
 
+    return on_job
+
+
+def _cmd_run(a) -> int:
+    from layerdiff.client.api import run
+
     result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,
                  dump=a.dump, dump_format=a.dump_format, default_concat_dim=a.default_concat_dim, watch=a.watch,
-                 dump_mode=a.dump_mode,
-                 analyzer=a.analyzer, collector=a.collector, atol=a.atol, rtol=a.rtol,
-                 diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict, skip_keys=a.skip_keys,
-                 exclude_node_list=a.exclude_node_list, force_compare=a.force_compare, max_cores=a.max_cores,
-                 show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins, min_max=a.min_max,
-                 progress=not a.no_progress, perf_mode=a.perf_mode, perf_all_nodes=a.perf_all_nodes,
-                 perf_runs=a.perf_runs, clock_mhz=a.clock_mhz, perf_graph_optimization=a.perf_graph_optimization,
-                 signature=a.signature, min_coverage=a.min_coverage, on_job=on_job)
+                 dump_mode=a.dump_mode, analyzer=a.analyzer, collector=a.collector, progress=not a.no_progress,
+                 perf_mode=a.perf_mode, perf_all_nodes=a.perf_all_nodes, perf_runs=a.perf_runs,
+                 clock_mhz=a.clock_mhz, perf_graph_optimization=a.perf_graph_optimization, signature=a.signature,
+                 on_job=_job_line(a), **_compare_kwargs(a))
+    return _show(result, a.listing)
+
+
+def _cmd_compare(a) -> int:
+    from layerdiff.client.api import compare
+
+    result = compare(a.reference_dump, a.device_dump, out=a.out, model=a.model,
+                     reference_collector=a.reference_collector, collector=a.collector, analyzer=a.analyzer,
+                     reference_format=a.reference_format, dump_format=a.dump_format,
+                     default_concat_dim=a.default_concat_dim, watch=a.watch, dump_mode=a.dump_mode,
+                     precision=a.precision, device=a.device, progress=not a.no_progress, on_job=_job_line(a),
+                     **_compare_kwargs(a))
     return _show(result, a.listing)
 
 
@@ -421,6 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    _add_compare(sub)
     _add_watch_fetch(sub)
     _add_service(sub, "collector")
     _add_service(sub, "analyzer")

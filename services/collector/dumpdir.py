@@ -11,7 +11,9 @@ reader function with the same contract: validate, then map or read):
   by the manifest entry;
 - ``h5``: an HDF5 dump laid out ``/op/seqid/{input,output}/N`` (PyTorch on
   NPU); output N of the first call of ``op`` is the node ``op`` (``op:N`` for
-  N > 0), later calls are ``op@seqid``.
+  N > 0), its later calls ``op@k`` (k = 1 for the second call, in seqid
+  order), so that two dumps pair call by call whatever seqids each runtime
+  gave. Execution order: a call group's ``order`` attribute, else its seqid.
 
 An optional ``manifest.json`` lists the nodes with their execution order::
 
@@ -254,9 +256,10 @@ def read_npz(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[
 
 
 def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[tuple]:
-    """(node name, array or LayerdiffError, role, slot) for every
-    ``/op/seqid/{input,output}/N`` dataset (a call's inputs before its
-    outputs), each checked (dtype, declared size) before it is read."""
+    """(node name, array or LayerdiffError, role, slot, overflow flag,
+    execution order or -1) for every ``/op/seqid/{input,output}/N`` dataset
+    (a call's inputs before its outputs), each checked (dtype, declared size)
+    before it is read."""
     import h5py
 
     shown = path.name
@@ -276,7 +279,7 @@ def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[t
                 continue
             for n_call, seq in enumerate(numbered(group)):
                 call = group[seq]
-                base = op if n_call == 0 else f"{op}@{seq}"
+                base = op if n_call == 0 else f"{op}@{n_call}"
                 sides = [(role, call.get(role)) for role in (ROLE_INPUT, ROLE_OUTPUT)] \
                     if isinstance(call, h5py.Group) else []
                 sides = [(role, g) for role, g in sides if isinstance(g, h5py.Group)]
@@ -284,6 +287,7 @@ def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[t
                     yield base, LayerdiffError("has no input or output group", file=shown, node=f"{op}/{seq}"), \
                         ROLE_OUTPUT, 0
                     continue
+                order = _call_order(call, seq)
                 for role, members in sides:
                     for idx in numbered(members):
                         slot = int(idx) if idx.isdigit() else 0
@@ -296,12 +300,25 @@ def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[t
                             dt = _plain_dtype(ds.dtype, where)
                             _size_of(dt, ds.shape or (), max_bytes, where)
                             flag = ds.attrs.get("overflow", "")
-                            yield name, np.asarray(ds[()], dtype=dt), role, slot, flag if isinstance(flag, str) else ""
+                            yield (name, np.asarray(ds[()], dtype=dt), role, slot,
+                                   flag if isinstance(flag, str) else "", order)
                         except LayerdiffError as e:
-                            yield name, e, role, slot
+                            yield name, e, role, slot, "", order
                         except Exception as e:  # a damaged dataset: this node only
                             yield name, LayerdiffError(f"unreadable dataset ({type(e).__name__}: {e})",
-                                                       file=where), role, slot
+                                                       file=where), role, slot, "", order
+
+
+def _call_order(call, seq: str) -> int:
+    """A call's execution order: its ``order`` attribute (layerdiff.torch
+    writes one), else a numeric seqid; -1 when neither says."""
+    try:
+        value = call.attrs.get("order") if hasattr(call, "attrs") else None
+    except Exception:       # a damaged attribute: the seqid still tells
+        value = None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < 1 << 31:
+        return int(value)
+    return int(seq) if seq.isdigit() and len(seq) < 10 else -1
 
 
 class SpliceError(LayerdiffError):
@@ -480,6 +497,7 @@ class DumpDirectory:
         placements = entry.get("members") if isinstance(entry.get("members"), dict) else {}
         for key, value, *where in members:
             placed = placements.get(key) if not where else None
+            rec_order = order
             try:
                 name = check_node_name(key)
                 if isinstance(placed, dict):
@@ -488,6 +506,8 @@ class DumpDirectory:
                     role, slot = where[0], where[1]
                     node = name
                     placed = {"overflow": where[2]} if len(where) > 2 and where[2] else None
+                    if len(where) > 3 and where[3] >= 0:
+                        rec_order = where[3]
                 else:
                     role, slot, node = ROLE_OUTPUT, 0, name
             except LayerdiffError as e:
@@ -495,9 +515,10 @@ class DumpDirectory:
                                        order=order)
                 continue
             if isinstance(value, LayerdiffError):
-                yield NodeRecord.error(name, str(value), order=order, node=node, role=role, slot=slot)
+                yield NodeRecord.error(name, str(value), order=rec_order, node=node, role=role, slot=slot)
             else:
-                yield _placed(NodeRecord(name=name, op_type=entry.get("op_type") or "", order=order, array=value),
+                yield _placed(NodeRecord(name=name, op_type=entry.get("op_type") or "", order=rec_order,
+                                         array=value),
                               placed if isinstance(placed, dict) else {}, role, slot, node)
 
     def read_entry(self, i: int, entry: object) -> NodeRecord:

@@ -2,7 +2,8 @@
 outputs of a model, written as the seed's HDF5 dump layout
 ``/op/seqid/{input,output}/N``, which layerdiff reads as a dump (``--dump
 run.h5``; the first call of ``op`` is the node ``op``, later calls
-``op@seqid``, output N > 0 is ``op:N``).
+``op@k``, output N > 0 is ``op:N``; each call's execution order is its
+group's ``order`` attribute).
 
     from layerdiff.torch import capture
 
@@ -36,6 +37,7 @@ class _Writer:
 
         self.file = h5py.File(path, "w", track_order=True)
         self.calls: dict[str, int] = {}
+        self.order = 0      # calls recorded so far, of every op: the execution order
         self.max_calls = max_calls
         self.dropped = 0
 
@@ -48,6 +50,8 @@ class _Writer:
         key = op.replace("/", ".")
         op_group = self.file[key] if key in self.file else self.file.create_group(key, track_order=True)
         group = op_group.create_group(str(seq), track_order=True)
+        group.attrs["order"] = self.order
+        self.order += 1
         for role, values in (("input", inputs), ("output", outputs)):
             side = group.create_group(role, track_order=True)
             for n, t in enumerate(_tensors(values)):
