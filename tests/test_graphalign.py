@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from layerdiff.analyzer.align import Pairing
 from layerdiff.analyzer.graphalign import GraphAlignment, align_graphs
+from layerdiff.analyzer.layout import unblock_nchwc
 from layerdiff.client.demo import det_input, packaged_model
 
 from onnxbuild import GraphBuilder
@@ -302,6 +303,10 @@ def check_values(al: GraphAlignment, ref_vals: dict, dev_vals: dict, min_cos: fl
     """Every pair holds the same values (up to a reshape the note names)."""
     def dev(d):      # in the reference's axis order where the graphs say the device moved them
         p = al.pairs[d]
+        if p.blocked:    # in NCHW where the graphs say the device holds NCHWc blocks
+            x, note = unblock_nchwc(dev_vals[d], ref_vals[p.ref_tensor])
+            assert x is not None, (d, note)
+            return x
         return dev_vals[d].transpose(p.perm) if p.perm else dev_vals[d]
 
     bad = {d: (p.ref_tensor, round(cosine(dev(d), ref_vals[p.ref_tensor]), 5))
@@ -381,20 +386,23 @@ def test_onnxruntime_optimized_copies_pair_by_value(subject, level, tmp_path):
     for d in node_outputs(dev) & ref_names:
         assert d in al.pairs and al.pairs[d].ref_tensor == d, (d, al.pairs.get(d), al.reasons.get(d))
     assert not al.ambiguous
-    # every reference tensor is paired, fused away, or held in a blocked layout
+    # every reference tensor is paired (NCHWc blocks too: check_values undid them) or fused away
     paired = {p.ref_tensor for p in al.pairs.values()}
-    assert ref_names <= paired | set(al.fused) | set(al.layout_only.values())
+    assert ref_names <= paired | set(al.fused)
     assert not set(al.fused) & paired
     for ref_t, nodes in al.groups.items():
         assert ref_t in paired and len(nodes) > 1
     for d, p in al.pairs.items():
         if p.method == "fused":
             assert p.ref_tensor in al.groups and "covers" in p.note
-    # what is not paired is a blocked NCHWc tensor (ALL on x86), with the reason
-    for d in al.unmatched:
-        assert "NCHWc" in al.reasons[d] and d in al.layout_only, (d, al.reasons[d])
-    nchwc = [n for n in dev.graph.node if n.domain == "com.microsoft.nchwc" and n.op_type == "Conv"]
-    assert bool(al.unmatched) == bool(nchwc)
+    # nothing is left unpaired; blocked NCHWc tensors (ALL on x86) are paired as such, and said so
+    assert not al.unmatched, {d: al.reasons[d] for d in al.unmatched}
+    blocked = [d for d, p in al.pairs.items() if p.blocked]
+    assert all("NCHWc" in al.pairs[d].note for d in blocked)
+    nchwc = [n for n in dev.graph.node if n.domain == "com.microsoft.nchwc" and n.op_type == "Conv"
+             and any(x not in {o for m in dev.graph.node if m.op_type == "ReorderOutput" for o in m.input}
+                     for x in n.output)]
+    assert bool(blocked) == bool(nchwc)
     # structure, not names: the same graph with its tensors renamed pairs alike
     dev2, names = renamed(dev)
     al2 = align_graphs(model, dev2)
@@ -428,8 +436,8 @@ def test_nchwc_conv_with_a_residual_sum_covers_the_add(cnn, tmp_path):
     check_values(al, ref_vals, all_outputs(dev, feeds))
     assert al.groups["relu3_out"] == ["conv3", "conv3_bn", "residual", "relu3"]
     assert {"conv3_out", "bn3_out", "res_out"} <= set(al.fused)
-    blocked = al.layout_only
-    assert blocked and all(d not in al.pairs for d in blocked)
+    blocked = [d for d, p in al.pairs.items() if p.blocked]
+    assert blocked and all("NCHWc" in al.pairs[d].note for d in blocked)
 
 
 @pytest.mark.parametrize("rename", [None, lambda t: "folded/" + t], ids=["keep-name", "rename"])
@@ -639,11 +647,10 @@ def test_transposes_moved_past_slices_are_followed(tmp_path, level):
     assert not al.ambiguous
     moved = {d: p for d, p in al.pairs.items() if p.perm and "before the Transpose" in p.note}
     assert len(moved) >= 4, moved
-    for d in al.unmatched:       # only the blocked NCHWc tensors of ALL on x86
-        assert "NCHWc" in al.reasons[d], (d, al.reasons[d])
+    assert not al.unmatched, {d: al.reasons[d] for d in al.unmatched}   # NCHWc blocks (ALL on x86) are paired
     ref_computed = {t for t in node_outputs(model) if t not in _meta_tensors(model)}
     paired = {p.ref_tensor for p in al.pairs.values()}
-    assert ref_computed <= paired | set(al.fused) | set(al.layout_only.values())
+    assert ref_computed <= paired | set(al.fused)
 
 
 def _meta_tensors(model: onnx.ModelProto) -> set[str]:

@@ -88,6 +88,8 @@ class Pairing:
     # the device holds the reference's axes permuted: dev.transpose(perm) has
     # the reference's shape (a Transpose the converter moved past this node)
     perm: tuple[int, ...] | None = None
+    # the device holds it in onnxruntime's blocked NCHWc layout (layout.unblock_nchwc)
+    blocked: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class Decision:
     confidence: float = 1.0    # 0..1
     note: str = ""             # a few words of evidence
     perm: tuple[int, ...] | None = None   # from the graphs: how the device permuted the axes
+    blocked: bool = False      # from the graphs: held in the blocked NCHWc layout
 
 
 @dataclass
@@ -357,7 +360,7 @@ class Aligner:
         if p is not None:
             site = self._tensor[p.ref_tensor]
             if site.tensor not in self._map_claims:   # map_node_dict decides it otherwise
-                return Decision(site, "", p.method, p.confidence, p.note, p.perm)
+                return Decision(site, "", p.method, p.confidence, p.note, p.perm, p.blocked)
         site = self._by_key.get(keys[0])
         if site is not None and tensor and site.tensor in self._pair_claims:
             # the graphs pair that reference tensor with another device tensor

@@ -152,10 +152,11 @@ class StreamConsumer:
                                     else "not found in the reference model"))
             rep.log_splice_failure(rec)
             return
-        self._take_site(rec, site, decision.skip_reason, decision.perm, "the axes the graphs say the device moved")
+        self._take_site(rec, site, decision.skip_reason, decision.perm, "the axes the graphs say the device moved",
+                        decision.blocked)
 
     def _take_site(self, rec: NodeRecord, site: TensorSite, skip_reason: str, perm: tuple | None = None,
-                   perm_why: str = "") -> None:
+                   perm_why: str = "", blocked: bool = False) -> None:
         """A device output paired with its reference tensor (by name, graph
         or value; ``perm``: the layout the graphs or the values chose)."""
         rep = self.rep
@@ -177,6 +178,15 @@ class StreamConsumer:
                          or "the reference run produced no value")
             return
         self.examiner.note_range(site.tensor, ref)
+        if blocked:      # onnxruntime's NCHWc blocks, which the graphs name: in NCHW, as a copy of its own
+            dev, note = L.unblock_nchwc(rec.array, ref)
+            if dev is None:
+                self._refuse(site.tensor, site.tensor, f"held in a blocked NCHWc layout: {note}", rec)
+                return
+            rec.array = dev
+            self._aligned(site, rec, ref, lambda dev: self.examiner.keep_output(site.tensor, dev, None),
+                          undone=note)
+            return
         self._aligned(site, rec, ref, lambda dev: self.examiner.keep_output(site.tensor, dev, rec.lease), perm,
                       perm_why)
 
@@ -238,7 +248,7 @@ class StreamConsumer:
     # ------------------------------------------------------------- layout
 
     def _aligned(self, site: TensorSite, rec: NodeRecord, ref: np.ndarray, keep: Callable,
-                 perm: tuple | None = None, perm_why: str = "") -> None:
+                 perm: tuple | None = None, perm_why: str = "", undone: str = "") -> None:
         """Compare the device tensor in the reference's layout: the one its
         shape tells, the dump's dominant one where it does not (held until
         the vote decides), or ``perm`` (chosen by the graphs or the values,
@@ -253,6 +263,8 @@ class StreamConsumer:
                 p = tuple(perm)
                 note = L.note_for(p, ref.shape) + (f" ({perm_why})" if p != L.identity(ndim) else "")
             undecided = False
+        if undone:      # what was undone before (NCHWc blocks)
+            note = f"{undone}; {note}" if note else undone
         if undecided:
             lease = rec.lease.retain() if rec.lease is not None else None
             self._layout_wait.append(_LayoutWait(site, rec, ref, keep, lease))

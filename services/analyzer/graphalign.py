@@ -66,8 +66,8 @@ Algorithm
    permutation), Q/DQ (the integer view is listed unmatched; as quantizers
    drop a Relu/Clip their range clamps anyway, the dequantized tensor may
    stand for the activation - its readers or its zero point decide) and
-   NCHWc reorders (blocked tensors are listed unmatched, with the reference
-   tensor they hold in ``layout_only``).
+   NCHWc reorders (a blocked tensor is paired with the reference tensor it
+   holds, ``Pairing.blocked``: the blocks are undone before comparing).
 6. The other way round - the *reference* fused what the device computes in
    several nodes (an onnxsim'd or optimized reference): a device
    BatchNormalization / affine-constant node after a Conv/Gemm/MatMul with no
@@ -129,7 +129,7 @@ class GraphAlignment:
     ambiguous: list[tuple[str, list[str], str]] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)       # unmatched device tensor -> why
-    layout_only: dict[str, str] = field(default_factory=dict)   # blocked/quantized device tensor -> ref tensor
+    layout_only: dict[str, str] = field(default_factory=dict)   # quantized device tensor -> ref tensor
     # reference tensor computed from constants or shapes only that no device
     # node computes (the device folded it into a constant) -> why
     folded: dict[str, str] = field(default_factory=dict)
@@ -140,7 +140,7 @@ class GraphAlignment:
     @property
     def attributed(self) -> dict[str, tuple[str, str]]:
         """Device tensors not compared that still stand for a reference
-        tensor: INT8 and blocked views (with why), and the device's own copy
+        tensor: INT8 views (with why), and the device's own copy
         of each reference weight (a DequantizeLinear output, a cast)."""
         out = {d: (r, self.reasons.get(d, "")) for d, r in {**self.input_copies, **self.layout_only}.items()}
         for w in self.weights:
@@ -1563,10 +1563,10 @@ class _Aligner:
             layout = ""
         elif layout == "" and _shape_fit(dev.shape(t), ref.shape(alt.ref)) == 0.9:
             layout = "flat"
-        if layout in ("nchwc", "quantized"):
-            kind = "blocked NCHWc layout" if b.layout == "nchwc" else "quantized integer view"
+        if layout == "quantized":
             out.layout_only[t] = alt.ref
-            self.unmatched(out, t, f"holds reference tensor {alt.ref!r} in a {kind}; not comparable as is")
+            self.unmatched(out, t, f"holds reference tensor {alt.ref!r} in a quantized integer view; not "
+                                   "comparable as is")
             return
         method = "fused" if b.unfused else alt.method
         folded = alt.weights == "scaled" and method == "fused" and self.folding_fits(b.cell.node, alt)
@@ -1580,7 +1580,12 @@ class _Aligner:
             self.weight_rows(out, b.cell.node, alt.head, len(alt.cover) > 1)
         q = _perm(layout) if b.moved else ()
         perm = tuple(int(a) for a in np.argsort(q)) if q else None     # numpy's: dev.transpose(perm)
-        out.pairs[t] = Pairing(self.member(t, alt.ref, out), method, round(min(score, 1.0), 3), note, perm)
+        blocked = layout == "nchwc"
+        if blocked:     # the consumer undoes the blocks (layout.unblock_nchwc)
+            score *= 0.9
+            note += "; held in the blocked NCHWc layout, undone before comparing"
+        out.pairs[t] = Pairing(self.member(t, alt.ref, out), method, round(min(score, 1.0), 3), note,
+                               None if blocked else perm, blocked)
         if method == "fused" and len(alt.cover) > 1:
             out.groups[alt.ref] = [ref.label(j) for j in alt.cover]
 

@@ -184,3 +184,34 @@ def note_for(p: Perm, ref_shape: tuple) -> str:
     if keeps_order(p, ref_shape):
         return "shape differs only by axes of size 1"
     return f"layout: device axes {p} transposed to the reference"
+
+
+# Channel blocks of onnxruntime's x86 NCHWc kernels: 8 (AVX2), 16 (AVX-512),
+# 4 (SSE / NEON builds); a device tensor says its block only through its values.
+NCHWC_BLOCKS = (8, 16, 4)
+
+
+def unblock_nchwc(dev, ref):
+    """A device tensor in the blocked NCHWc layout ([N, Cpad, H, W] whose
+    memory is [N, Cpad/B, H, W, B]) in the reference's NCHW layout, with the
+    padding channels dropped, and a note; the block B is the one under which
+    the values agree best with the reference. (None, why) when no block fits."""
+    import numpy as np
+
+    if dev.ndim != 4 or len(ref.shape) != 4 or dev.shape[0] != ref.shape[0] or dev.shape[2:] != ref.shape[2:]:
+        return None, f"device shape {list(dev.shape)} is no blocked NCHWc view of {list(ref.shape)}"
+    n, cpad, h, w = dev.shape
+    c = ref.shape[1]
+    best = None
+    for b in NCHWC_BLOCKS:
+        if cpad % b or cpad < c or cpad - c >= b:
+            continue
+        x = np.ascontiguousarray(dev).reshape(n, cpad // b, h, w, b).transpose(0, 1, 4, 2, 3).reshape(n, cpad, h, w)
+        x = x[:, :c]
+        with np.errstate(all="ignore"):
+            err = float(np.nanmean(np.abs(x.astype(np.float64) - np.asarray(ref, dtype=np.float64))))
+        if best is None or err < best[0]:
+            best = (err, b, x)
+    if best is None:
+        return None, f"{cpad} channels fit no NCHWc block ({', '.join(map(str, NCHWC_BLOCKS))}) for {c}"
+    return np.ascontiguousarray(best[2]), f"blocked NCHWc layout (block {best[1]}) undone"

@@ -10,7 +10,8 @@ __version__ = "0.1.0"
 
 from layerdiff.errors import LayerdiffError
 
-__all__ = ["CUR_NPU_NODENAME_FILENAME", "LayerdiffError", "__version__", "onnx_dump_fmap", "run", "tf_dump_fmap"]
+__all__ = ["CUR_NPU_NODENAME_FILENAME", "LayerdiffError", "__version__", "compare", "onnx_dump_fmap", "run",
+           "tf_dump_fmap"]
 
 # The seed tool's name for the device's node list (see layerdiff.client.fmap).
 CUR_NPU_NODENAME_FILENAME = "dump_memory_nodename.log"
@@ -21,6 +22,13 @@ def run(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.cl
     from layerdiff.client.api import run as _run
 
     return _run(*args, **kwargs)
+
+
+def compare(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.client.api.compare
+    """Compare a device dump against a golden dump; see :func:`layerdiff.client.api.compare`."""
+    from layerdiff.client.api import compare as _compare
+
+    return _compare(*args, **kwargs)
 
 
 def tf_dump_fmap(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.client.fmap.tf_dump_fmap
