@@ -7,6 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import bench_compare  # noqa: E402
 import bench_fanout  # noqa: E402
 import bench_job  # noqa: E402
 import bench_metrics  # noqa: E402
@@ -17,7 +18,8 @@ import soak  # noqa: E402
 
 def main() -> None:
     results = {"stream": bench_stream.main([]), "metrics": bench_metrics.main([]), "job": bench_job.main([]),
-               "fanout": bench_fanout.main([]), "perf": bench_perf.main([]), "soak": soak.main([])}
+               "fanout": bench_fanout.main([]), "perf": bench_perf.main([]), "compare": bench_compare.main([]),
+               "soak": soak.main([])}
     out = Path("bench-out")
     out.mkdir(exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

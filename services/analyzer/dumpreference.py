@@ -277,8 +277,12 @@ class DumpReference:
         return frozenset(t for t in self.node_inputs.get(node, []) if t in self._constants)
 
     def input_uses(self) -> dict[str, int]:
+        """How many node inputs read each tensor; a presumed read is none
+        (no device input record is ever compared against it)."""
         uses: dict[str, int] = {}
-        for ins in self.node_inputs.values():
+        for node, ins in self.node_inputs.items():
+            if node in self.presumed:
+                continue
             for t in ins:
                 if t and t not in self._constants:
                     uses[t] = uses.get(t, 0) + 1

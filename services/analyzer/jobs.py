@@ -601,6 +601,8 @@ class JobRunner:
         # Node inputs read tensors that are also node outputs: such values are
         # kept until every comparison that needs them has had them.
         uses = {t: n + (mode == "all") for t, n in p.reference.input_uses().items()} if mode != "output" else None
+        if p.golden:    # mapped from the spill files: kept for every reader whatever the mode, at no memory cost
+            uses = {t: n + 1 for t, n in p.reference.input_uses().items()}
         reference = SegmentedReference(p.reference, p.feeds, uses)
         helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         # The first segment is computed while the collector starts producing.

@@ -1,0 +1,326 @@
+"""(e) `layerdiff compare` of two dumps (a golden FP32 dump of the packaged
+PP-OCRv4 detector and the dump of its FP16 build, ~770 MB together, the
+FP32 one about 2/3 of it) against reading the two dumps' files once, both
+measured in the same run, warm (files in the page cache) and cold.
+
+- read: a plain script (its own process) reading every file of both dumps
+  once with os.readv into one reused buffer; its figure is the time of the
+  reading loop alone (the process's start-up is reported beside it);
+- job: the whole command, `python -m layerdiff.client.cli compare GOLDEN
+  DEVICE --out DIR --no-progress` with the embedded services, from its
+  start to its exit (start-up, both streams, comparisons, reports);
+- the two in turn (read, job, read, job, ...), each ratio job / read taken
+  pair by pair, the median quoted; one warm-up pair is not counted;
+- cold: the page cache dropped before every read and every job
+  (``echo 3 > /proc/sys/vm/drop_caches`` as root, which also evicts the
+  interpreter's libraries: the job starts cold too), else each dump file
+  evicted with posix_fadvise(DONTNEED) (the dumps only); the method used is
+  recorded;
+- phases: one more warm job in its own process, through the Python API,
+  timing its states from the job's events (start-up, golden dump streamed
+  into the spill directory, device dump streamed and compared, reports,
+  fetch).
+
+For context only (not measured here, msprobe is not installed): the issue
+measured msprobe's compare at ~0.08 GB/s on dumps of this kind (770 MB in
+10 s, plus ~5 s converting them to its layout).
+
+Usage: python bench/bench_compare.py [--side N] [--target-mb 770]
+       [--runs 3] [--formats npy[,h5]] [--no-cold] [--cold-method auto|drop_caches|fadvise]
+       [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MSPROBE_GBPS = 0.08   # the issue's figure for msprobe compare on this kind of dumps (context only)
+GOAL = "job within a large fraction of reading the two dumps once (ratio job/read near 1)"
+
+_READ_SCRIPT = r"""
+import json, os, sys, time
+buf = memoryview(bytearray(16 << 20))
+files = []
+for d in sys.argv[1:]:
+    for root, _, names in os.walk(d):
+        files += [os.path.join(root, n) for n in sorted(names)]
+t = time.perf_counter()
+n = 0
+for p in files:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        while True:
+            k = os.readv(fd, [buf])
+            if not k:
+                break
+            n += k
+    finally:
+        os.close(fd)
+print(json.dumps({"bytes": n, "files": len(files), "read_s": time.perf_counter() - t}))
+"""
+
+_PHASES_SCRIPT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from layerdiff.client.api import compare
+from layerdiff.v1 import layerdiff_pb2 as pb
+marks, seen = [], set()
+def on_event(e):
+    state = pb.JobState.Name(e.state)
+    if state == "REFERENCE" and "reference tensors read from" in e.message:
+        state = "GOLDEN_READ"
+    if state not in seen:
+        seen.add(state)
+        marks.append((state, time.perf_counter() - t0))
+res = compare(sys.argv[1], sys.argv[2], out=sys.argv[3], progress=on_event)
+marks.append(("FETCHED", time.perf_counter() - t0))
+print(json.dumps({"marks": marks, "analyzer_elapsed_s": res.summary.get("elapsed_s")}))
+"""
+
+
+# ------------------------------------------------------------------ dumps
+
+def _records(x: np.ndarray, precision: str) -> list:
+    from layerdiff.client.demo import packaged_model
+    from layerdiff.collector.live import LiveRunner
+
+    return [r for r in LiveRunner(packaged_model().read_bytes(), {"x": x}, precision=precision).records()
+            if r.array is not None]
+
+
+def bytes_per_pixel(probe: int = 256) -> tuple[float, float]:
+    """Tensor bytes of the FP32 and the FP16 run per input pixel, measured on
+    a probe-sized input (the detector is fully convolutional: its tensors
+    scale with the input's area)."""
+    from layerdiff.client.demo import det_input
+
+    x = det_input(probe, probe)
+    return tuple(sum(r.array.nbytes for r in _records(x, p)) / probe ** 2 for p in ("fp32", "fp16"))
+
+
+def pick_side(target_bytes: float, per_px: tuple[float, float]) -> int:
+    """The square input side (a multiple of 32, as the detector wants) whose
+    two dumps come nearest ``target_bytes`` together."""
+    return max(32, int(round((target_bytes / sum(per_px)) ** 0.5 / 32)) * 32)
+
+
+def make_dumps(root: Path, side: int, fmt: str) -> dict:
+    """Golden FP32 and device FP16 dumps of the detector at side x side."""
+    from layerdiff.client.demo import det_input
+    from layerdiff.collector.dumpdir import write_dump
+
+    x = det_input(side, side)
+    out = {}
+    for name, precision in (("golden", "fp32"), ("device", "fp16")):
+        recs = _records(x, precision)
+        d = write_dump(root / f"{name}-{fmt}", recs, fmt)
+        out[name] = {"path": str(d), "tensors": len(recs), "tensor_bytes": sum(r.array.nbytes for r in recs),
+                     "file_bytes": _dir_bytes(d), "dtypes": sorted({r.array.dtype.name for r in recs})}
+        del recs
+    return out
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
+
+
+# --------------------------------------------------------------- caches
+
+def drop_caches_allowed() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def evict(dirs: list[str], method: str) -> None:
+    """Make the next read of the dumps cold."""
+    os.sync()
+    if method == "drop_caches":
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return
+    for d in dirs:
+        for p in Path(d).rglob("*"):
+            if p.is_file():
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+# ----------------------------------------------------------------- runs
+
+def _child(cmd: list[str], err_path: Path) -> tuple[float, float, float, int, str]:
+    """(wall s, user s, sys s, exit code, stdout) of one command, timed from
+    just before its start to just after it is reaped."""
+    with open(err_path, "wb") as err, tempfile.TemporaryFile() as out:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, ru = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    return wall, ru.ru_utime, ru.ru_stime, proc.returncode, text
+
+
+def read_once(dirs: list[str], work: Path) -> dict:
+    wall, user, sys_s, rc, text = _child([sys.executable, "-c", _READ_SCRIPT, *dirs], work / "read.err")
+    if rc != 0:
+        raise RuntimeError(f"read script failed ({rc}): {(work / 'read.err').read_text()[-2000:]}")
+    d = json.loads(text.strip().splitlines()[-1])
+    d.update(wall_s=wall, user_s=user, sys_s=sys_s)
+    return d
+
+
+def job_once(golden: str, device: str, work: Path, i: int) -> dict:
+    out = work / f"out-{i}"
+    cmd = [sys.executable, "-m", "layerdiff.client.cli", "compare", golden, device, "--out", str(out),
+           "--no-progress"]
+    wall, user, sys_s, rc, _ = _child(cmd, work / "job.err")
+    if rc not in (0, 1):
+        raise RuntimeError(f"compare exited {rc}: {(work / 'job.err').read_text()[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    return {"wall_s": wall, "user_s": user, "sys_s": sys_s, "exit": rc, "compared": summary["counts"]["compared"],
+            "failed": summary["counts"]["failed"], "analyzer_elapsed_s": summary.get("elapsed_s")}
+
+
+def paired(dumps: dict, work: Path, runs: int, cold_method: str | None) -> dict:
+    """Read and job in turn, ``runs`` pairs (after one uncounted warm-up pair
+    when warm); ratios pair by pair."""
+    dirs = [dumps["golden"]["path"], dumps["device"]["path"]]
+    total = dumps["golden"]["file_bytes"] + dumps["device"]["file_bytes"]
+    reads, jobs = [], []
+    if cold_method is None:
+        read_once(dirs, work)
+        job_once(*dirs, work, -1)
+    for i in range(runs):
+        if cold_method:
+            evict(dirs, cold_method)
+        reads.append(read_once(dirs, work))
+        if cold_method:
+            evict(dirs, cold_method)
+        jobs.append(job_once(*dirs, work, i))
+    med = statistics.median
+    read_s = [r["read_s"] for r in reads]
+    job_s = [j["wall_s"] for j in jobs]
+    ratios = [j / r for j, r in zip(job_s, read_s)]
+    return {
+        "cache": f"cold ({cold_method})" if cold_method else "warm",
+        "read_s": {"min": min(read_s), "median": med(read_s), "max": max(read_s)},
+        "read_GBps": total / med(read_s) / 1e9,
+        "read_process_wall_s": med(r["wall_s"] for r in reads),
+        "job_s": {"min": min(job_s), "median": med(job_s), "max": max(job_s)},
+        "job_user_s": med(j["user_s"] for j in jobs), "job_sys_s": med(j["sys_s"] for j in jobs),
+        "job_analyzer_elapsed_s": med(j["analyzer_elapsed_s"] or 0.0 for j in jobs),
+        "job_GBps": total / med(job_s) / 1e9,
+        "ratio_job_over_read": {"min": min(ratios), "median": med(ratios), "max": max(ratios)},
+        "compared": jobs[0]["compared"], "failed": jobs[0]["failed"], "exit": jobs[0]["exit"],
+    }
+
+
+def phases(dumps: dict, work: Path) -> dict:
+    """One warm job through the API in its own process, its states timed."""
+    out = work / "out-phases"
+    _, _, _, rc, text = _child([sys.executable, "-c", _PHASES_SCRIPT, dumps["golden"]["path"],
+                                dumps["device"]["path"], str(out)], work / "phases.err")
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    if rc != 0:
+        return {"error": (work / "phases.err").read_text()[-2000:]}
+    d = json.loads(text.strip().splitlines()[-1])
+    spans, prev = {}, 0.0
+    names = {"QUEUED": "start-up (imports, embedded services, submit)",
+             "REFERENCE": "job prepared",
+             "GOLDEN_READ": "golden dump streamed into the spill directory",
+             "COMPARING": "sealing, first device batch",
+             "REPORTING": "device dump streamed and compared (diagnosis included)",
+             "DONE": "reports written", "FETCHED": "reports fetched"}
+    for state, t in d["marks"]:
+        spans[names.get(state, state)] = spans.get(names.get(state, state), 0.0) + (t - prev)
+        prev = t
+    return {"spans_s": spans, "total_s": prev, "analyzer_elapsed_s": d["analyzer_elapsed_s"]}
+
+
+# ----------------------------------------------------------------- main
+
+def _row(label: str, p: dict) -> str:
+    return (f"    {label:5s} read {p['read_s']['median']:6.3f} s ({p['read_GBps']:5.2f} GB/s)   job "
+            f"{p['job_s']['median']:6.2f} s [{p['job_s']['min']:.2f}-{p['job_s']['max']:.2f}] "
+            f"({p['job_GBps']:.3f} GB/s, user {p['job_user_s']:.1f} s sys {p['job_sys_s']:.1f} s)   "
+            f"job/read {p['ratio_job_over_read']['median']:5.1f}x")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--side", type=int, default=0, help="input side (default: picked for --target-mb)")
+    ap.add_argument("--target-mb", type=float, default=770, help="both dumps together, MB (1e6 bytes)")
+    ap.add_argument("--runs", type=int, default=3, help="counted pairs (read, job) per cache state")
+    ap.add_argument("--formats", default="npy", help="dump formats, comma-separated: npy, h5")
+    ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--cold-method", choices=("auto", "drop_caches", "fadvise"), default="auto")
+    ap.add_argument("--keep", help="write the dumps here and keep them (default: a temporary directory)")
+    a = ap.parse_args(argv)
+    out: dict = {"msprobe_context_GBps": MSPROBE_GBPS, "goal": GOAL}
+    per_px = bytes_per_pixel()
+    side = a.side or pick_side(a.target_mb * 1e6, per_px)
+    out["input"] = [1, 3, side, side]
+    out["bytes_per_pixel"] = {"fp32": per_px[0], "fp16": per_px[1]}
+    cold = None
+    if not a.no_cold:
+        cold = "drop_caches" if a.cold_method == "drop_caches" or (
+            a.cold_method == "auto" and drop_caches_allowed()) else "fadvise"
+    out["cold_method"] = cold
+    tmp = None if a.keep else tempfile.TemporaryDirectory(prefix="layerdiff-bench-compare-")
+    root = Path(a.keep or tmp.name)
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        for fmt in [f.strip() for f in a.formats.split(",") if f.strip()]:
+            t = time.perf_counter()
+            dumps = make_dumps(root, side, fmt)
+            g, d = dumps["golden"], dumps["device"]
+            total = g["file_bytes"] + d["file_bytes"]
+            res = {"dumps": dumps, "total_bytes": total, "fp32_share": g["file_bytes"] / total,
+                   "make_s": time.perf_counter() - t}
+            print(f"(e) layerdiff compare, PP-OCRv4 det {out['input']}, {fmt}: golden FP32 "
+                  f"{g['file_bytes'] / 1e6:.0f} MB + device FP16 {d['file_bytes'] / 1e6:.0f} MB = {total / 1e6:.0f} MB "
+                  f"({g['tensors']} + {d['tensors']} tensors, FP32 {res['fp32_share']:.0%})", flush=True)
+            work = root / f"work-{fmt}"
+            work.mkdir(exist_ok=True)
+            res["warm"] = paired(dumps, work, a.runs, None)
+            print(_row("warm", res["warm"]), flush=True)
+            if cold:
+                res["cold"] = paired(dumps, work, a.runs, cold)
+                print(_row("cold", res["cold"]) + f"   [{cold}]", flush=True)
+            res["phases"] = ph = phases(dumps, work)
+            if "spans_s" in ph:
+                print(f"    one warm job through the API, {ph['total_s']:.2f} s: " + ", ".join(
+                    f"{k} {v:.2f} s" for k, v in ph["spans_s"].items()))
+            w = res["warm"]
+            print(f"    {w['compared']} tensors compared, {w['failed']} failing (exit {w['exit']}); "
+                  f"msprobe compare, the issue's figure (not measured here): ~{MSPROBE_GBPS} GB/s")
+            out[fmt] = res
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    print(json.dumps({"compare": out}, default=str))
+    return out
+
+
+if __name__ == "__main__":
+    main()
