@@ -4,10 +4,7 @@ pair of dump formats (with and without a model lending the graph), a clean
 FP16 build passing, renamed / partial device dumps, HDF5 calls paired call by
 call, the two dumps on two collectors through the command line, PyTorch
 captures, node inputs with dump_mode all, and bad reference dumps answered in
-one line.
-
-Tests marked xfail(strict=True) state what a user should see and does not
-yet (product bugs); they turn into failures once the product is fixed."""
+one line."""
 from __future__ import annotations
 
 import itertools
@@ -122,13 +119,6 @@ def cli(*args: str, timeout: float = CALL_TIMEOUT) -> subprocess.CompletedProces
 # ------------------------------------------- 1. every format pair, FP16 build
 
 PAIRS = list(itertools.product(FORMATS, FORMATS))
-# golden names by node (h5: "fc", ascend: "fc") against device names by tensor
-# ("logits") with nothing but the manifest's "node" field linking them: without
-# a model, the last output pairs only while its values agree (see
-# test_every_tensor_pairs_in_every_format_pair)
-NODE_NAMED = ("h5", "ascend")
-TENSOR_NAMED = ("npy", "npz", "onnx", "bin")
-UNPAIRED_WITHOUT_MODEL = {(g, d) for g in NODE_NAMED for d in TENSOR_NAMED}
 
 
 @pytest.fixture(scope="module")
@@ -204,18 +194,8 @@ def test_planted_bug_is_named_in_every_format_pair(matrix, gf, df, with_model):
 
 
 def _pairing_params():
-    out = []
-    for (gf, df), with_model in itertools.product(PAIRS, (False, True)):
-        marks = []
-        if not with_model and (gf, df) in UNPAIRED_WITHOUT_MODEL:
-            marks = [pytest.mark.xfail(strict=True, reason=(
-                "product bug: a golden dump named by node (h5/ascend: 'fc') against a device dump named by tensor "
-                "whose manifest says node 'fc' ('logits'): the aligner never uses the device record's node "
-                "(align.py _decide: device_node only for map_node_dict), so without a model 'fc' pairs only by "
-                "value and, where the bug changed it, stays 'not dumped' while 'logits' is 'unmatched'"))]
-        out.append(pytest.param(gf, df, with_model, marks=marks,
-                                id=f"{gf}-{df}-{'model' if with_model else 'no-model'}"))
-    return out
+    return [pytest.param(gf, df, with_model, id=f"{gf}-{df}-{'model' if with_model else 'no-model'}")
+            for (gf, df), with_model in itertools.product(PAIRS, (False, True))]
 
 
 @pytest.mark.parametrize("gf,df,with_model", _pairing_params())
@@ -253,11 +233,6 @@ def test_clean_fp16_build_with_a_model_names_no_computation_error_under_tight_to
     assert s["first_computation_error"] is None, headline(s)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: without a model the first node (conv1) reads the graph input, which no dump records; "
-    "DumpReference._presume_chain leaves it with no inputs at all, and diagnose.decide then finds 'every input it "
-    "read is within tolerance' vacuously true (no input was compared): FP16 rounding at conv1 becomes "
-    "'Computation error at conv1, cause: kernel'"))
 def test_clean_fp16_build_without_a_model_names_no_computation_error_under_tight_tolerances(matrix, services,
                                                                                            tmp_path):
     r = run_compare(services, matrix["dumps"]["gold", "npy"], matrix["dumps"]["clean", "npy"], tmp_path / "out",
@@ -276,19 +251,26 @@ def npy_pair(tmp_path_factory):
     return base, write_dump(base / "golden", golden_records(), "npy"), device_records(small_cnn(bug_in="conv2"))
 
 
-def test_converter_prefix_and_shuffled_files_still_pair(services, npy_pair):
+@pytest.mark.parametrize("names,fmt", [("tensor", "npy"), ("node", "ascend"), ("node", "h5")])
+def test_converter_prefix_and_shuffled_files_still_pair(services, npy_pair, names, fmt):
+    """npu_model/conv2_out (or npu_model/conv2, h5: npu_model_conv2) against
+    the golden conv2_out, the device's records in a shuffled order with no
+    execution order of their own."""
     base, golden, bug = npy_pair
-    renamed = [NodeRecord(name=f"npu_model/{r.name}", op_type=r.op_type, order=-1, array=r.array) for r in bug]
-    random.Random(7).shuffle(renamed)       # files in no useful order, and no execution order given
-    r = run_compare(services, golden, write_dump(base / "prefixed", renamed, "npy"), base / "out_prefixed",
-                    precision="fp16")
+    renamed = [NodeRecord(name=f"npu_model/{r.name if names == 'tensor' else r.node}", op_type=r.op_type,
+                          order=-1, array=r.array) for r in bug]
+    random.Random(7).shuffle(renamed)
+    device = write_dump(base / f"prefixed_{names}_{fmt}", renamed, fmt)
+    r = run_compare(services, golden, device, base / f"out_prefixed_{names}_{fmt}", precision="fp16")
     s = r.summary
     assert r.exit_status == 1
     assert first_comp(s) == "conv2", headline(s)
     c = s["counts"]
     assert (c["compared"], c["invalid_out"], c["not_dumped"]) == (9, 0, 0), s["coverage"]["text"]
-    rows = {row["device_tensor"]: row["reference_tensor"] for row in _csv(r.out / "alignment.csv")}
-    assert rows["npu_model/conv2_out"] == "conv2_out" and rows["npu_model/logits"] == "logits"
+    rows = {row["reference_tensor"]: row["device_tensor"] for row in _csv(r.out / "alignment.csv")}
+    assert sorted(rows) == sorted(r.name for r in bug), rows
+    assert all(d.startswith(("npu_model/", "npu_model_")) for d in rows.values()), rows
+    assert rows["conv2_out"] in ("npu_model/conv2_out", "npu_model/conv2", "npu_model_conv2")
     # the golden dump's execution order stands: failing rows in it
     assert [n["node"] for n in s["nodes"] if not n["passed"]] == NODES[2:]
 
@@ -318,10 +300,6 @@ def test_device_dump_missing_half_the_tensors_is_no_answer(services, npy_pair):
     assert r.exit_status == 3 and "5 of 9" in r.summary["outcome"]["reason"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: diagnose.headline says 'Accumulated precision error: no node computes wrongly on its own' "
-    "whenever no node is a computation error, also when the first failing node got 'no verdict' (what it read "
-    "was not dumped): here conv2 carries the planted bug"))
 def test_partial_dump_headline_claims_nothing_it_could_not_judge(services, npy_pair):
     base, golden, bug = npy_pair
     five = write_dump(base / "five_judged", bug[::2], "npy")     # conv1, conv2, add, pool, fc
@@ -384,14 +362,10 @@ def test_hdf5_repeated_calls_pair_call_by_call(services, tmp_path, dump_mode):
     assert s["counts"]["compared"] == 3 and s["reference_dump"]["tensors"] == 3
 
 
-@pytest.mark.parametrize("dump_mode", [
-    pytest.param("output", marks=pytest.mark.xfail(strict=True, reason=(
-        "product bug: HDF5 streams op by op (all calls of 'linear', then of 'tanh'); in dump_mode output "
-        "(jobs.py: uses=None, every golden value handed out once) the device's input record 'linear@1 (input 0)' "
-        "takes the golden value of 'tanh' (consumer._take_input -> value_of -> pop) before the device's 'tanh' "
-        "output arrives, which is then skipped as 'the reference run produced no value' while coverage says "
-        "6 of 6 compared"))),
-    "all"])
+# dump_mode output: HDF5 streams op by op (every call of 'linear', then of 'tanh'), so the device's
+# input record 'linear@1 (input 0)' asks for the golden 'tanh' before the device's 'tanh' output arrives;
+# both must get it (a golden value is handed out once per reader)
+@pytest.mark.parametrize("dump_mode", ["output", "all"])
 def test_hdf5_interleaved_ops_compare_every_output(services, tmp_path, dump_mode):
     # golden: linear 0, 2, 4 and tanh 1, 3, 5; device: linear 5, 9, 12 and tanh 7, 10, 14
     golden = _write_h5(tmp_path / "golden", _cell_calls(with_tanh=True), [0, 1, 2, 3, 4, 5])
@@ -405,6 +379,7 @@ def test_hdf5_interleaved_ops_compare_every_output(services, tmp_path, dump_mode
         (r.out / "compare_skip.log").read_text()
     assert rows["tanh@2"]["verdict"] == "accumulated precision error"
     assert "produced no value" not in (r.out / "compare_skip.log").read_text()
+    assert s["counts"]["compared"] == 6, s["counts"]
 
 
 # ---------------------------------- 4. two collectors, two hosts, the command line
@@ -510,14 +485,9 @@ def test_torch_captures_on_two_devices_name_the_perturbed_layer(services, tmp_pa
     assert r.summary["first_computation_error"] is None and r.summary["counts"]["compared"] == 7
 
 
-@pytest.mark.parametrize("dump_mode", [
-    pytest.param("output", marks=pytest.mark.xfail(strict=True, reason=(
-        "product bug (same cause as test_hdf5_interleaved_ops_compare_every_output[output]): a module called "
-        "twice ('act', 'act@1') makes the HDF5 stream leave execution order; 'act@1 (input 0)' takes the golden "
-        "value of 'conv2' before the device's conv2 output arrives: conv2 is skipped ('the reference run produced "
-        "no value') and the verdict wrongly reads 'Accumulated precision error: no node computes wrongly on its "
-        "own'"))),
-    "all"])
+# a module called twice ('act', 'act@1'): the HDF5 stream leaves execution order ('act@1 (input 0)',
+# conv2's output, comes before conv2's own record); conv2 must still be compared and named
+@pytest.mark.parametrize("dump_mode", ["output", "all"])
 def test_torch_module_called_twice_still_names_the_perturbed_layer(services, tmp_path, dump_mode):
     torch = pytest.importorskip("torch")
     x = torch.randn(1, 3, 12, 12, generator=torch.Generator().manual_seed(1))
@@ -530,6 +500,7 @@ def test_torch_module_called_twice_still_names_the_perturbed_layer(services, tmp
     s = r.summary
     assert first_comp(s) == "conv2", headline(s)
     assert "conv2" in node_rows(s), (r.out / "compare_skip.log").read_text()
+    assert s["counts"]["compared"] == 5 and "accumulated" in node_rows(s)["act@1"]["verdict"], s["counts"]
 
 
 # ------------------------------------------- 6. dump_mode all: node inputs
@@ -558,22 +529,23 @@ def test_dump_mode_all_inputs_agree_output_does_not(services, tmp_path, fmt):
 
 # ---------------------------------------------------------- 7. bad input
 
-def test_reference_dump_that_does_not_exist_is_one_line(services, tmp_path):
+@pytest.mark.parametrize("content", ["missing", "junk"])
+def test_bad_reference_dump_is_one_line_on_the_cli(services, tmp_path, content):
     collector, analyzer = services
     device = write_dump(tmp_path / "device", golden_records(), "npy")
-    missing = tmp_path / "nowhere"
-    p = cli("compare", str(missing), str(device), "--collector", collector.address, "--analyzer",
+    golden = tmp_path / "golden_dir"
+    if content == "junk":
+        golden.mkdir()
+        (golden / "notes.txt").write_text("not a tensor")
+    p = cli("compare", str(golden), str(device), "--collector", collector.address, "--analyzer",
             analyzer.address, "--out", str(tmp_path / "out"), "--no-progress")
     assert p.returncode in (2, 3), p.stdout + p.stderr
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("layerdiff: error:")]
-    assert len(errors) == 1 and str(missing) in errors[0], p.stderr
+    assert len(errors) == 1 and str(golden) in errors[0], p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
+    assert not (tmp_path / "out" / "summary.json").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug (message): a missing reference dump is reported as \"field 'dump_path': dump directory ... does "
-    "not exist on the collector host\", the device dump's field, never saying it is the reference dump (the "
-    "collector's NotFoundError passes through JobRunner._receive_golden unchanged)"))
 def test_missing_reference_dump_is_named_as_the_reference(services, tmp_path):
     device = write_dump(tmp_path / "device", golden_records(), "npy")
     missing = tmp_path / "nowhere"

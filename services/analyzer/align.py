@@ -66,6 +66,7 @@ _C_REPEAT = 0.95
 _C_AFFIX = 0.85
 _C_LEARNED = 0.92
 _C_SCOPE = 0.75
+_C_NODE = 0.9
 
 
 def normalize(name: str) -> str:
@@ -335,7 +336,7 @@ class Aligner:
         names = [device_name] + ([d.site.node, d.site.tensor] if d.site else [])
         reason = self._skipped(names)
         if reason:
-            d = Decision(d.site, reason, d.method, d.confidence, d.note, d.perm)
+            d = Decision(d.site, reason, d.method, d.confidence, d.note, d.perm, d.blocked)
         if device_name not in self._rows and (d.site is not None or d.note):
             self._rows[device_name] = {"reference_tensor": d.site.tensor if d.site else "",
                                        "device_tensor": device_name, "method": d.method,
@@ -371,6 +372,13 @@ class Aligner:
         cands, ambiguous = self._relax(device_name, learn=True)
         if cands is not None:
             return Decision(cands.site, "", "name", round(cands.confidence, 4), "; ".join(cands.notes))
+        if tensor and device_node and canonical(device_node) != canonical(device_name):
+            # a dump that names tensors (logits) against one that names nodes
+            # (fc): the device node that wrote it, once its own name matched nothing
+            site = self._by_key.get(normalize(device_node if slot == 0 else f"{device_node}:{slot}"))
+            if site is not None and site.tensor not in self._pair_claims and site.tensor not in self._map_claims:
+                return Decision(site, "", "name", _C_NODE, f"named after the device node {device_node!r} that "
+                                                           "wrote it")
         if ambiguous:
             shown = ", ".join(repr(s.tensor) for s in ambiguous[:4]) + (" ..." if len(ambiguous) > 4 else "")
             return Decision(None, "", "name", 0.0, f"ambiguous: could be {shown}; left unmatched")

@@ -338,14 +338,19 @@ def _mean_rel(m: M.NodeMetrics) -> float:
 
 
 def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
-           weight_issues: dict[str, list[str]] | None = None) -> dict[int, Finding]:
+           weight_issues: dict[str, list[str]] | None = None,
+           unknown_reads: set[str] | None = None) -> dict[int, Finding]:
     """Findings for the failing output rows (by id(row)); ``producer_rows``
     maps a node to the rows of the tensors it reads (its input rows where
     the dump had them, else its producers' output rows). A quantized build
     loses more in each layer by design, so its bar for "gross" is lower.
     ``weight_issues``: node -> the weights the device model holds wrongly
-    (weights.issues), which make a computation error's cause "weight"."""
+    (weights.issues), which make a computation error's cause "weight".
+    ``unknown_reads``: nodes whose inputs no side holds (the first node of a
+    golden dump compared without a model): presumed equal, so only a gross
+    error of its own is one."""
     weight_issues = weight_issues or {}
+    unknown_reads = unknown_reads or set()
     cos_floor = 0.99 if quantized else 0.999
     out: dict[int, Finding] = {}
     for row in rows:
@@ -447,6 +452,19 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
                 f.evidence.append(f"re-run alone on its device inputs, the reference still disagrees with the "
                                   f"device: {iso.errors}/{iso.total} outside tolerance, cosine {_f(iso.cosine)}, "
                                   f"mean relative error {_f(iso.mean_rel_err)}{_core_words(row)}")
+        elif row.site.node in unknown_reads and not activations:
+            rel, pearson = _mean_rel(m), m.pearson
+            if rel > 1 or (not math.isnan(pearson) and pearson < 0.1):
+                f.verdict = COMPUTATION
+                f.evidence.append(f"mean relative error {_f(rel)}, Pearson correlation {_f(pearson)} on its output, "
+                                  "from inputs that neither dump holds, presumed equal on both sides")
+            else:
+                f.verdict = UNDECIDED
+                f.evidence.append(f"what it read is in neither dump (the run's inputs), and its error is not gross "
+                                  f"(mean relative error {_f(rel)}, Pearson correlation {_f(pearson)}): nothing "
+                                  "tells an error of its own from rounding; a model re-runs it alone")
+            if row.isolation_note:
+                f.evidence.append(f"no isolated re-run: {row.isolation_note}")
         elif unseen := _unseen_reads(row, activations):
             f.verdict = UNDECIDED
             f.evidence.append(f"what it read was not compared ({unseen}: not dumped, skipped or excluded), so "
@@ -690,11 +708,15 @@ def _num(v: float):
     return None if v is None or not math.isfinite(v) else float(v)
 
 
-def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None) -> str:
+def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None,
+             undecided: list | None = None) -> str:
     """The sentence the job answers with: the first computation error that
     changes the outputs (``first_comp``); computation errors the outputs
-    absorb (``benign``) are named after it, never as the answer."""
+    absorb (``benign``) are named after it, never as the answer. Failing
+    nodes that could not be judged (``undecided``) forbid saying that no
+    node computes wrongly on its own."""
     benign = benign or []
+    undecided = undecided or []
     absorbed = (f"{len(benign)} computation error{'s' if len(benign) > 1 else ''} the outputs absorb (first at "
                 f"{benign[0].site.node})") if benign else ""
     if first_comp is not None:
@@ -707,6 +729,13 @@ def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None
         return text + (f"; besides, {absorbed}" if absorbed else "")
     if diagnosis.get("nan") and diagnosis["nan"]["where"] in ("both", "reference"):
         return diagnosis["nan"]["text"]
+    if undecided:
+        u = undecided[0]
+        more = f" and {len(undecided) - 1} more failing node{'s' if len(undecided) > 2 else ''}" \
+            if len(undecided) > 1 else ""
+        return (f"No verdict: {u.site.node} ({u.site.op_type}, execution #{u.site.order}){more} could not be "
+                "judged (what they read was not compared or is in neither dump); no other node is shown to compute "
+                "wrongly on its own" + (f"; besides, {absorbed}" if absorbed else ""))
     if absorbed:
         rest = (f"; the outputs' error builds up from {first_fail.site.node} on" if first_fail is not None
                 and first_fail.site.node != benign[0].site.node else "")

@@ -69,7 +69,8 @@ class DumpReference:
         self.consumers: dict[str, list[str]] = {}
         self.node_inputs: dict[str, list[str]] = {}
         self.overflow: dict[str, str] = {}     # node -> why the golden runtime flagged it
-        self.presumed: dict[str, str] = {}     # node -> the tensor it is presumed to read (_presume_chain)
+        # node -> the tensor it is presumed to read ("": what neither dump holds) (_presume_chain)
+        self.presumed: dict[str, str] = {}
         self.duplicates: list[str] = []
         self._outputs: list[_Golden] = []
         self._by_name: dict[str, _Golden] = {}
@@ -174,8 +175,10 @@ class DumpReference:
         for s in self.sites:
             if s.node == node:
                 continue
-            if s.node not in self.node_inputs and before:
-                self.node_inputs[s.node] = [before]
+            if s.node not in self.node_inputs:
+                if before:
+                    self.node_inputs[s.node] = [before]
+                # "": the first node reads the run's inputs, which neither dump holds
                 self.presumed[s.node] = before
             node, before = s.node, s.tensor
 

@@ -762,8 +762,8 @@ class JobRunner:
         golden.start(self.workdir / SPILL_DIR / job.id)
         limit = env_limit("LAYERDIFF_REFERENCE_DUMP_BYTES", REFERENCE_DUMP_BYTES_DEFAULT, size=True)
         assembler = TensorAssembler(pool=BufferPool())
-        with self._stream(job, golden=True) as stream:
-            try:
+        try:
+            with self._stream(job, golden=True) as stream:
                 for batch in stream:
                     if job.cancelled.is_set():
                         break
@@ -772,10 +772,10 @@ class JobRunner:
                 if not job.cancelled.is_set():
                     for rec in assembler.finish():
                         self._take_golden(golden, rec, limit, where)
-            except LayerdiffError:
-                if job.cancelled.is_set():
-                    raise _Cancelled() from None
-                raise
+        except LayerdiffError as e:
+            if job.cancelled.is_set():
+                raise _Cancelled() from None
+            raise (e if e.field == "reference_dump" else _about_golden(e, where)) from None
         if job.cancelled.is_set():
             raise _Cancelled()
         golden.seal()
@@ -842,6 +842,16 @@ class JobRunner:
 
 class _Cancelled(Exception):
     pass
+
+
+def _about_golden(e: LayerdiffError, where: str) -> LayerdiffError:
+    """A collector's error about the golden dump, said of the reference dump
+    (its fields are the device dump's names on the wire); the same class, so
+    the exit status stays."""
+    text = str(e).replace("field 'dump_path': ", "").replace("field 'dump_path'", "")
+    out = LayerdiffError.__new__(type(e))
+    LayerdiffError.__init__(out, f"{where}: {text}", field="reference_dump")
+    return out
 
 
 def failure_exit_status(e: BaseException) -> int:

@@ -296,10 +296,11 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     rep.in_graph_order(all_sites)
     rows = rep.ordered()
     weight_issues = weights_mod.issues(weights or [], getattr(aligner, "groups", {}))
-    findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized, weight_issues)
+    findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized, weight_issues,
+                               unknown_reads={n for n, t in (presumed or {}).items() if not t})
     for r in rows:
         r.finding = findings.get(id(r))
-        if r.finding and presumed and r.site.node in presumed:
+        if r.finding and presumed and presumed.get(r.site.node):
             r.finding.evidence.append(f"what it read is presumed from the execution order: {presumed[r.site.node]}, "
                                       "the output of the node before it (neither dump records its inputs; a model "
                                       "or dump_mode all gives them)")
@@ -362,7 +363,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                        and not r.finding.benign), None)
     benign = [r for r in rows if r.finding and r.finding.benign]
     answer = coverage.outcome(rep, cov)
-    text = diagnose.headline(first_comp, first, nan_overflow, benign)
+    undecided = [r for r in rows if r.finding and r.finding.verdict == diagnose.UNDECIDED]
+    text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided)
     if answer["status"] == "no_answer":
         text = f"NO ANSWER: {answer['reason']}"
     diagnosis = {"headline": text, **nan_overflow}
