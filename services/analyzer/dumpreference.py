@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.onnxgraph import TensorSite
+from layerdiff.onnxgraph import TensorSite, node_runtime
 from layerdiff.schema import ROLE_INPUT, STATUS_OK, NodeRecord
 
 log = logging.getLogger(__name__)
@@ -295,13 +295,7 @@ class DumpReference:
         return {}
 
     def node_runtime(self) -> list[dict]:
-        out: list[dict] = []
-        for s in self.sites:
-            if out and out[-1]["node"] == s.node:
-                out[-1]["outputs"].append(s.tensor)
-            else:
-                out.append({"order": s.order, "node": s.node, "op_type": s.op_type, "outputs": [s.tensor]})
-        return out
+        return node_runtime(self.sites)
 
     def plan(self, feeds: dict, **limits) -> list[list[str]]:
         """One segment: every value is a mapped file, read when compared."""

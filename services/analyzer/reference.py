@@ -17,7 +17,7 @@ from onnx import numpy_helper
 
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (TensorSite, check_inputs, consumer_map, estimate_output_bytes, expose_all_outputs,
-                                 expose_only, load_model, plan_segments, tensor_sites)
+                                 expose_only, load_model, node_runtime, plan_segments, tensor_sites)
 
 
 class OnnxReference:
@@ -55,14 +55,7 @@ class OnnxReference:
         return check_inputs(self.model, feeds, inputs_name)
 
     def node_runtime(self) -> list[dict]:
-        """Nodes in execution order with their outputs (node_runtime.json)."""
-        out: list[dict] = []
-        for s in self.sites:
-            if out and out[-1]["node"] == s.node:
-                out[-1]["outputs"].append(s.tensor)
-            else:
-                out.append({"order": s.order, "node": s.node, "op_type": s.op_type, "outputs": [s.tensor]})
-        return out
+        return node_runtime(self.sites)
 
     def plan(self, feeds: dict[str, np.ndarray], **limits) -> list[list[str]]:
         """Consecutive tensors in execution order, cut into segments

@@ -45,6 +45,17 @@ class TensorSite:
         return self.op_type in CONSTANT_OPS
 
 
+def node_runtime(sites: list[TensorSite]) -> list[dict]:
+    """Nodes in execution order with their outputs (node_runtime.json)."""
+    out: list[dict] = []
+    for s in sites:
+        if out and out[-1]["node"] == s.node:
+            out[-1]["outputs"].append(s.tensor)
+        else:
+            out.append({"order": s.order, "node": s.node, "op_type": s.op_type, "outputs": [s.tensor]})
+    return out
+
+
 def load_model(data: bytes, name: str) -> onnx.ModelProto:
     """Parse ONNX bytes; a clear error naming the file when it is not ONNX or
     refers to external data (which would be a path outside the upload)."""
