@@ -1576,6 +1576,15 @@ def _as_f64(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.float64 else a.astype(np.float64)
 
 
+def _into_f64(a: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """A piece as float64: itself, or converted into the front of ``scratch``."""
+    if a.dtype == np.float64:
+        return a
+    out = scratch[:a.size]
+    np.copyto(out, a, casting="unsafe")
+    return out
+
+
 def _as_i64(a: np.ndarray) -> np.ndarray:
     """An integer/bool piece as int64 (uint64 as its bits: see ``_isplit``)."""
     if a.dtype == np.uint64:
@@ -1921,12 +1930,16 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     k = 0
     integer = kr == "int" and kd == "int"
     ru, du = r.dtype == np.uint64, d.dtype == np.uint64
+    # one float64 scratch piece per side for the whole tensor: a fresh one per
+    # piece is a fresh mapping (memory.MMAP_THRESHOLD_BYTES), faulted in anew
+    scratch = None if integer else (np.empty(min(_PIECE, r.size)), np.empty(min(_PIECE, r.size)))
     for s in range(0, r.size, _PIECE):
         if integer:
             k = _worst_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, s, k,
                            hidx, hdiff, hcls)
         else:
-            k = _worst(_as_f64(r[s:s + _PIECE]), _as_f64(d[s:s + _PIECE]), float(atol),
+            rp, dp = r[s:s + _PIECE], d[s:s + _PIECE]
+            k = _worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
                        float(rtol), s, k, hidx, hdiff, hcls)
     rows = []
     for j in range(k):
