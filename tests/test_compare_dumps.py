@@ -590,3 +590,24 @@ def test_unreadable_golden_record_is_skipped_and_the_job_goes_on(services, tmp_p
     assert s["reference_dump"]["records"] == 9 and s["reference_dump"]["tensors"] == 8
     assert {"node": "relu2", "why": "AI Core overflow (status 0x20)", "side": "reference"} in s["overflow_nodes"]
     assert "relu2 (reference dump)" in (r.out / "overflow_nodename.log").read_text()
+
+
+def test_golden_tensors_named_like_spill_files_keep_their_own_values(tmp_path):
+    """Golden tensor names are anything a runtime wrote: names that look
+    like the analyzer's own spill keys still read back their own values."""
+    from layerdiff.analyzer.dumpreference import DumpReference
+    from layerdiff.schema import NodeRecord
+
+    ref = DumpReference("golden")
+    ref.start(tmp_path / "spill")
+    names = ["out1", "in0", "out0", "x"]
+    for i, name in enumerate(names):
+        ref.take(NodeRecord(name=name, op_type="Relu", order=i, array=np.full(3, float(i), np.float32)))
+    ref.take(NodeRecord(name="x", node="x", role="input", slot=0, array=np.full(3, 9.0, np.float32)))
+    ref.seal()
+    assert [s.tensor for s in ref.sites] == names
+    for i, name in enumerate(names):
+        assert np.array_equal(ref.value(name), np.full(3, float(i), np.float32)), name
+    assert np.array_equal(ref.value(ref.node_inputs["x"][0]), np.full(3, 9.0, np.float32))
+    ref.close()
+    assert not (tmp_path / "spill").exists()

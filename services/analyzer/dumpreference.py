@@ -75,7 +75,8 @@ class DumpReference:
         self._outputs: list[_Golden] = []
         self._by_name: dict[str, _Golden] = {}
         self._inputs: dict[tuple[str, int], str] = {}   # (node, slot) -> spill key
-        self._files: dict[str, Path] = {}       # spill key -> file (site tensors and input keys)
+        self._spilled: dict[str, Path] = {}     # spill key -> its file, as received
+        self._files: dict[str, Path] = {}       # tensor (a site, a node's input) -> its spill file
         self._unavailable: dict[str, str] = {}  # site tensor -> why the golden dump has no value for it
         self._constants: dict = {}
         self.bytes = 0
@@ -98,7 +99,7 @@ class DumpReference:
         if rec.role == ROLE_INPUT:
             node = rec.node or rec.name
             if rec.status == STATUS_OK and rec.array is not None and (node, rec.slot) not in self._inputs:
-                key = f"in{len(self._files)}"
+                key = f"in{len(self._spilled)}"
                 self._save(key, rec.array)
                 self._inputs[(node, rec.slot)] = key
             return
@@ -109,7 +110,7 @@ class DumpReference:
         if rec.status != STATUS_OK or rec.array is None:
             g.error = rec.message or "unreadable"
         else:
-            g.key = f"out{len(self._files)}"
+            g.key = f"out{len(self._spilled)}"
             self._save(g.key, rec.array)
         self._outputs.append(g)
         self._by_name[rec.name] = g
@@ -119,7 +120,7 @@ class DumpReference:
             raise RuntimeError("DumpReference.start was not called")
         path = self.spill / f"{key}.npy"
         np.save(path, np.ascontiguousarray(arr), allow_pickle=False)
-        self._files[key] = path
+        self._spilled[key] = path
         self.bytes += arr.nbytes
 
     @property
@@ -218,11 +219,11 @@ class DumpReference:
             ins = self.node_inputs.get(node)
             if ins is not None and slot < len(ins) and ins[slot] and ins[slot] not in self._files \
                     and ins[slot] not in self._constants:
-                self._files[ins[slot]] = self._files[key]
+                self._files[ins[slot]] = self._spilled[key]
 
     def _place(self, g: _Golden, tensor: str) -> None:
         if g.key:
-            self._files[tensor] = self._files[g.key]
+            self._files[tensor] = self._spilled[g.key]
         else:
             self._unavailable[tensor] = f"the reference dump's record of it is unreadable: {g.error}"
 
@@ -244,16 +245,16 @@ class DumpReference:
             tensor = by_digest.get(self._digest(key))
             if tensor is None or tensor == node or self._by_name[tensor].node == node:
                 tensor = f"{node} (input {slot})"
-                self._files[tensor] = self._files[key]
+                self._files[tensor] = self._spilled[key]
             ins[slot] = tensor
         return out
 
     def _dtype_shape(self, key: str) -> tuple:
-        arr = np.load(self._files[key], mmap_mode="r")
+        arr = np.load(self._spilled[key], mmap_mode="r")
         return arr.dtype.str, arr.shape
 
     def _digest(self, key: str) -> tuple:
-        arr = np.load(self._files[key], mmap_mode="r")
+        arr = np.load(self._spilled[key], mmap_mode="r")
         h = hashlib.blake2b(digest_size=16)
         h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
         return arr.dtype.str, arr.shape, h.digest()
