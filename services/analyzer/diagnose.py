@@ -708,6 +708,11 @@ def _num(v: float):
     return None if v is None or not math.isfinite(v) else float(v)
 
 
+def _place(site) -> str:
+    """"Conv, execution #2"; a dump without op types gives only the order."""
+    return f"{site.op_type}, execution #{site.order}" if site.op_type else f"execution #{site.order}"
+
+
 def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None,
              undecided: list | None = None) -> str:
     """The sentence the job answers with: the first computation error that
@@ -720,8 +725,7 @@ def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None
     absorbed = (f"{len(benign)} computation error{'s' if len(benign) > 1 else ''} the outputs absorb (first at "
                 f"{benign[0].site.node})") if benign else ""
     if first_comp is not None:
-        text = (f"Computation error at {first_comp.site.node} ({first_comp.site.op_type}, execution "
-                f"#{first_comp.site.order})")
+        text = f"Computation error at {first_comp.site.node} ({_place(first_comp.site)})"
         if first_comp.finding.cause:
             text += f", cause: {first_comp.finding.cause}"
         if first_comp.finding.hand_over:
@@ -733,7 +737,7 @@ def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None
         u = undecided[0]
         more = f" and {len(undecided) - 1} more failing node{'s' if len(undecided) > 2 else ''}" \
             if len(undecided) > 1 else ""
-        return (f"No verdict: {u.site.node} ({u.site.op_type}, execution #{u.site.order}){more} could not be "
+        return (f"No verdict: {u.site.node} ({_place(u.site)}){more} could not be "
                 "judged (what they read was not compared or is in neither dump); no other node is shown to compute "
                 "wrongly on its own" + (f"; besides, {absorbed}" if absorbed else ""))
     if absorbed:

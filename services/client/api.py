@@ -657,10 +657,10 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
         lines.append(f"VERDICT: {diagnosis['headline']}")
     comp = summary.get("first_computation_error")
     if comp:
-        lines.append(f"FIRST COMPUTATION ERROR: {comp['node']} ({comp['op_type']}, execution #{comp['order']}): "
+        lines.append(f"FIRST COMPUTATION ERROR: {comp['node']} ({_place(comp)}): "
                      + "; ".join(comp.get("evidence") or []))
     for b in (summary.get("benign_computation_errors") or [])[:top]:
-        lines.append(f"BENIGN: {b['node']} ({b['op_type']}, execution #{b['order']}, cause: {b.get('cause') or '?'}) "
+        lines.append(f"BENIGN: {b['node']} ({_place(b)}, cause: {b.get('cause') or '?'}) "
                      "computes differently, but the outputs absorb it"
                      + (f": {b['impact']['why']}" if (b.get("impact") or {}).get("why") else ""))
     for key in ("nan", "overflow"):
@@ -669,7 +669,7 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     lines.extend(_coverage_lines(summary.get("coverage")))
     first = summary.get("first_failing_node")
     if first:
-        lines.append(f"FIRST FAILING NODE: {first['node']} ({first['op_type']}, execution #{first['order']}, "
+        lines.append(f"FIRST FAILING NODE: {first['node']} ({_place(first)}, "
                      f"tensor {first['tensor']})")
         lines.append(f"  errors/total {first['errors']}/{first['total']} outside atol={first['atol']:g} "
                      f"rtol={first['rtol']:g}; max_abs_err {_f(first['max_abs_err'])}, "
@@ -713,6 +713,12 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
         lines.extend(_perf_lines(summary, top))
     lines.append(f"reports: {out}")
     return "\n".join(lines)
+
+
+def _place(node: dict) -> str:
+    """"Conv, execution #2"; a dump without op types gives only the order."""
+    op = node.get("op_type")
+    return f"{op}, execution #{node.get('order')}" if op else f"execution #{node.get('order')}"
 
 
 def _coverage_lines(cov) -> list[str]:
