@@ -167,23 +167,34 @@ def _compare_once(app, store: TensorStore, job: str) -> dict:
     return res[0]
 
 
+@contextlib.contextmanager
+def _worker_and_app(broker_url: str, env: dict, log, app_url: str | None = None):
+    """A worker on ``broker_url`` and an app signing with SECRET (on
+    ``app_url``, default the same), once the worker answers; both stopped
+    at the end."""
+    worker = Worker(broker_url, env, log)
+    app = None
+    try:
+        app = make_app(app_url or broker_url, secret=SECRET)
+        assert wait_for(lambda: _ready(app), 60), f"the worker did not come up: {worker.text()[-2000:]}"
+        yield worker, app
+    finally:
+        if app is not None:
+            _close(app)
+        worker.stop()
+
+
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory):
     """Redis on loopback and one worker with the secret in a file; the test
     process signs with the same secret."""
     base = tmp_path_factory.mktemp("signed")
     rs = OwnRedis(base)
-    worker = app = None
     try:
-        worker = Worker(rs.url, _env(LAYERDIFF_TASK_SECRET_FILE=_secret_file(base)), base / "worker.log")
-        app = make_app(rs.url, secret=SECRET)
-        assert wait_for(lambda: _ready(app), 60), f"the worker did not come up: {worker.text()[-2000:]}"
-        yield {"redis": rs, "worker": worker, "app": app, "base": base}
+        with _worker_and_app(rs.url, _env(LAYERDIFF_TASK_SECRET_FILE=_secret_file(base)), base / "worker.log") \
+                as (worker, app):
+            yield {"redis": rs, "worker": worker, "app": app, "base": base}
     finally:
-        if app is not None:
-            _close(app)
-        if worker is not None:
-            worker.stop()
         rs.stop()
         shutil.rmtree(base, ignore_errors=True)
 
@@ -327,7 +338,6 @@ def test_an_unsigned_worker_refuses_a_broker_off_loopback(scratch):
 def test_redis_with_a_password_and_an_acl_user(scratch):
     password, user_pw = "pw-" + uuid.uuid4().hex, "upw-" + uuid.uuid4().hex
     rs = OwnRedis(scratch, password=password)
-    worker = app = None
     try:
         admin = rs.client()
         admin.execute_command("ACL", "SETUSER", "ldjobs", "on", f">{user_pw}", "~*", "&*", "+@all")
@@ -341,21 +351,16 @@ def test_redis_with_a_password_and_an_acl_user(scratch):
             assert password not in msg and "\n" not in msg
             assert ("***@" in msg) == (url != rs.plain_url), msg
         # with it: broker, result backend and tensor store, for the worker (password) and the analyzer (ACL user)
-        worker = Worker(rs.url, _env(LAYERDIFF_TASK_SECRET=SECRET), scratch / "worker.log")
         user_url = rs.url_for(f"ldjobs:{user_pw}@")
-        app = make_app(user_url, secret=SECRET)
-        assert wait_for(lambda: _ready(app), 60), f"the worker did not come up: {worker.text()[-2000:]}"
-        with TensorStore(user_url) as store:
-            store.ping()
-            assert _compare_once(app, store, "withpassword")["metrics"]["errors"] == 4
-            assert user_pw not in store.url and "ldjobs:***@" in store.url
-        log = worker.text()
+        with _worker_and_app(rs.url, _env(LAYERDIFF_TASK_SECRET=SECRET), scratch / "worker.log", user_url) \
+                as (worker, app):
+            with TensorStore(user_url) as store:
+                store.ping()
+                assert _compare_once(app, store, "withpassword")["metrics"]["errors"] == 4
+                assert user_pw not in store.url and "ldjobs:***@" in store.url
+            log = worker.text()
         assert password not in log and user_pw not in log and "Traceback" not in log
     finally:
-        if app is not None:
-            _close(app)
-        if worker is not None:
-            worker.stop()
         rs.stop()
 
 
@@ -384,7 +389,6 @@ def test_redis_over_tls(scratch):
     certs.mkdir()
     tls = _certificates(certs)
     rs = OwnRedis(scratch, tls=tls)
-    worker = app = None
     try:
         # a plain client on the TLS port, or one that does not trust the certificate: clear errors
         with TensorStore(rs.url_for("", scheme="redis")) as store, pytest.raises(UnavailableError) as ei:
@@ -395,16 +399,10 @@ def test_redis_over_tls(scratch):
             store.ping()
         assert "CERTIFICATE_VERIFY_FAILED" in str(ei.value) and "ssl_ca_certs" in str(ei.value), str(ei.value)
         # rediss://: broker and result backend (the worker, the app), tensor store (both sides)
-        worker = Worker(rs.url, _env(LAYERDIFF_TASK_SECRET=SECRET), scratch / "worker.log")
-        app = make_app(rs.url, secret=SECRET)
-        assert wait_for(lambda: _ready(app), 60), f"the worker did not come up: {worker.text()[-2000:]}"
-        with TensorStore(rs.url) as store:
-            store.ping()
-            assert _compare_once(app, store, "overtls")["metrics"]["errors"] == 4
-        assert "Traceback" not in worker.text()
+        with _worker_and_app(rs.url, _env(LAYERDIFF_TASK_SECRET=SECRET), scratch / "worker.log") as (worker, app):
+            with TensorStore(rs.url) as store:
+                store.ping()
+                assert _compare_once(app, store, "overtls")["metrics"]["errors"] == 4
+            assert "Traceback" not in worker.text()
     finally:
-        if app is not None:
-            _close(app)
-        if worker is not None:
-            worker.stop()
         rs.stop()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.onnxgraph import TensorSite, node_runtime
+from layerdiff.onnxgraph import TensorSite, node_name, node_runtime, tensor_sites
 from layerdiff.schema import ROLE_INPUT, STATUS_OK, NodeRecord
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class DumpReference:
         self._files: dict[str, Path] = {}       # tensor (a site, a node's input) -> its spill file
         self._unavailable: dict[str, str] = {}  # site tensor -> why the golden dump has no value for it
         self._constants: dict = {}
+        self._model_nodes: set[str] = set()     # the model's own nodes (re-run alone), with a model
         self.bytes = 0
         self.records = 0
         self._sealed = False
@@ -161,7 +162,7 @@ class DumpReference:
         for g in sorted(ordered, key=lambda g: node_index[g.node]):
             self.sites.append(TensorSite(g.name, g.node, g.op_type, node_index[g.node], g.slot))
             self._place(g, g.name)
-        self.node_inputs = self._inputs_by_content(node_index)
+        self.node_inputs = self._inputs_by_content()
         self._presume_chain()
 
     def _presume_chain(self) -> None:
@@ -187,7 +188,6 @@ class DumpReference:
         """The model's tensors that the golden dump holds, paired by name,
         in the model's order; golden tensors the model lacks follow."""
         from layerdiff.analyzer.align import Aligner
-        from layerdiff.onnxgraph import tensor_sites
 
         model_sites = tensor_sites(self.model)
         aligner = Aligner(model_sites)
@@ -209,8 +209,6 @@ class DumpReference:
             self.sites.append(TensorSite(g.name, g.node, g.op_type, last + i, g.slot))
             self._place(g, g.name)
         for i, node in enumerate(self.model.graph.node):
-            from layerdiff.onnxgraph import node_name
-
             self.node_inputs[node_name(node, i)] = list(node.input)
         self._constants = {i.name: i for i in self.model.graph.initializer}
         self._model_nodes = {s.node for s in model_sites}
@@ -227,7 +225,7 @@ class DumpReference:
         else:
             self._unavailable[tensor] = f"the reference dump's record of it is unreadable: {g.error}"
 
-    def _inputs_by_content(self, node_index: dict[str, int]) -> dict[str, list[str]]:
+    def _inputs_by_content(self) -> dict[str, list[str]]:
         """node -> the tensors it read: a dumped input whose bytes are a
         dumped output is that output (an edge of the graph); otherwise the
         input is a tensor of its own, ``node (input k)``."""
@@ -326,7 +324,7 @@ class DumpReference:
         if self.model is None:
             raise IsolationUnavailable("the reference is a dump: no model to re-run the node alone (give the "
                                        "model with --model)")
-        if site.node not in getattr(self, "_model_nodes", ()):
+        if site.node not in self._model_nodes:
             raise IsolationUnavailable(f"{site.node!r} is not a node of the model")
         return run_isolated(self.model, site.order, inputs, feeds)
 

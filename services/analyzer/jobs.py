@@ -600,9 +600,10 @@ class JobRunner:
         mode = check_dump_mode(spec.dump_mode)
         # Node inputs read tensors that are also node outputs: such values are
         # kept until every comparison that needs them has had them.
-        uses = {t: n + (mode == "all") for t, n in p.reference.input_uses().items()} if mode != "output" else None
-        if p.golden:    # mapped from the spill files: kept for every reader whatever the mode, at no memory cost
-            uses = {t: n + 1 for t, n in p.reference.input_uses().items()}
+        # A golden dump's values are mapped from its spill files: kept for
+        # every reader whatever the mode, at no memory cost.
+        uses = {t: n + (mode == "all" or p.golden) for t, n in p.reference.input_uses().items()} \
+            if mode != "output" or p.golden else None
         reference = SegmentedReference(p.reference, p.feeds, uses)
         helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         # The first segment is computed while the collector starts producing.

@@ -483,11 +483,10 @@ def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model
     naming both dumps (``reference_dump``: path, collector, what it held)."""
     model_bytes, model_name = read_artifact(model, "model") if model is not None else (None, "")
     opts = compare_options(**options)
-    golden_format = reference_format or ""
 
     def spec(client: AnalyzerClient, device_collector: str) -> pb.JobSpec:
         golden = pb.ReferenceDump(collector=reference_collector or device_collector, dump=pb.DumpSource(
-            path=str(reference_dump), format=golden_format, default_concat_dim=default_concat_dim))
+            path=str(reference_dump), format=reference_format or "", default_concat_dim=default_concat_dim))
         return pb.JobSpec(
             model_artifact=client.upload(model_bytes, model_name) if model_bytes is not None else "",
             collector=device_collector, device=device or "", precision=precision or "fp32",
