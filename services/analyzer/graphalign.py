@@ -111,9 +111,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, numpy_helper
 
 from layerdiff.analyzer.align import Pairing
+from layerdiff.onnxgraph import infer_shapes
 
 
 @dataclass
@@ -439,7 +440,7 @@ def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
 
 def _shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple], dict[str, int]]:
     try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = infer_shapes(model, strict_mode=False)
     except Exception:  # contrib ops or a malformed graph: what the file declares
         inferred = model
     shapes, types = {}, {}
@@ -1640,6 +1641,32 @@ class _Aligner:
         elif alt.weights == "different":
             parts.append("weights differ from the reference's")
         return "; ".join(parts)
+
+
+def weights_by_name(ref: onnx.ModelProto, dev: onnx.ModelProto) -> GraphAlignment:
+    """The weights of a build that keeps every node's name and op (the FP16
+    build the collector makes from the reference), each device node beside
+    its namesake: ``weights`` alone is filled, with none of the search
+    ``align_graphs`` makes for a graph of unknown origin."""
+    aligner = _Aligner(ref, dev)
+    out = GraphAlignment()
+    namesake = {aligner.ref.label(j): j for j in range(len(aligner.ref.nodes))}
+    for i in range(len(aligner.dev.nodes)):
+        outs = aligner.dev.outputs_of(i)
+        if not outs or all(t in aligner.dev.const for t in outs):   # weights computed from weights
+            continue
+        j = namesake.get(aligner.dev.label(i))
+        if j is not None and aligner.dev.op(i) == aligner.ref.op(j):
+            aligner.weight_rows(out, i, j, folding=False)
+    # Stored values in their own types, not widened: weights.relation tells
+    # an FP16 rounding of a float32 weight in one pass that way.
+    for w in out.weights:
+        for side, graph, key in (("reference", aligner.ref, "reference_weight"), ("device", aligner.dev,
+                                                                                   "device_weight")):
+            init = graph.inits.get(w.get(key))
+            if init is not None and w.get(side) is not None:
+                w[side] = numpy_helper.to_array(init)
+    return out
 
 
 def align_graphs(ref: onnx.ModelProto, dev: onnx.ModelProto) -> GraphAlignment:

@@ -295,11 +295,11 @@ def _fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
     if not isinstance(reference, OnnxReference) or spec.device_model_artifact or spec.dump_path \
             or spec.precision != "fp16":
         return None
-    from layerdiff.analyzer.graphalign import align_graphs
+    from layerdiff.analyzer.graphalign import weights_by_name
     from layerdiff.collector.live import to_fp16
 
-    try:
-        return _weights(align_graphs(reference.model, to_fp16(reference.model)))
+    try:   # the build keeps every node's name: nodes pair by name
+        return _weights(weights_by_name(reference.model, to_fp16(reference.model)))
     except Exception as e:    # the collector's conversion reports its own failure
         log.warning("comparing the FP16 build's weights failed (%s: %s)", type(e).__name__, e)
         return None
@@ -570,6 +570,8 @@ class JobRunner:
                 path=spec.dump_path, format=spec.dump_format, default_concat_dim=spec.default_concat_dim,
                 watch=spec.watch))
         def upload(artifact: str) -> str:
+            if collector.has_artifact(artifact):    # ids are contents' digests: sent before, or handed over
+                return artifact
             data = self.store.read(artifact)
             return collector.upload(data, self.store.name(artifact), timeout=upload_timeout(len(data)))
 
@@ -609,6 +611,12 @@ class JobRunner:
         # The first segment is computed while the collector starts producing.
         ref_future = helper.submit(reference.ensure, 0)
         helper.shutdown(wait=False)
+        # An FP16 build's weights are compared while the device runs, for the report.
+        weights_future = None
+        if p.weights is None:
+            aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
+            weights_future = aside.submit(_fp16_build_weights, spec, p.reference)
+            aside.shutdown(wait=False)
 
         rep = JobReport()
         if isinstance(p.reference, DumpReference):
@@ -645,8 +653,8 @@ class JobRunner:
             sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
                                rep, job_info)
         impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default) if injected else None
-        if p.weights is None:
-            p.weights = _fp16_build_weights(spec, p.reference)
+        if weights_future is not None:
+            p.weights = weights_future.result()
         try:
             summary = write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
                                    node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,

@@ -202,8 +202,12 @@ class AnalyzerClient:
     raise grpc.RpcError as the service answers; ``run``, ``watch`` and
     ``fetch`` below turn every failure into a LayerdiffError."""
 
-    def __init__(self, address: str, connect_timeout_s: float | None = None) -> None:
+    def __init__(self, address: str, connect_timeout_s: float | None = None, local=None) -> None:
+        """``local``: (the analyzer's store, the collector's or None) where
+        the analyzer (and the collector) run in this process: uploads are
+        handed to them in memory, in a file each, instead of sent."""
         self.address = address
+        self.local = local
         wait = connect_timeout() if connect_timeout_s is None else connect_timeout_s
         security = ClientSecurity.from_env()
         self.channel = channel(address, security)
@@ -222,6 +226,12 @@ class AnalyzerClient:
         self.stub = pbg.AnalyzerStub(with_token(self.channel, security))
 
     def upload(self, data: bytes, name: str) -> str:
+        if self.local is not None:      # the embedded analyzer: handed over, not sent
+            store, beside = self.local
+            artifact = store.put(data, name).id
+            if beside is not None:
+                beside.link_from(store, artifact)
+            return artifact
         call = self.stub.PutArtifact.future(chunks_of(data, name), timeout=CALL_TIMEOUT)
         try:
             return call.result().id
@@ -439,11 +449,14 @@ def _run_job(make_spec: Callable[[AnalyzerClient, str], pb.JobSpec], *, analyzer
         job_id = None
         client = None
         try:
+            local = collector_store = None
             if collector is None:
-                collector = stack.enter_context(CollectorServer()).address
+                embedded = stack.enter_context(CollectorServer())
+                collector, collector_store = embedded.address, embedded.flight.store
             if analyzer is None:
-                analyzer = stack.enter_context(AnalyzerServer()).address
-            client = AnalyzerClient(analyzer)
+                embedded = stack.enter_context(AnalyzerServer())
+                analyzer, local = embedded.address, (embedded.service.store, collector_store)
+            client = AnalyzerClient(analyzer, local=local)
             stack.callback(client.close)
             spec = make_spec(client, collector)
             try:

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 ARTIFACT_SCHEMA = pa.schema([("data", pa.binary())])
 HEALTH = "health"
 DUMP_GRAPH = "dump_graph"
+HAS_ARTIFACT = "has_artifact"
 
 
 def _to_flight_error(e: BaseException) -> Exception:
@@ -169,11 +170,15 @@ class CollectorFlight(flight.FlightServerBase):
     # -------------------------------------------------------------- actions
     def list_actions(self, context):
         return [(HEALTH, "layerdiff.v1.HealthReply of this collector"),
-                (DUMP_GRAPH, "layerdiff.v1.DeviceGraph of a dump's manifest (body: layerdiff.v1.DumpSource)")]
+                (DUMP_GRAPH, "layerdiff.v1.DeviceGraph of a dump's manifest (body: layerdiff.v1.DumpSource)"),
+                (HAS_ARTIFACT, "b'1' when the artifact (body: its id) is stored here, else b''")]
 
     def do_action(self, context, action):
         if action.type == DUMP_GRAPH:
             return [flight.Result(self._dump_graph(action.body.to_pybytes()).SerializeToString())]
+        if action.type == HAS_ARTIFACT:
+            held = self.store.has(action.body.to_pybytes().decode("ascii", "replace"))
+            return [flight.Result(b"1" if held else b"")]
         if action.type != HEALTH:
             raise KeyError(f"unknown action {action.type!r}")
         return [flight.Result(pb.HealthReply(service="collector", version=__version__,
@@ -330,6 +335,16 @@ class CollectorClient:
             raise LayerdiffError(f"collector could not read the dump's graph: {flight_message(e)}",
                                  field="dump_path") from None
         return pb.DeviceGraph.FromString(results[0].body.to_pybytes()) if results else pb.DeviceGraph()
+
+    def has_artifact(self, artifact_id: str, timeout: float = 10.0) -> bool:
+        """Does the collector store this artifact already (a model sent for an
+        earlier job)? False also where the collector cannot tell."""
+        try:
+            results = list(self.client.do_action(flight.Action(HAS_ARTIFACT, artifact_id.encode("ascii")),
+                                                 self._options(timeout)))
+        except pa.ArrowException:
+            return False
+        return bool(results) and results[0].body.to_pybytes() == b"1"
 
     def wait_ready(self, timeout: float = 15.0, stop: threading.Event | None = None) -> None:
         """Wait for the collector to answer its health check; gives up early

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import tempfile
 import threading
 from collections import Counter
@@ -110,6 +111,38 @@ class ArtifactStore:
         finally:
             if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
+
+    def put(self, data: bytes, name: str) -> pb.ArtifactRef:
+        """Store bytes handed over in this process (the embedded services),
+        under the checks an upload passes."""
+        return self.receive([pb.ArtifactChunk(name=name, total_size=len(data), data=data)])
+
+    def has(self, artifact_id: str) -> bool:
+        try:
+            self.path(artifact_id)
+        except NotFoundError:
+            return False
+        return True
+
+    def link_from(self, other: "ArtifactStore", artifact_id: str) -> None:
+        """Hold what another store of this process holds (the embedded
+        collector takes the analyzer's artifacts so): a hard link where both
+        lie on one file system, a copy elsewhere; nothing if already held."""
+        src = other.path(artifact_id)
+        with self._lock:
+            dst = self.root / artifact_id
+            if not dst.exists():
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
+                    os.close(fd)
+                    try:
+                        shutil.copyfile(src, tmp)
+                        os.replace(tmp, dst)
+                    finally:
+                        _unlink(tmp)
+            self._names[artifact_id] = other.name(artifact_id)
 
     def path(self, artifact_id: str, field: str = "artifact") -> Path:
         if not artifact_id or len(artifact_id) != 64 or any(c not in "0123456789abcdef" for c in artifact_id):
