@@ -10,7 +10,8 @@ from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.consumer import StreamConsumer
 from layerdiff.analyzer.jobs import Prepared
 from layerdiff.analyzer.pool import LocalPool
-from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
+from layerdiff.analyzer.reference import OnnxReference
+from layerdiff.analyzer.segments import SegmentedReference
 from layerdiff.analyzer.report import JobReport
 from layerdiff.analyzer.tolerances import Tolerances
 from layerdiff.collector.live import LiveRunner

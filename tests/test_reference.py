@@ -1,10 +1,12 @@
 """The reference in segments gives exactly what one run exposing every node
-output gives, and the segment plan follows the estimated sizes."""
+output gives, whatever the memory budget cuts it into, and the segment plan
+follows the estimated sizes."""
 from __future__ import annotations
 
 import numpy as np
 
-from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
+from layerdiff.analyzer.reference import OnnxReference
+from layerdiff.analyzer.segments import SegmentedReference, plan_by_budget
 from layerdiff.collector.live import LiveRunner
 from layerdiff.onnxgraph import estimate_output_bytes, plan_segments
 
@@ -30,15 +32,73 @@ def test_plan_cuts_by_size():
 
 
 def test_segmented_reference_equals_one_full_run():
+    """A budget of one byte: every node is a segment of its own, fed with
+    what earlier ones computed."""
     ref = OnnxReference(small_cnn().SerializeToString())
     full = ref.run(_feeds())
-    seg = SegmentedReference(ref, _feeds(), min_bytes=1, max_segments=4)
-    assert len(seg.segments) == 4
+    seg = SegmentedReference(ref, _feeds(), budget=1)
+    assert len(seg.segments) == len({s.order for s in ref.sites}) == 9
     for s in ref.sites:
         got = seg.pop(s.tensor)
         assert got.tobytes() == full[s.tensor].tobytes(), s.tensor
         assert seg.pop(s.tensor) is None          # handed out once, then forgotten
     assert seg.values == {}
+
+
+def test_values_waiting_for_the_device_go_to_disk_past_the_budget(tmp_path):
+    """Asked for in reverse (the device's last tensor first), every segment
+    is computed at once; past the budget the waiting values are spilled and
+    still come back exact, and closing deletes them."""
+    from test_impact import FEEDS, encoder
+
+    model = encoder(layers=3)
+    ref = OnnxReference(model.SerializeToString())
+    full = ref.run(FEEDS)
+    budget = 4 * max(a.nbytes for a in full.values())
+    seg = SegmentedReference(ref, FEEDS, budget=budget, spill_dir=tmp_path / "spill")
+    assert len(seg.segments) > 3
+    assert any(seg.runner.reads[i] for i in range(2, len(seg.segments)))    # residuals cross segments
+    for s in reversed(ref.sites):
+        assert seg.pop(s.tensor).tobytes() == full[s.tensor].tobytes(), s.tensor
+    assert seg.spilled_bytes > budget
+    assert seg._resident() <= budget
+    seg.close()
+    assert not (tmp_path / "spill").exists()
+
+
+def test_subgraphs_read_what_earlier_segments_computed():
+    """An If whose branches read a tensor of an earlier segment (outer scope)."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    then = helper.make_graph([helper.make_node("Mul", ["a", "a"], ["t"], name="then_mul")], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [4])])
+    other = helper.make_graph([helper.make_node("Neg", ["a"], ["e"], name="else_neg")], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4])])
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+             helper.make_node("ReduceSum", ["a"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="positive"),
+             helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then, else_branch=other),
+             helper.make_node("Add", ["y", "a"], ["z"], name="add")]
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("z", TensorProto.FLOAT, [4])],
+                              initializer=[helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    ref = OnnxReference(model.SerializeToString())
+    feeds = {"x": np.array([1, -2, 3, 0.5], np.float32)}
+    full = ref.run(feeds)
+    seg = SegmentedReference(ref, feeds, budget=1)
+    assert len(seg.segments) == 5 and "a" in seg.runner.reads[3]
+    for s in ref.sites:
+        assert seg.pop(s.tensor).tobytes() == full[s.tensor].tobytes(), s.tensor
+
+
+def test_plan_by_budget_keeps_a_node_whole():
+    sizes = {"a": 10, "b1": 10, "b2": 10, "c": 30, "d": 5}
+    groups = [["a"], ["b1", "b2"], ["c"], ["d"]]
+    assert plan_by_budget(groups, sizes, 20) == [["a"], ["b1", "b2"], ["c"], ["d"]]
+    assert plan_by_budget(groups, sizes, 40) == [["a", "b1", "b2"], ["c", "d"]]
+    assert plan_by_budget(groups, {}, 1) == [["a", "b1", "b2", "c", "d"]]    # unknown sizes: one segment
 
 
 def test_live_runner_in_segments_sends_every_node(monkeypatch):

@@ -5,6 +5,7 @@ core count the reports are the same, byte for byte: a self-dump of a real
 model passes everywhere, a planted bug gives one report."""
 from __future__ import annotations
 
+import html
 import json
 import os
 import random
@@ -80,7 +81,7 @@ def reports(out: Path) -> dict[str, bytes]:
     for k in ("job_id", "started_at", "elapsed_s", "dump_path", "collector"):
         summary.pop(k, None)
     summary["parameters"].pop("max_cores", None)
-    page = files.pop("report.html").decode()
+    page = html.unescape(files.pop("report.html").decode())
     assert summary["diagnosis"]["headline"] in page
     files["summary.json"] = json.dumps(summary, indent=1, sort_keys=True).encode()
     return files

@@ -199,11 +199,8 @@ class StreamConsumer:
     def _value_matcher(self) -> ValueMatcher:
         if self.values is None:
             refs = self._reference()
-
-            def segments():   # fingerprinted one segment at a time, then let go
-                for seg in refs.segments:
-                    yield refs.reference.run(refs.feeds, only=seg)
-
+            # fingerprinted one segment at a time, then let go
+            segments = refs.replay
             # reference tensors map_node_dict (or a graph) decides are no candidates
             self.values = ValueMatcher(self.p.reference.sites, segments, layout=self.layout,
                                        exclude=self.p.aligner.claimed)

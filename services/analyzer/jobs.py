@@ -34,7 +34,8 @@ from layerdiff.analyzer.minmax import parse_min_max
 from layerdiff.analyzer.perf import PerfSettings, check_perf_options
 from layerdiff.analyzer.receive import CollectorStream, upload_timeout
 from layerdiff.analyzer.pool import LocalPool
-from layerdiff.analyzer.reference import OnnxReference, SegmentedReference
+from layerdiff.analyzer.reference import OnnxReference
+from layerdiff.analyzer.segments import SegmentedReference
 from layerdiff.analyzer.tfreference import TFReference, open_reference
 from layerdiff.analyzer.report import JobReport, write_report
 from layerdiff.analyzer.tolerances import Tolerances
@@ -606,7 +607,8 @@ class JobRunner:
         # every reader whatever the mode, at no memory cost.
         uses = {t: n + (mode == "all" or p.golden) for t, n in p.reference.input_uses().items()} \
             if mode != "output" or p.golden else None
-        reference = SegmentedReference(p.reference, p.feeds, uses)
+        reference = SegmentedReference(p.reference, p.feeds, uses,
+                                       spill_dir=self.workdir / SPILL_DIR / f"{job.id}.values")
         helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         # The first segment is computed while the collector starts producing.
         ref_future = helper.submit(reference.ensure, 0)
@@ -631,21 +633,25 @@ class JobRunner:
             if graph is not None:
                 p.aligner = _aligner(p.reference, spec.options, graph)
 
-        with self._stream(job, collector_request=None, on_ready=on_ready) as stream:
-            job.executor = executor = self.executor(job.id, p.max_cores or None)
-            try:
-                if job.cancelled.is_set():
-                    executor.cancel()
-                self._consume(job, p, stream, ref_future, executor, rep, total, injected)
-            finally:
-                executor.close()
-                job.executor = None
+        try:
+            with self._stream(job, collector_request=None, on_ready=on_ready) as stream:
+                job.executor = executor = self.executor(job.id, p.max_cores or None)
+                try:
+                    if job.cancelled.is_set():
+                        executor.cancel()
+                    self._consume(job, p, stream, ref_future, executor, rep, total, injected)
+                finally:
+                    executor.close()
+                    job.executor = None
+        finally:
+            reference.close()
         if job.cancelled.is_set():
             raise _Cancelled()
         if p.perf.enabled and perf is None:
             perf = self._capture_perf(job, p)
         job.emit(pb.REPORTING, nodes_done=total, nodes_total=total)
         job_info = self._job_info(job, p, started)
+        job_info["memory"] = reference.memory()
         sections = None
         if perf is not None:
             from layerdiff.analyzer.perf import write_perf_sections

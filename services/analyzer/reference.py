@@ -4,11 +4,10 @@ away and every node has a value to compare against.
 
 A large network's node outputs can outweigh the analyzer's memory (a
 detector at 1088x1088 produces about 2 GB), so the reference is computed in
-segments (``layerdiff.onnxgraph.plan_segments``) on demand, and each value is
+segments (``layerdiff.analyzer.segments``) on demand, and each value is
 forgotten once compared."""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import onnx
@@ -21,6 +20,9 @@ from layerdiff.onnxgraph import (TensorSite, check_inputs, consumer_map, estimat
 
 
 class OnnxReference:
+    # computed in segments of its own nodes (layerdiff.analyzer.segments)
+    chainable = True
+
     def __init__(self, model_bytes: bytes, name: str = "model.onnx") -> None:
         self.name = name
         self.model = load_model(model_bytes, name)
@@ -96,47 +98,3 @@ class OnnxReference:
         finally:
             del sess
         return {n: np.asarray(v) for n, v in zip(names, values)}
-
-
-class SegmentedReference:
-    """Reference values computed one segment at a time, on demand; each value
-    is handed out as many times as it has uses (``pop``; once by default, more
-    where node inputs read it too) and then forgotten."""
-
-    def __init__(self, reference: OnnxReference, feeds: dict[str, np.ndarray], uses: dict[str, int] | None = None,
-                 **limits) -> None:
-        self.reference = reference
-        self.feeds = feeds
-        self.segments = reference.plan(feeds, **limits)
-        self.segment_of = {t: i for i, seg in enumerate(self.segments) for t in seg}
-        self.computed = 0
-        self.values: dict[str, np.ndarray] = {}
-        self.uses = dict(uses or {})
-        self._lock = threading.Lock()
-
-    def ensure(self, upto: int) -> "SegmentedReference":
-        with self._lock:
-            while self.computed <= min(upto, len(self.segments) - 1):
-                self.values.update(self.reference.run(self.feeds, only=self.segments[self.computed]))
-                self.computed += 1
-        return self
-
-    def pop(self, tensor: str) -> np.ndarray | None:
-        i = self.segment_of.get(tensor)
-        if i is None:
-            return None
-        self.ensure(i)
-        with self._lock:
-            left = self.uses.pop(tensor, 1) - 1
-            if left > 0:
-                self.uses[tensor] = left
-                return self.values.get(tensor)
-            return self.values.pop(tensor, None)
-
-    def value_of(self, tensor: str) -> np.ndarray | None:
-        """Any tensor a node reads: a model input, a weight or a node output
-        (one use of it)."""
-        if tensor in self.feeds:
-            return np.asarray(self.feeds[tensor])
-        const = self.reference.constant(tensor)
-        return const if const is not None else self.pop(tensor)
