@@ -1,6 +1,9 @@
-"""(c) the analyzer's peak RSS for a job whose dump is ~2 GB, against the dump
-size; (d) the whole job on a real CNN detector (PP-OCRv4 det) compared with
-its FP16 build, against Polygraphy doing the same comparison in the same run.
+"""(c) the analyzer's peak RSS for jobs whose dumps are ~2 GB and ~8 GB of the
+same network, against its memory budget (the reference's, and as much again
+for diagnosis: the goal is at most twice the budget plus the largest tensor,
+whatever the dump) and against the dump; (d) the whole job on a
+real CNN detector (PP-OCRv4 det) compared with its FP16 build, against
+Polygraphy doing the same comparison in the same run.
 
 Every measured program is its own process; peak RSS is the kernel's
 high-water mark for that process (VmHWM).
@@ -83,7 +86,10 @@ def _hwm(pid: int) -> int:
 
 
 def bench_analyzer_rss(work: Path, side: int) -> dict:
-    """A dump of the detector at side x side in float32 (~2 GB at 1088)."""
+    """A dump of the detector at side x side in float32 (~2 GB at 1088, ~8 GB
+    at 2176), compared by an analyzer process: its peak RSS against its
+    memory budget plus the largest tensor, and against the dump."""
+    from layerdiff.analyzer.budget import MemoryBudget
     from layerdiff.client.api import run
     from layerdiff.collector.dumpdir import write_dump
     from layerdiff.collector.live import LiveRunner
@@ -91,13 +97,17 @@ def bench_analyzer_rss(work: Path, side: int) -> dict:
     ref = packaged_model()
     feeds = {"x": det_input(side, side)}
     dump = work / "dump"
-    records = []
-    for rec in LiveRunner(ref.read_bytes(), feeds, precision="fp16").records():
-        if rec.array is not None:
-            rec.array = rec.array.astype(np.float32)   # a runtime that dumps its FP16 results as float32
-        records.append(rec)
-    write_dump(dump, records)
-    del records
+    largest = 0
+
+    def as_float32():        # a runtime that dumps its FP16 results as float32, written as they come
+        nonlocal largest
+        for rec in LiveRunner(ref.read_bytes(), feeds, precision="fp16").records():
+            if rec.array is not None:
+                rec.array = rec.array.astype(np.float32)
+                largest = max(largest, rec.array.nbytes)
+            yield rec
+
+    write_dump(dump, as_float32())
     dump_bytes = sum(p.stat().st_size for p in dump.glob("*.npy"))
     np.savez(work / "in.npz", **feeds)
     collector, caddr = serve("collector", work / "collector")
@@ -114,8 +124,16 @@ def bench_analyzer_rss(work: Path, side: int) -> dict:
         collector.terminate()
         analyzer.wait()
         collector.wait()
-    return {"dump_MiB": dump_bytes / 2**20, "nodes": res.summary["counts"]["compared"],
+    budget = MemoryBudget.from_env().total
+    memory = res.summary.get("memory", {})
+    return {"input": [1, 3, side, side], "dump_MiB": dump_bytes / 2**20,
+            "nodes": res.summary["counts"]["compared"], "largest_tensor_MiB": largest / 2**20,
+            "budget_MiB": budget / 2**20, "reference_segments": memory.get("reference_segments"),
+            "spilled_MiB": memory.get("spilled_bytes", 0) / 2**20,
             "analyzer_idle_rss_MiB": base / 2**20, "analyzer_peak_rss_MiB": peak / 2**20,
+            # the bound: the reference's budget, as much again for diagnosis, and tensors in flight
+            "peak_above_idle_over_budget": (peak - base) / budget,
+            "peak_over_twice_budget_plus_largest": (peak - base) / (2 * budget + largest),
             "peak_rss_over_dump": peak / dump_bytes, "job_wall_s": wall,
             "dump_GBps": dump_bytes / wall / 1e9, "analyzer_job_elapsed_s": res.summary["elapsed_s"]}
 
@@ -124,12 +142,15 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--height", type=int, default=640)
     ap.add_argument("--width", type=int, default=640)
-    ap.add_argument("--rss-side", type=int, default=1088, help="input side for the ~2 GB dump")
+    ap.add_argument("--rss-sides", type=int, nargs="*", default=[1088, 2176],
+                    help="input sides of the dumps (~2 GB at 1088, ~8 GB at 2176)")
     ap.add_argument("--skip-rss", action="store_true")
+    ap.add_argument("--skip-polygraphy", action="store_true")
     a = ap.parse_args(argv)
     out = {}
-    with tempfile.TemporaryDirectory(prefix="layerdiff-bench-job-") as tmp:
-        d = bench_vs_polygraphy(Path(tmp), a.height, a.width)
+    if not a.skip_polygraphy:
+        with tempfile.TemporaryDirectory(prefix="layerdiff-bench-job-") as tmp:
+            d = bench_vs_polygraphy(Path(tmp), a.height, a.width)
         out["vs_polygraphy"] = d
         print(f"(d) {d['model']} {d['input']} FP32 vs FP16 build, {d['nodes_compared']} nodes "
               f"(first failing: {d['first_failing_node']})")
@@ -137,12 +158,18 @@ def main(argv=None) -> dict:
         print(f"    polygraphy {d['polygraphy_wall_s']:7.2f} s  {d['polygraphy_peak_rss_MiB']:8.0f} MiB")
         print(f"    ratio wall {d['wall_ratio']:.2f} (goal <= 0.33), peak RSS {d['rss_ratio']:.2f} (goal <= 0.5)")
     if not a.skip_rss:
-        with tempfile.TemporaryDirectory(prefix="layerdiff-bench-rss-") as tmp:
-            c = bench_analyzer_rss(Path(tmp), a.rss_side)
-            out["analyzer_rss"] = c
-            print(f"(c) dump {c['dump_MiB']:.0f} MiB, {c['nodes']} nodes: analyzer peak RSS "
-                  f"{c['analyzer_peak_rss_MiB']:.0f} MiB (idle {c['analyzer_idle_rss_MiB']:.0f} MiB), "
-                  f"{c['peak_rss_over_dump']:.2f}x the dump; job {c['job_wall_s']:.1f} s")
+        out["analyzer_rss"] = []
+        for side in a.rss_sides:
+            with tempfile.TemporaryDirectory(prefix="layerdiff-bench-rss-") as tmp:
+                c = bench_analyzer_rss(Path(tmp), side)
+            out["analyzer_rss"].append(c)
+            print(f"(c) dump {c['dump_MiB']:.0f} MiB at {side}x{side}, {c['nodes']} nodes, largest tensor "
+                  f"{c['largest_tensor_MiB']:.0f} MiB: analyzer peak RSS {c['analyzer_peak_rss_MiB']:.0f} MiB "
+                  f"(idle {c['analyzer_idle_rss_MiB']:.0f} MiB), {c['peak_rss_over_dump']:.2f}x the dump, "
+                  f"{c['peak_above_idle_over_budget']:.2f}x the budget ({c['budget_MiB']:.0f} MiB) above idle, "
+                  f"{c['peak_over_twice_budget_plus_largest']:.2f}x twice the budget plus the largest tensor; "
+                  f"{c['reference_segments']} segments, {c['spilled_MiB']:.0f} MiB spilled; "
+                  f"job {c['job_wall_s']:.1f} s")
     print(json.dumps({"job": out}))
     return out
 

@@ -12,6 +12,7 @@ import bench_fanout  # noqa: E402
 import bench_job  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_perf  # noqa: E402
+import bench_small  # noqa: E402
 import bench_stream  # noqa: E402
 import soak  # noqa: E402
 
@@ -19,6 +20,7 @@ import soak  # noqa: E402
 def main() -> None:
     results = {"stream": bench_stream.main([]), "metrics": bench_metrics.main([]), "job": bench_job.main([]),
                "fanout": bench_fanout.main([]), "perf": bench_perf.main([]), "compare": bench_compare.main([]),
+               "small": bench_small.main([]),
                "soak": soak.main([])}
     out = Path("bench-out")
     out.mkdir(exist_ok=True)

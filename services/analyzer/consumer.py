@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from layerdiff.analyzer import layout as L
+from layerdiff.analyzer.budget import MemoryBudget
 from layerdiff.analyzer.compare import SkipNode
 from layerdiff.analyzer.diagnose import NodeExaminer
 from layerdiff.analyzer.report import JobReport, Row
@@ -85,9 +86,10 @@ class StreamConsumer:
 
     def __init__(self, prepared, executor, references: Callable[[], object], report: JobReport,
                  report_dir: Path, progress: Callable[[int, str, bool], None] | None = None,
-                 dump_mode: str = "output", injected=None) -> None:
+                 dump_mode: str = "output", injected=None, budget: MemoryBudget = MemoryBudget()) -> None:
         """``injected``: where the examiner keeps the device values of nodes
-        with an error of their own (layerdiff.analyzer.impact)."""
+        with an error of their own (layerdiff.analyzer.impact); ``budget``:
+        what the examiner may keep."""
         self.p = prepared
         self.executor = executor
         self._references = references
@@ -97,7 +99,8 @@ class StreamConsumer:
         self.progress = progress or (lambda done, node, passed: None)
         self.examiner = NodeExaminer(prepared.reference, prepared.feeds, prepared.quantized,
                                      given_ranges=prepared.given_ranges, dump_mode=dump_mode,
-                                     groups=prepared.aligner.groups, injected=injected)
+                                     groups=prepared.aligner.groups, injected=injected,
+                                     cap_bytes=budget.producers, wait_cap_bytes=budget.waiting)
         self.limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()

@@ -346,6 +346,11 @@ class _Graph:
             self._values[t] = self._evaluate(t)
         return self._values[t]
 
+    def stored(self, t: str) -> np.ndarray | None:
+        """An initializer as stored (its own type), else ``value``."""
+        init = self.inits.get(t)
+        return numpy_helper.to_array(init) if init is not None else self.value(t)
+
     def _evaluate(self, t: str) -> np.ndarray | None:
         if not t or t not in self.const:
             return None
@@ -980,10 +985,12 @@ class _Aligner:
                 and dn.input[kd] in dev.const and rn.input[kr] in ref.const
                 and dn.input[kd] not in dev.meta and rn.input[kr] not in ref.meta]
 
-    def weight_rows(self, out: GraphAlignment, i: int, j: int, folding: bool) -> None:
+    def weight_rows(self, out: GraphAlignment, i: int, j: int, folding: bool, stored: bool = False) -> None:
         """The weights (float constants) of device node i and its reference
         node j, side by side, once per pair; ``folding``: the device node
-        covers more reference nodes than j (a BN folded into its weights)."""
+        covers more reference nodes than j (a BN folded into its weights);
+        ``stored``: initializers in their stored types, not widened to
+        float64 (weights.relation tells an FP16 rounding in one pass so)."""
         key = (i, j)
         if key in self._weights_done:
             return
@@ -995,7 +1002,8 @@ class _Aligner:
                 continue
             out.weights.append({"folding": folding, "reference_node": ref.label(j), "reference_weight": tr,
                                 "device_node": dev.label(i), "device_weight": td, "slot": kr,
-                                "reference": ref.value(tr), "device": dev.value(td),
+                                "reference": ref.stored(tr) if stored else ref.value(tr),
+                                "device": dev.stored(td) if stored else dev.value(td),
                                 "blocked": dev.nodes[i].domain == NCHWC_DOMAIN and kd == 1})
         if dev.op(i) == ref.op(j):      # the same op: its attributes are parameters too (epsilon, alpha...)
             da, ra = dev.attrs(i), ref.attrs(j)
@@ -1657,15 +1665,7 @@ def weights_by_name(ref: onnx.ModelProto, dev: onnx.ModelProto) -> GraphAlignmen
             continue
         j = namesake.get(aligner.dev.label(i))
         if j is not None and aligner.dev.op(i) == aligner.ref.op(j):
-            aligner.weight_rows(out, i, j, folding=False)
-    # Stored values in their own types, not widened: weights.relation tells
-    # an FP16 rounding of a float32 weight in one pass that way.
-    for w in out.weights:
-        for side, graph, key in (("reference", aligner.ref, "reference_weight"), ("device", aligner.dev,
-                                                                                   "device_weight")):
-            init = graph.inits.get(w.get(key))
-            if init is not None and w.get(side) is not None:
-                w[side] = numpy_helper.to_array(init)
+            aligner.weight_rows(out, i, j, folding=False, stored=True)
     return out
 
 

@@ -92,7 +92,10 @@ class ImpactRunner:
     value; owns the baseline outputs and the budget."""
 
     def __init__(self, model: onnx.ModelProto, feeds: dict[str, np.ndarray], values: InjectedValues, tol,
-                 max_runs: int = MAX_RUNS, budget_s: float = BUDGET_S) -> None:
+                 max_runs: int = MAX_RUNS, budget_s: float = BUDGET_S,
+                 baseline: dict[str, np.ndarray] | None = None) -> None:
+        """``baseline``: the model's outputs as the reference computed them,
+        where it kept them (else one more run computes them)."""
         self.model = model
         self.feeds = feeds
         self.values = values
@@ -102,7 +105,7 @@ class ImpactRunner:
         self.runs = 0
         self.spent = 0.0
         self.outputs = [o.name for o in model.graph.output]
-        self._baseline: dict[str, np.ndarray] | None = None
+        self._baseline = baseline if baseline is not None and all(o in baseline for o in self.outputs) else None
         self._work: onnx.ModelProto | None = None     # the copy outputs_with edits
 
     def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:

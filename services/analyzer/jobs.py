@@ -35,6 +35,7 @@ from layerdiff.analyzer.perf import PerfSettings, check_perf_options
 from layerdiff.analyzer.receive import CollectorStream, upload_timeout
 from layerdiff.analyzer.pool import LocalPool
 from layerdiff.analyzer.reference import OnnxReference
+from layerdiff.analyzer.budget import MemoryBudget
 from layerdiff.analyzer.segments import SegmentedReference
 from layerdiff.analyzer.tfreference import TFReference, open_reference
 from layerdiff.analyzer.report import JobReport, write_report
@@ -75,6 +76,7 @@ class Job:
     finished_at: float | None = None
     dropped: int = 0    # events let go from the front of ``events`` (a finished job's history)
     owner: str = ""     # digest of the token that submitted it ("" on a service without tokens)
+    thread: threading.Thread | None = None    # the job's own thread, while it runs here
 
     def emit(self, state: int | None = None, **kw) -> None:
         with self.cond:
@@ -300,7 +302,7 @@ def _fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
     from layerdiff.collector.live import to_fp16
 
     try:   # the build keeps every node's name: nodes pair by name
-        return _weights(weights_by_name(reference.model, to_fp16(reference.model)))
+        return _weights(weights_by_name(reference.model, to_fp16(reference.model, spec.model_artifact)))
     except Exception as e:    # the collector's conversion reports its own failure
         log.warning("comparing the FP16 build's weights failed (%s: %s)", type(e).__name__, e)
         return None
@@ -469,7 +471,8 @@ class JobRunner:
             self.records.save(job.record())   # before the job can end and record that
         except Exception:
             log.exception("job %s: its record was not written", job.id)
-        threading.Thread(target=self._run, args=(job, prepared), name=f"job-{job.id}", daemon=True).start()
+        job.thread = threading.Thread(target=self._run, args=(job, prepared), name=f"job-{job.id}", daemon=True)
+        job.thread.start()
         return job
 
     def _forget_old_jobs(self) -> None:
@@ -515,6 +518,17 @@ class JobRunner:
                 if part is not None:
                     part.cancel()
         return job
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Cancel every job under way and wait, ``timeout`` at most, for
+        their threads to end (a service stopping, its work dir about to go)."""
+        with self._lock:
+            running = [j for j in self.jobs.values() if j.thread is not None and j.thread.is_alive()]
+        for job in running:
+            self.cancel(job.id)
+        end = time.monotonic() + timeout
+        for job in running:
+            job.thread.join(max(0.0, end - time.monotonic()))
 
     # ------------------------------------------------------------------ run
 
@@ -607,7 +621,8 @@ class JobRunner:
         # every reader whatever the mode, at no memory cost.
         uses = {t: n + (mode == "all" or p.golden) for t, n in p.reference.input_uses().items()} \
             if mode != "output" or p.golden else None
-        reference = SegmentedReference(p.reference, p.feeds, uses,
+        budget = MemoryBudget.from_env()
+        reference = SegmentedReference(p.reference, p.feeds, uses, budget=budget.reference,
                                        spill_dir=self.workdir / SPILL_DIR / f"{job.id}.values")
         helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         # The first segment is computed while the collector starts producing.
@@ -624,7 +639,7 @@ class JobRunner:
         if isinstance(p.reference, DumpReference):
             rep.reference_overflow = dict(p.reference.overflow)
         # device values of nodes with an error of their own, for the impact re-runs
-        injected = InjectedValues() if isinstance(p.reference, OnnxReference) else None
+        injected = InjectedValues(cap_bytes=budget.impact) if isinstance(p.reference, OnnxReference) else None
 
         def on_ready(collector: CollectorClient) -> None:
             if p.golden and p.reference.model is None:
@@ -639,11 +654,12 @@ class JobRunner:
                 try:
                     if job.cancelled.is_set():
                         executor.cancel()
-                    self._consume(job, p, stream, ref_future, executor, rep, total, injected)
+                    self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget)
                 finally:
                     executor.close()
                     job.executor = None
         finally:
+            baseline = reference.graph_outputs()
             reference.close()
         if job.cancelled.is_set():
             raise _Cancelled()
@@ -658,7 +674,8 @@ class JobRunner:
 
             sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
                                rep, job_info)
-        impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default) if injected else None
+        impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default,
+                              baseline=baseline) if injected else None
         if weights_future is not None:
             p.weights = weights_future.result()
         try:
@@ -814,7 +831,7 @@ class JobRunner:
                 rec.lease.release()
 
     def _consume(self, job: Job, p: Prepared, stream, ref_future: Future, executor, rep: JobReport,
-                 total: int, injected=None) -> None:
+                 total: int, injected=None, budget: MemoryBudget = MemoryBudget()) -> None:
         assembler = TensorAssembler(pool=BufferPool())
 
         def progress(done: int, node: str, passed: bool) -> None:
@@ -829,7 +846,7 @@ class JobRunner:
                         raise _Cancelled() from None
 
         consumer = StreamConsumer(p, executor, references, rep, job.report_dir, progress,
-                                  dump_mode=check_dump_mode(job.spec.dump_mode), injected=injected)
+                                  dump_mode=check_dump_mode(job.spec.dump_mode), injected=injected, budget=budget)
         try:
             for batch in stream:
                 if job.cancelled.is_set():

@@ -28,17 +28,11 @@ import onnx
 import onnxruntime as ort
 
 from layerdiff.onnxgraph import estimate_output_bytes
-from layerdiff.settings import env_limit
+from layerdiff.analyzer.budget import MemoryBudget
 
-MEMORY_BUDGET_DEFAULT = 1 << 30
 # The largest share of the budget one segment's outputs may take: the
 # segment being compared and the one computed next are resident together.
 SEGMENT_SHARE = 2
-
-
-def memory_budget() -> int:
-    """LAYERDIFF_MEMORY_BUDGET: the reference values the analyzer keeps in memory for one job (1 GiB)."""
-    return env_limit("LAYERDIFF_MEMORY_BUDGET", MEMORY_BUDGET_DEFAULT, size=True)
 
 
 # ----------------------------------------------------------------- planning
@@ -207,7 +201,7 @@ class SegmentedReference:
                  budget: int | None = None, spill_dir: Path | None = None) -> None:
         self.reference = reference
         self.feeds = feeds
-        self.budget = memory_budget() if budget is None else budget
+        self.budget = MemoryBudget.from_env().reference if budget is None else budget
         chained = getattr(reference, "chainable", False)
         self.runner = (ChainedRunner if chained else PrefixRunner)(reference, feeds, self.budget)
         self.segments = self.runner.segments
@@ -226,6 +220,10 @@ class SegmentedReference:
         self.spilled_bytes = 0
         self._closed = False
         self._lock = threading.Lock()
+        # the model's own outputs, kept for the impact re-runs' baseline when small
+        model = getattr(reference, "model", None) if getattr(reference, "chainable", False) else None
+        self._outputs = {o.name for o in model.graph.output} if model is not None else set()
+        self._kept_outputs: dict[str, np.ndarray] = {}
 
     def ensure(self, upto: int) -> "SegmentedReference":
         with self._lock:
@@ -240,6 +238,9 @@ class SegmentedReference:
                     if self._last_reader.get(t, -1) > i:
                         self._carried[t] = v
                 self.values.update(got)
+                for t in self._outputs.intersection(got):
+                    if sum(v.nbytes for v in self._kept_outputs.values()) + got[t].nbytes <= self.budget // 8:
+                        self._kept_outputs[t] = got[t]
                 self.computed += 1
                 self._bound()
             if self._closed:
@@ -315,6 +316,13 @@ class SegmentedReference:
             carried.update((t, v) for t, v in got.items() if self._last_reader.get(t, -1) > i)
             yield got
 
+    def graph_outputs(self) -> dict[str, np.ndarray] | None:
+        """The model's outputs as computed here (what an impact re-run is
+        judged against), or None where some were not computed or together
+        they pass an eighth of the budget."""
+        kept = dict(self._kept_outputs)
+        return kept if self._outputs and set(kept) == self._outputs else None
+
     def memory(self) -> dict:
         """How the reference kept within its budget (summary.json ``memory``)."""
         return {"budget_bytes": self.budget, "reference_segments": len(self.segments),
@@ -332,6 +340,7 @@ class SegmentedReference:
 
     def _drop(self) -> None:
         self.values.clear()
+        self._kept_outputs.clear()
         self._carried.clear()
         if self._spill_dir is not None:
             shutil.rmtree(self._spill_dir, ignore_errors=True)

@@ -132,7 +132,8 @@ class AnalyzerServer:
         release_freed_tensors_to_system()
         self._tmp = None
         if workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-analyzer-")
+            # what a job cancelled at the very end still writes must not fail the stop
+            self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-analyzer-", ignore_cleanup_errors=True)
             workdir = self._tmp.name
         self.service = AnalyzerService(Path(workdir), broker_url, security)
         self.server = make_server(interceptors=grpc_interceptors(security))
@@ -188,6 +189,7 @@ class AnalyzerServer:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         if self._tmp is not None:
+            self.service.runner.stop()
             self._tmp.cleanup()
 
     def wait(self) -> None:

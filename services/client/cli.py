@@ -536,11 +536,29 @@ def _rpc_text(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _log_unraisable(u) -> None:
+    logging.getLogger("layerdiff").info("ignored in %r: %s: %s", u.object, u.exc_type.__name__, u.exc_value)
+
+
+def _log_thread_exception(a) -> None:
+    if a.exc_type is SystemExit:
+        return
+    logging.getLogger("layerdiff").error("thread %s failed: %s: %s", a.thread.name if a.thread else "?",
+                                         a.exc_type.__name__, a.exc_value)
+
+
 def main(argv: list[str] | None = None) -> int:
     previous = None
     if threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous = signal.signal(signal.SIGINT, _on_sigint)
+    if argv is None:
+        # The command line: what a library's destructor or a background
+        # thread could not handle is logged (seen with -v), never printed
+        # as a traceback (a Ctrl-C landing inside grpc's call set-up leaves
+        # such an object behind).
+        sys.unraisablehook = _log_unraisable
+        threading.excepthook = _log_thread_exception
     verbose = False
     try:
         args = build_parser().parse_args(argv)

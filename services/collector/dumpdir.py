@@ -46,7 +46,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -630,16 +630,20 @@ def placement(r: NodeRecord) -> dict:
     return d
 
 
-def write_dump(directory: str | Path, records: list[NodeRecord], fmt: str = "npy") -> Path:
+def write_dump(directory: str | Path, records: Iterable[NodeRecord], fmt: str = "npy") -> Path:
     """Write records (outputs, and inputs where a record's role says so) as a
     dump directory in any of FORMATS, with a manifest where the format needs
     one (used to save what a live run produced, and by tests and demos).
-    Returns the directory a reader should be given."""
+    Every format but npz and ascend writes each record as it comes, so a
+    generator's dump never has to fit in memory. Returns the directory a
+    reader should be given."""
     if fmt not in FORMATS:
         raise LayerdiffError(f"unknown dump format {fmt!r} (one of {', '.join(FORMATS)})", field="format")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    kept = [(i, r) for i, r in enumerate(records) if r.array is not None]
+    kept: Iterable[tuple[int, NodeRecord]] = ((i, r) for i, r in enumerate(records) if r.array is not None)
+    if fmt in ("npz", "ascend"):
+        kept = list(kept)
     if fmt == "ascend":
         return _write_ascend(root, kept)
     nodes: list[dict] = []

@@ -13,8 +13,9 @@ nodes it fused away simply never appear.
 from __future__ import annotations
 
 import logging
-import threading
 import tempfile
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,12 +35,51 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "fp16", "int8")
 
 
-def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+def to_fp16(model: onnx.ModelProto, key: str = "") -> onnx.ModelProto:
     """The FP16 build of a model, as onnxruntime's converter makes it
     (inputs and outputs kept in their types), the same bytes seconds sooner
     on a transformer: the shape inference the converter would run is run on
     the graph without its weights' data, and the converter casts each weight
-    with ``fp16_weight`` (a few passes) instead of its own dozen."""
+    with ``fp16_weight`` (a few passes) instead of its own dozen. ``key``
+    (the model file's sha256) shares one build between those who ask for it
+    at the same time (the embedded analyzer and collector): read it, never
+    change it."""
+    return _BUILDS.get(key, lambda: _to_fp16(model))
+
+
+class _SharedBuilds:
+    """Builds under way in this process, by key: a second asker waits for
+    the first's instead of making its own. Nothing is kept once made."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, Future] = {}
+
+    def get(self, key: str, make: Callable[[], onnx.ModelProto]) -> onnx.ModelProto:
+        if not key:
+            return make()
+        with self._lock:
+            running = self._running.get(key)
+            if running is None:
+                mine = self._running[key] = Future()
+        if running is not None:
+            return running.result()
+        try:
+            built = make()
+            mine.set_result(built)
+            return built
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._running[key]
+
+
+_BUILDS = _SharedBuilds()
+
+
+def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.transformers import float16
 
     light, held = without_weight_data(model)
@@ -117,7 +157,8 @@ class LiveRunner:
 
     def __init__(self, model_bytes: bytes, feeds: dict[str, np.ndarray], *, precision: str = "fp32",
                  device: str = "cpu", device_model_bytes: bytes | None = None,
-                 model_name: str = "model.onnx", device_model_name: str = "device.onnx") -> None:
+                 model_name: str = "model.onnx", device_model_name: str = "device.onnx", model_key: str = "") -> None:
+        """``model_key``: the model file's sha256, where known (see to_fp16)."""
         precision = (precision or "fp32").lower()
         if precision not in PRECISIONS:
             raise LayerdiffError(f"unknown precision {precision!r} (one of {', '.join(PRECISIONS)})",
@@ -135,7 +176,7 @@ class LiveRunner:
             self.original_sites = {s.tensor: s for s in tensor_sites(ref)}
             self.original = set(self.original_sites)
             if precision == "fp16":
-                self.model = to_fp16(ref)
+                self.model = to_fp16(ref, model_key)
             elif precision == "int8":
                 self.model = to_int8_qdq(ref, self.feeds)
             else:

@@ -105,7 +105,7 @@ class CollectorFlight(flight.FlightServerBase):
         model_name = self.store.name(live.model_artifact)
         device_model_name = self.store.name(live.device_model_artifact) if live.device_model_artifact \
             else "device.onnx"
-        return _live_runner(model, feeds, live, model_name, device_model, device_model_name)
+        return _live_runner(model, feeds, live, model_name, device_model, device_model_name, live.model_artifact)
 
     def perf_source(self, request: pb.CaptureRequest) -> Iterator[PerfRecord]:
         """Performance records: the dump's counter files, or the device model
@@ -198,7 +198,7 @@ class CollectorFlight(flight.FlightServerBase):
 
 
 def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, device_model: bytes | None,
-                 device_model_name: str):
+                 device_model_name: str, model_key: str = ""):
     """The runner for the file that runs as the device: TensorFlow models on
     TensorFlow (imported only then), ONNX ones on onnxruntime. A device model
     is run whatever the reference is (a TensorFlow network converted to ONNX,
@@ -216,7 +216,7 @@ def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, devi
         # The reference is TensorFlow: the ONNX device model stands in for it.
         model, model_name = device_model, device_model_name
     return LiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
-                      model_name=model_name, device_model_name=device_model_name)
+                      model_name=model_name, device_model_name=device_model_name, model_key=model_key)
 
 
 class CollectorServer:
@@ -239,7 +239,7 @@ class CollectorServer:
         release_freed_tensors_to_system()
         self._tmp = None
         if workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-collector-")
+            self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-collector-", ignore_cleanup_errors=True)
             workdir = self._tmp.name
         # A Flight server answers from its construction. Its serve() is not
         # called: it would take SIGINT over, and shut down on Ctrl-C only

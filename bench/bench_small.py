@@ -1,0 +1,135 @@
+"""(e) Small models: the whole `layerdiff run` against a plain script doing
+the same work in the same run, on a MiniLM-shaped encoder (414 nodes, about
+15 MB of node outputs) and a 3-node model, both built to FP16.
+
+The plain script is what an engineer would write by hand: onnxruntime's
+FP16 converter, one session of each model with every node output marked,
+one run each, and a comparison of every output (cosine, largest
+difference). Both are whole processes, run in turn (A B A B ...), and the
+ratio is taken pair by pair, so that a drift of the machine's speed cancels;
+the goal is a median ratio of at most 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_job import _timed  # noqa: E402
+from smallmodel import minilm, minilm_inputs  # noqa: E402
+
+PLAIN = textwrap.dedent('''
+    import sys
+    import numpy as np, onnx, onnxruntime as ort
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    def every_output(model, feeds):
+        names = [t for n in model.graph.node for t in n.output if t]
+        del model.graph.output[:]
+        model.graph.output.extend(onnx.ValueInfoProto(name=t) for t in names)
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return dict(zip(names, sess.run(None, feeds)))
+
+    feeds = dict(np.load(sys.argv[2]))
+    ref = every_output(onnx.load(sys.argv[1]), feeds)
+    dev = every_output(convert_float_to_float16(onnx.load(sys.argv[1]), keep_io_types=True), feeds)
+    failing = 0
+    with np.errstate(all="ignore"):
+        for name, r in ref.items():
+            d = dev.get(name)
+            if d is None or r.dtype.kind != "f":
+                continue
+            r64, d64 = r.astype(np.float64).ravel(), d.astype(np.float64).ravel()
+            cos = r64 @ d64 / (np.linalg.norm(r64) * np.linalg.norm(d64))
+            failing += not (cos >= 0.99 and np.max(np.abs(d64 - r64), initial=0) < 1)
+    print(len(ref), failing)
+''')
+
+
+def tiny() -> onnx.ModelProto:
+    """Conv -> Relu -> Add (3 nodes)."""
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", TensorProto.FLOAT, [8, 3, 3, 3], rng.standard_normal(216).astype(np.float32))
+    b = helper.make_tensor("b", TensorProto.FLOAT, [1], [0.5])
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Add", ["r", "b"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 32, 32])],
+                              initializer=[w, b])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def bench_model(work: Path, name: str, model: onnx.ModelProto, feeds: dict, runs: int) -> dict:
+    path, inputs, plain = work / f"{name}.onnx", work / f"{name}.npz", work / "plain.py"
+    onnx.save_model(model, str(path))
+    np.savez(inputs, **feeds)
+    plain.write_text(PLAIN)
+    bin_dir = Path(sys.executable).parent
+    ours_cmd = [str(bin_dir / "layerdiff"), "run", str(path), "--inputs", str(inputs), "--precision", "fp16",
+                "--out", str(work / f"{name}-out"), "--no-progress"]
+    plain_cmd = [sys.executable, str(plain), str(path), str(inputs)]
+    _timed(ours_cmd), _timed(plain_cmd)     # warm-up: file caches, compiled kernels
+    ours, base = [], []
+    for _ in range(runs):
+        ours.append(_timed(ours_cmd))
+        base.append(_timed(plain_cmd))
+    summary = json.loads((work / f"{name}-out" / "summary.json").read_text())
+    wall = [o[0] / b[0] for o, b in zip(ours, base)]
+    rss = [o[1] / b[1] for o, b in zip(ours, base)]
+    return {"model": name, "nodes": summary["counts"]["reference_tensors"],
+            "node_output_MB": sum(a.nbytes for a in _all_outputs(model, feeds).values()) / 1e6,
+            "layerdiff_wall_s": statistics.median(o[0] for o in ours),
+            "plain_wall_s": statistics.median(b[0] for b in base),
+            "layerdiff_peak_rss_MiB": statistics.median(o[1] for o in ours) / 2**20,
+            "plain_peak_rss_MiB": statistics.median(b[1] for b in base) / 2**20,
+            "wall_ratio_median": statistics.median(wall), "wall_ratio_min": min(wall), "wall_ratio_max": max(wall),
+            "rss_ratio_median": statistics.median(rss),
+            "per_node_overhead_ms": 1000 * (statistics.median(o[0] for o in ours)
+                                            - statistics.median(b[0] for b in base)) / max(1, len(model.graph.node)),
+            "goal": "wall_ratio_median <= 2"}
+
+
+def _all_outputs(model: onnx.ModelProto, feeds: dict) -> dict:
+    from layerdiff.analyzer.reference import OnnxReference
+
+    return OnnxReference(model.SerializeToString()).run(feeds)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    a = ap.parse_args(argv)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="layerdiff-bench-small-") as tmp:
+        for name, model, feeds in (("minilm", minilm(), minilm_inputs()),
+                                   ("tiny", tiny(), {"x": np.random.default_rng(1).standard_normal(
+                                       (1, 3, 32, 32)).astype(np.float32)})):
+            d = bench_model(Path(tmp), name, model, feeds, a.runs)
+            out.append(d)
+            print(f"(e) {name}: {d['nodes']} nodes, {d['node_output_MB']:.1f} MB of node outputs, FP32 vs FP16 build")
+            print(f"    layerdiff run {d['layerdiff_wall_s']:6.2f} s {d['layerdiff_peak_rss_MiB']:6.0f} MiB")
+            print(f"    plain script  {d['plain_wall_s']:6.2f} s {d['plain_peak_rss_MiB']:6.0f} MiB")
+            print(f"    ratio wall {d['wall_ratio_median']:.2f} (min {d['wall_ratio_min']:.2f}, max "
+                  f"{d['wall_ratio_max']:.2f}; goal <= 2), peak RSS {d['rss_ratio_median']:.2f}; "
+                  f"{d['per_node_overhead_ms']:.1f} ms per node beyond the script")
+    print(json.dumps({"small": out}))
+    return {"small": out}
+
+
+if __name__ == "__main__":
+    main()
+
