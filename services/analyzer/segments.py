@@ -14,8 +14,8 @@ each time; a dump reference is one segment of mapped files).
 
 Each value is handed out as many times as it has uses (``pop``) and then
 forgotten; values computed before their device counterpart arrived wait on
-disk once the resident ones pass the budget, so the analyzer's memory is the
-budget plus a few of the largest tensors, not the dump.
+disk once the resident ones pass the budget, so what the reference holds is
+the budget (``layerdiff.analyzer.budget``), not the dump.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from layerdiff.onnxgraph import estimate_output_bytes
 from layerdiff.analyzer.budget import MemoryBudget
+from layerdiff.onnxgraph import estimate_output_bytes
 
 # The largest share of the budget one segment's outputs may take: the
 # segment being compared and the one computed next are resident together.
@@ -145,7 +145,8 @@ class ChainedRunner:
         so.enable_cpu_mem_arena = False
         try:
             sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
-            feeds = {v.name: _as_input(given[v.name] if v.name in given else self.feeds[v.name])
+            # a spilled value is fed as its mapping (np.asarray: a plain view of the file's pages)
+            feeds = {v.name: np.asarray(given[v.name] if v.name in given else self.feeds[v.name])
                      for v in sub.graph.input}
             names = [o.name for o in sess.get_outputs()]
             values = sess.run(None, feeds)
@@ -180,11 +181,6 @@ class ChainedRunner:
         sub.opset_import.extend(model.opset_import)
         sub.functions.extend(model.functions)
         return sub
-
-
-def _as_input(v) -> np.ndarray:
-    v = np.asarray(v)
-    return np.ascontiguousarray(v) if isinstance(v, np.memmap) else v
 
 
 # ------------------------------------------------------------- the values
