@@ -29,6 +29,7 @@ import onnx
 import onnxruntime as ort
 
 from layerdiff.analyzer import metrics as M
+from layerdiff.onnxgraph import lean_session
 
 MAX_RUNS = 24
 BUDGET_S = 120.0
@@ -112,7 +113,7 @@ class ImpactRunner:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.log_severity_level = 4
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return lean_session(model, so, ["CPUExecutionProvider"])
 
     def baseline(self) -> dict[str, np.ndarray]:
         if self._baseline is None:

@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (TensorSite, check_inputs, consumer_map, estimate_output_bytes, expose_all_outputs,
-                                 expose_only, load_model, node_runtime, plan_segments, tensor_sites)
+                                 expose_only, lean_session, load_model, node_runtime, plan_segments, tensor_sites)
 
 
 class OnnxReference:
@@ -66,30 +66,28 @@ class OnnxReference:
 
     def run(self, feeds: dict[str, np.ndarray], only: list[str] | None = None) -> dict[str, np.ndarray]:
         """Every node output (or those in ``only``) by tensor name."""
-        model = onnx.ModelProto()
-        model.CopyFrom(self.model)
-        if only is not None:
-            expose_only(model, only)
-        else:
-            expose_all_outputs(model)
+        def exposed(model: onnx.ModelProto) -> None:
+            if only is not None:
+                expose_only(model, only)
+            else:
+                expose_all_outputs(model)
+
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.log_severity_level = 3
         # Without the arena every output returns to the system as soon as its
         # node is compared, instead of the whole run staying resident.
         so.enable_cpu_mem_arena = False
-        # The copy of the model and the session (which owns onnxruntime's
-        # threads) end here, also when this raises: an exception keeps the
-        # frames it passed through for as long as it lives (a failed
-        # segment's, in the future of the job that asked for it), so neither
-        # this frame nor onnxruntime's (the cause's traceback) may hold them.
+        # The session (which owns onnxruntime's threads) ends here, also
+        # when this raises: an exception keeps the frames it passed through
+        # for as long as it lives (a failed segment's, in the future of the
+        # job that asked for it), so neither this frame nor onnxruntime's
+        # (the cause's traceback) may hold it.
         try:
-            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            sess = lean_session(self.model, so, ["CPUExecutionProvider"], edit=exposed)
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the model: {e}",
                                  file=self.name) from e.with_traceback(None)
-        finally:
-            del model
         names = [o.name for o in sess.get_outputs()]
         try:
             values = sess.run(None, feeds)

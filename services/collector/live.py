@@ -27,7 +27,7 @@ from onnx import numpy_helper
 from layerdiff.collector.devices import resolve_provider
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (TensorSite, check_inputs, estimate_output_bytes, expose_only, graph_inputs,
-                                 load_model, plan_segments, tensor_sites, without_weight_data)
+                                 lean_session, load_model, plan_segments, tensor_sites, without_weight_data)
 from layerdiff.schema import ROLE_INPUT, NodeRecord, check_dump_mode
 
 log = logging.getLogger(__name__)
@@ -185,16 +185,13 @@ class LiveRunner:
             self._node_index = {n.name: i for i, n in enumerate(self.model.graph.node) if n.name}
 
     def _session(self, outputs: list[str]) -> ort.InferenceSession:
-        model = onnx.ModelProto()
-        model.CopyFrom(self.model)
-        expose_only(model, outputs)
         so = ort.SessionOptions()
         so.log_severity_level = 3
         # Without the arena every output returns to the system as soon as it
         # has been sent, instead of the whole run staying resident.
         so.enable_cpu_mem_arena = False
         try:
-            return ort.InferenceSession(model.SerializeToString(), so, providers=self.providers)
+            return lean_session(self.model, so, self.providers, edit=lambda m: expose_only(m, outputs))
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the device model: {e}", field="device_model") from e
 

@@ -162,6 +162,38 @@ def without_weight_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[s
     return light, held
 
 
+def lean_session(model: onnx.ModelProto, options, providers: list, edit=None):
+    """An onnxruntime session of the model (``edit``, given a copy of it
+    without the weights' data, may change the graph: outputs exposed, say)
+    whose large weights are handed to onnxruntime in memory instead of
+    serialized with the graph and parsed back: a third of the time on a
+    transformer, the same results."""
+    import onnxruntime as ort
+
+    light, held = without_weight_data(model)
+    if edit is not None:
+        edit(light)
+    names, values = [], []
+    for init in light.graph.initializer:
+        raw = held.get(init.name)
+        if raw is None:
+            continue
+        dtype = ONNX_TO_NUMPY.get(init.data_type)
+        if dtype is None:        # bfloat16: no numpy type to hand it over in
+            init.raw_data = raw
+            continue
+        init.data_location = onnx.TensorProto.EXTERNAL
+        entry = init.external_data.add()
+        entry.key, entry.value = "location", "in-memory"
+        names.append(init.name)
+        values.append(ort.OrtValue.ortvalue_from_numpy(np.frombuffer(raw, dtype).reshape(tuple(init.dims))))
+    if names:
+        options.add_external_initializers(names, values)
+    sess = ort.InferenceSession(light.SerializeToString(), options, providers=providers)
+    sess.layerdiff_weights = values      # onnxruntime reads them in place: they live as long as the session
+    return sess
+
+
 def _copy_fields(src, dst, skip: str) -> None:
     """Every field set in ``src`` but ``skip``, into ``dst``."""
     for fd, value in src.ListFields():
