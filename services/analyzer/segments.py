@@ -120,6 +120,10 @@ class ChainedRunner:
         if self.ranges:
             self.ranges[-1] = (self.ranges[-1][0], len(model.graph.node))
         inits = {i.name for i in model.graph.initializer}
+        # onnxruntime loads a Constant node's output as an initializer (a
+        # MatMul then packs it, and sums in another order than with an input):
+        # a segment holds its own copy of each Constant it reads
+        self._constants = {t: n for n in model.graph.node if n.op_type == "Constant" for t in n.output if t}
         produced_in: dict[str, int] = {}
         for i, (a, b) in enumerate(self.ranges):
             for n in model.graph.node[a:b]:
@@ -129,7 +133,8 @@ class ChainedRunner:
         self.reads = []
         for i, (a, b) in enumerate(self.ranges):
             names = dict.fromkeys(t for n in model.graph.node[a:b] for t in _node_reads(n))
-            self.reads.append([t for t in names if t not in inits and produced_in.get(t, i) < i])
+            self.reads.append([t for t in names if t not in inits and t not in self._constants
+                               and produced_in.get(t, i) < i])
         self._inits = inits
 
     def run(self, i: int, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -162,9 +167,10 @@ class ChainedRunner:
         nodes = model.graph.node[a:b]
         reads = dict.fromkeys(t for n in nodes for t in _node_reads(n))
         produced = {t for n in nodes for t in n.output if t}
+        constants = [self._constants[t] for t in reads if t in self._constants and t not in produced]
         inputs = []
         for t in reads:
-            if t in produced or t in self._inits:
+            if t in produced or t in self._inits or t in self._constants:
                 continue
             v = given[t] if t in given else self.feeds[t]
             v = np.asarray(v)
@@ -173,6 +179,7 @@ class ChainedRunner:
             inputs.append(onnx.helper.make_tensor_value_info(t, onnx.helper.np_dtype_to_tensor_dtype(v.dtype),
                                                              list(v.shape)))
         graph = onnx.GraphProto(name=f"{model.graph.name}-segment{i}")
+        graph.node.extend(constants)
         graph.node.extend(nodes)
         graph.input.extend(inputs)
         graph.initializer.extend(x for x in model.graph.initializer if x.name in reads)
