@@ -114,8 +114,17 @@ class ArtifactStore:
 
     def put(self, data: bytes, name: str) -> pb.ArtifactRef:
         """Store bytes handed over in this process (the embedded services),
-        under the checks an upload passes."""
-        return self.receive([pb.ArtifactChunk(name=name, total_size=len(data), data=data)])
+        under the checks an upload passes; read in place, not copied into
+        messages."""
+        view = memoryview(data)
+        step = DEFAULT_CHUNK_BYTES * 4
+
+        def chunks() -> Iterator[_Piece]:
+            yield _Piece(name, len(data), view[:step])
+            for off in range(step, len(data), step):
+                yield _Piece("", -1, view[off:off + step])
+
+        return self.receive(chunks())
 
     def has(self, artifact_id: str) -> bool:
         try:
@@ -212,6 +221,16 @@ class ArtifactStore:
                 return False
             self._names.pop(artifact_id, None)
             return True
+
+
+class _Piece:
+    """A piece of bytes handed over in this process, read as an upload's
+    chunk is (``name``, ``total_size`` and ``sha256`` on the first only)."""
+
+    __slots__ = ("name", "total_size", "data", "sha256")
+
+    def __init__(self, name: str, total_size: int, data: memoryview) -> None:
+        self.name, self.total_size, self.data, self.sha256 = name, total_size, data, ""
 
 
 def _unlink(path) -> None:
