@@ -141,6 +141,7 @@ class Prepared:
     perf: PerfSettings = field(default_factory=PerfSettings)
     min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
     weights: list | None = None         # weights.csv rows where both models are at hand
+    weights_aside: Future | None = None  # those rows being made for an FP16 build (started at submit)
     golden: bool = False                # the reference is a golden dump, streamed first (DumpReference)
 
 
@@ -291,12 +292,17 @@ def _weights(graph) -> list | None:
     return weights.compare(graph.weights)
 
 
+def _is_fp16_build(spec: pb.JobSpec, reference) -> bool:
+    """Does the collector run an FP16 build it makes of an ONNX reference?"""
+    return isinstance(reference, OnnxReference) and not spec.device_model_artifact and not spec.dump_path \
+        and spec.precision == "fp16"
+
+
 def _fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
     """For a live FP16 build of an ONNX reference, its weights against the
-    reference's, from the same conversion the collector makes (run when the
-    report is written, not at submit: it costs a conversion of the model)."""
-    if not isinstance(reference, OnnxReference) or spec.device_model_artifact or spec.dump_path \
-            or spec.precision != "fp16":
+    reference's, from the same conversion the collector makes (beside the
+    job, not in the Submit call: it costs a conversion of the model)."""
+    if not _is_fp16_build(spec, reference):
         return None
     from layerdiff.analyzer.graphalign import weights_by_name
     from layerdiff.collector.live import to_fp16
@@ -471,6 +477,11 @@ class JobRunner:
             self.records.save(job.record())   # before the job can end and record that
         except Exception:
             log.exception("job %s: its record was not written", job.id)
+        if prepared.weights is None and _is_fp16_build(spec, prepared.reference):
+            # made beside the job (the FP16 build is shared with an embedded collector's run)
+            aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
+            prepared.weights_aside = aside.submit(_fp16_build_weights, spec, prepared.reference)
+            aside.shutdown(wait=False)
         job.thread = threading.Thread(target=self._run, args=(job, prepared), name=f"job-{job.id}", daemon=True)
         job.thread.start()
         return job
@@ -628,12 +639,6 @@ class JobRunner:
         # The first segment is computed while the collector starts producing.
         ref_future = helper.submit(reference.ensure, 0)
         helper.shutdown(wait=False)
-        # An FP16 build's weights are compared while the device runs, for the report.
-        weights_future = None
-        if p.weights is None:
-            aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
-            weights_future = aside.submit(_fp16_build_weights, spec, p.reference)
-            aside.shutdown(wait=False)
 
         rep = JobReport()
         if isinstance(p.reference, DumpReference):
@@ -676,8 +681,8 @@ class JobRunner:
                                rep, job_info)
         impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default,
                               baseline=baseline) if injected else None
-        if weights_future is not None:
-            p.weights = weights_future.result()
+        if p.weights_aside is not None:
+            p.weights = p.weights_aside.result()
         try:
             summary = write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
                                    node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
