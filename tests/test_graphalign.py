@@ -562,6 +562,67 @@ def test_fp16_and_int8_builds_pair_through_casts_and_quantizers(cnn):
     assert quantized and all(d in al.layout_only for d in quantized)
 
 
+def _dense_model(planted: str) -> onnx.ModelProto:
+    """x -> MatMul(w1) + b -> mask Add -> Softmax -> MatMul(w2): weights large
+    enough to travel without their data (64x64); ``planted``: w1 holds values
+    below FP16's smallest subnormal ("tiny"), and beyond its largest too
+    ("beyond")."""
+    rng = np.random.default_rng(3)
+    w1 = (rng.standard_normal((64, 64)) / 8).astype(np.float32)
+    if planted in ("tiny", "beyond"):
+        w1.ravel()[:4] = [1e-9, -2e-8, 3e-8, 0.0]
+    if planted == "beyond":
+        w1.ravel()[4:6] = [7e4, -1e6]
+    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array((rng.standard_normal(64) / 8).astype(
+        np.float32), "b"), numpy_helper.from_array(np.full((1, 64), -3.4e38, np.float32), "mask"),
+             numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), "w2")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="dense1"),
+             helper.make_node("Add", ["h", "b"], ["hb"], name="bias"),
+             helper.make_node("Add", ["hb", "mask"], ["hm"], name="masked"),
+             helper.make_node("Softmax", ["hm"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "w2"], ["y"], name="dense2")]
+    graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 64])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("planted", ["none", "tiny", "beyond"])
+def test_the_fp16_build_is_onnxruntimes_and_its_weights_pair_by_name(planted):
+    """The FP16 build cast here is onnxruntime's converter's byte for byte
+    (weights below FP16's smallest subnormal, beyond its largest, a -3.4e38
+    mask); the weights.csv rows made by pairing its nodes by name are those
+    of the full alignment; and sessions handed the weights in memory compute
+    what sessions of the serialized models compute."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from layerdiff.analyzer import weights
+    from layerdiff.analyzer.graphalign import weights_by_name
+    from layerdiff.collector.live import to_fp16
+    from layerdiff.onnxgraph import expose_all_outputs, lean_session
+
+    model = _dense_model(planted)
+    theirs = convert_float_to_float16(onnx.ModelProto.FromString(model.SerializeToString()), keep_io_types=True)
+    ours = to_fp16(model)
+    assert ours.SerializeToString() == theirs.SerializeToString()
+    key = lambda r: (r["reference_node"], r["reference_weight"])   # noqa: E731
+    by_name = sorted(weights.compare(weights_by_name(model, ours).weights), key=key)
+    aligned = sorted(weights.compare(align_graphs(model, ours).weights), key=key)
+    assert [str(r) for r in by_name] == [str(r) for r in aligned]
+    relations = {r["reference_weight"]: r["relation"] for r in by_name}
+    assert relations["mask"] == "clamped" and relations["w2"] == "rounded"
+    assert relations["w1"] == ("clamped" if planted == "beyond" else "rounded")
+    feeds = {"x": np.random.default_rng(4).standard_normal((1, 8, 64)).astype(np.float32)}
+    for m in (model, ours):
+        exposed = expose_all_outputs(onnx.ModelProto.FromString(m.SerializeToString()))
+        plain = ort.InferenceSession(exposed.SerializeToString(), providers=["CPUExecutionProvider"])
+        lean = lean_session(m, ort.SessionOptions(), ["CPUExecutionProvider"], edit=expose_all_outputs)
+        assert len(lean.layerdiff_weights) == 2      # w1 and w2 handed over in memory
+        for a, b in zip(plain.run(None, feeds), lean.run(None, feeds)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 @pytest.mark.parametrize("which", ["cnn", "mlp", "detector"])
 def test_onnxsim_either_side(which, request):
     onnxsim = pytest.importorskip("onnxsim")
