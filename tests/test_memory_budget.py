@@ -92,3 +92,12 @@ def test_a_tiny_model_gives_the_same_report_with_and_without_the_fast_path(files
         # the model and the inputs, sent to the collector for the first job only (an upload writes anew)
         assert len(held[0]) == 2 and held[1] == held[0]
     assert slow.exit_status == fast.exit_status == 1
+
+
+def test_a_malformed_budget_fails_the_submit_naming_it(files, tmp_path, monkeypatch):
+    from layerdiff.errors import LayerdiffError
+
+    monkeypatch.setenv("LAYERDIFF_MEMORY_BUDGET", "lots")
+    with pytest.raises(LayerdiffError, match="LAYERDIFF_MEMORY_BUDGET.*'lots'"):
+        run(files / "model.onnx", files / "inputs.npz", out=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

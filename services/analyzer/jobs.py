@@ -146,6 +146,7 @@ class Prepared:
 
 
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
+    MemoryBudget.from_env()     # a malformed LAYERDIFF_MEMORY_BUDGET fails the Submit, naming it
     if spec.HasField("reference_dump"):
         return _prepare_dump_reference(spec, store)
     if not spec.collector:
