@@ -87,6 +87,8 @@ def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     for init in shaped.graph.initializer:
         if init.name in held:
             init.raw_data = held[init.name]
+    # The converter's one numeric step, swapped for the few-pass cast of the
+    # same result (tests compare the builds byte for byte); one build at a time.
     with _CAST_LOCK:
         slow, float16.convert_np_to_float16 = float16.convert_np_to_float16, fp16_weight
         try:
