@@ -107,13 +107,12 @@ class ImpactRunner:
         self.spent = 0.0
         self.outputs = [o.name for o in model.graph.output]
         self._baseline = baseline if baseline is not None and all(o in baseline for o in self.outputs) else None
-        self._work: onnx.ModelProto | None = None     # the copy outputs_with edits
 
-    def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:
+    def _session(self, model: onnx.ModelProto, edit=None) -> ort.InferenceSession:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.log_severity_level = 4
-        return lean_session(model, so, ["CPUExecutionProvider"])
+        return lean_session(model, so, ["CPUExecutionProvider"], edit=edit)
 
     def baseline(self) -> dict[str, np.ndarray]:
         if self._baseline is None:
@@ -150,26 +149,21 @@ class ImpactRunner:
     def outputs_with(self, tensor: str, value: np.ndarray) -> dict[str, np.ndarray]:
         """The model's outputs computed in FP32 with ``tensor`` replaced by
         ``value``: the producer's output renamed and ``tensor`` made a graph
-        input, on the runner's own copy of the model (made once, put back
-        after each run)."""
-        if self._work is None:
-            self._work = onnx.ModelProto()
-            self._work.CopyFrom(self.model)
-        m = self._work
-        renamed = [(node, k) for node in m.graph.node for k, o in enumerate(node.output) if o == tensor]
+        input, on the session's own copy of the graph (the weights are not
+        copied)."""
         v = np.asarray(value)
         if v.dtype == np.float16:
             v = v.astype(np.float32)
-        for node, k in renamed:
-            node.output[k] = tensor + _SUFFIX
-        m.graph.input.append(onnx.helper.make_tensor_value_info(
-            tensor, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
-        try:
-            sess = self._session(m)
-        finally:
-            del m.graph.input[-1]
-            for node, k in renamed:
-                node.output[k] = tensor
+
+        def injected(m: onnx.ModelProto) -> None:
+            for node in m.graph.node:
+                for k, o in enumerate(node.output):
+                    if o == tensor:
+                        node.output[k] = tensor + _SUFFIX
+            m.graph.input.append(onnx.helper.make_tensor_value_info(
+                tensor, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
+
+        sess = self._session(self.model, injected)
         return dict(zip(self.outputs, sess.run(self.outputs, {**self.feeds, tensor: v})))
 
     def summary(self) -> dict:
