@@ -8,9 +8,9 @@ import onnx
 import pytest
 
 from layerdiff.analyzer.reference import OnnxReference
-from layerdiff.analyzer.segments import SegmentedReference, plan_by_budget
+from layerdiff.analyzer.segments import SegmentedReference
 from layerdiff.collector.live import LiveRunner
-from layerdiff.onnxgraph import estimate_output_bytes, plan_segments
+from layerdiff.onnxgraph import cut_segments, estimate_output_bytes, plan_segments
 
 from conftest import small_cnn
 
@@ -95,12 +95,12 @@ def test_subgraphs_read_what_earlier_segments_computed():
         assert seg.pop(s.tensor).tobytes() == full[s.tensor].tobytes(), s.tensor
 
 
-def test_plan_by_budget_keeps_a_node_whole():
+def test_a_budget_cut_keeps_a_node_whole():
     sizes = {"a": 10, "b1": 10, "b2": 10, "c": 30, "d": 5}
     groups = [["a"], ["b1", "b2"], ["c"], ["d"]]
-    assert plan_by_budget(groups, sizes, 20) == [["a"], ["b1", "b2"], ["c"], ["d"]]
-    assert plan_by_budget(groups, sizes, 40) == [["a", "b1", "b2"], ["c", "d"]]
-    assert plan_by_budget(groups, {}, 1) == [["a", "b1", "b2", "c", "d"]]    # unknown sizes: one segment
+    assert cut_segments(groups, sizes, 20) == [["a"], ["b1", "b2"], ["c"], ["d"]]
+    assert cut_segments(groups, sizes, 40) == [["a", "b1", "b2"], ["c", "d"]]
+    assert cut_segments(groups, {}, 1) == [["a", "b1", "b2", "c", "d"]]    # unknown sizes: one segment
 
 
 def test_live_runner_in_segments_sends_every_node(monkeypatch):

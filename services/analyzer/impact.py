@@ -29,7 +29,7 @@ import onnx
 import onnxruntime as ort
 
 from layerdiff.analyzer import metrics as M
-from layerdiff.onnxgraph import lean_session
+from layerdiff.analyzer.reference import reference_session
 
 MAX_RUNS = 24
 BUDGET_S = 120.0
@@ -109,10 +109,8 @@ class ImpactRunner:
         self._baseline = baseline if baseline is not None and all(o in baseline for o in self.outputs) else None
 
     def _session(self, model: onnx.ModelProto, edit=None) -> ort.InferenceSession:
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.log_severity_level = 4
-        return lean_session(model, so, ["CPUExecutionProvider"], edit=edit)
+        # a device value the reference does not take fails the run: said in the report
+        return reference_session(model, edit=edit, quiet=True)
 
     def baseline(self) -> dict[str, np.ndarray]:
         if self._baseline is None:

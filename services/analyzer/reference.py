@@ -8,7 +8,6 @@ segments (``layerdiff.analyzer.segments``) on demand, and each value is
 forgotten once compared."""
 from __future__ import annotations
 
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -17,6 +16,21 @@ from onnx import numpy_helper
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (TensorSite, check_inputs, consumer_map, estimate_output_bytes, expose_all_outputs,
                                  expose_only, lean_session, load_model, node_runtime, plan_segments, tensor_sites)
+
+
+def reference_session(model: onnx.ModelProto, edit=None, quiet: bool = False) -> ort.InferenceSession:
+    """A session computing as the reference does: FP32 on the CPU, graph
+    optimizations off (no node fused away), the weights handed over in
+    memory (``lean_session``; ``edit`` changes the graph's copy); ``quiet``:
+    onnxruntime logs nothing short of fatal (runs expected to fail now and
+    then, whose failure is reported otherwise)."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4 if quiet else 3
+    # Without the arena every output returns to the system as soon as its
+    # node is compared, instead of the whole run staying resident.
+    so.enable_cpu_mem_arena = False
+    return lean_session(model, so, ["CPUExecutionProvider"], edit=edit)
 
 
 class OnnxReference:
@@ -72,19 +86,13 @@ class OnnxReference:
             else:
                 expose_all_outputs(model)
 
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.log_severity_level = 3
-        # Without the arena every output returns to the system as soon as its
-        # node is compared, instead of the whole run staying resident.
-        so.enable_cpu_mem_arena = False
         # The session (which owns onnxruntime's threads) ends here, also
         # when this raises: an exception keeps the frames it passed through
         # for as long as it lives (a failed segment's, in the future of the
         # job that asked for it), so neither this frame nor onnxruntime's
         # (the cause's traceback) may hold it.
         try:
-            sess = lean_session(self.model, so, ["CPUExecutionProvider"], edit=exposed)
+            sess = reference_session(self.model, edit=exposed)
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the model: {e}",
                                  file=self.name) from e.with_traceback(None)

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from layerdiff.analyzer.budget import MemoryBudget
-from layerdiff.onnxgraph import estimate_output_bytes
+from layerdiff.analyzer.reference import reference_session
+from layerdiff.onnxgraph import cut_segments, estimate_output_bytes
 
 # The largest share of the budget one segment's outputs may take: the
 # segment being compared and the one computed next are resident together.
@@ -36,22 +36,6 @@ SEGMENT_SHARE = 2
 
 
 # ----------------------------------------------------------------- planning
-
-def plan_by_budget(groups: list[list[str]], sizes: dict[str, int], budget: int) -> list[list[str]]:
-    """Consecutive groups (a node's outputs stay together) cut into segments
-    of at most ``budget`` estimated bytes each (one group larger than that is
-    a segment alone)."""
-    segments: list[list[str]] = [[]]
-    used = 0
-    for g in groups:
-        b = sum(sizes.get(t, 0) for t in g)
-        if segments[-1] and used + b > budget:
-            segments.append([])
-            used = 0
-        segments[-1].extend(g)
-        used += b
-    return [s for s in segments if s] or [[]]
-
 
 def _graph_reads(graph: onnx.GraphProto) -> set[str]:
     """Names a subgraph reads from its enclosing scopes."""
@@ -108,7 +92,7 @@ class ChainedRunner:
         for s in reference.sites:
             by_node.setdefault(s.order, []).append(s.tensor)
         order = sorted(by_node)
-        self.segments = plan_by_budget([by_node[k] for k in order], sizes, budget // SEGMENT_SHARE)
+        self.segments = cut_segments([by_node[k] for k in order], sizes, budget // SEGMENT_SHARE)
         # node ranges [start, end) of each segment, in graph order
         self.ranges: list[tuple[int, int]] = []
         owner = {t: k for k, ts in by_node.items() for t in ts}
@@ -142,23 +126,17 @@ class ChainedRunner:
             return self.reference.run(self.feeds)
         try:
             sub = self._segment_model(i, given)
-        except (ValueError, TypeError, KeyError):   # a value no tensor input can carry (a sequence)
-            return self.reference.run(self.feeds, only=self.segments[i])
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.log_severity_level = 4
-        so.enable_cpu_mem_arena = False
-        try:
-            sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            sess = reference_session(sub, quiet=True)
             # a spilled value is fed as its mapping (np.asarray: a plain view of the file's pages)
             feeds = {v.name: np.asarray(given[v.name] if v.name in given else self.feeds[v.name])
                      for v in sub.graph.input}
             names = [o.name for o in sess.get_outputs()]
             values = sess.run(None, feeds)
-        except Exception:     # the whole model says what is wrong, or computes it after all
+        except Exception:
+            # a value no tensor input carries (a sequence), a sub-model
+            # onnxruntime refuses: the whole model computes the segment, or
+            # says what is wrong
             return self.reference.run(self.feeds, only=self.segments[i])
-        finally:
-            del sub
         return {n: np.asarray(v) for n, v in zip(names, values)}
 
     def _segment_model(self, i: int, given: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -232,14 +210,9 @@ class SegmentedReference:
         with self._lock:
             while self.computed <= min(upto, len(self.segments) - 1) and not self._closed:
                 i = self.computed
-                got = self.runner.run(i, {t: self._carried[t] for t in self.runner.reads[i] if t in self._carried})
+                got = self._step(i, self._carried)
                 if self._closed:     # closed while the segment ran: its values go with the rest
                     break
-                for t in [t for t, last in self._last_reader.items() if last <= i and t in self._carried]:
-                    del self._carried[t]
-                for t, v in got.items():
-                    if self._last_reader.get(t, -1) > i:
-                        self._carried[t] = v
                 self.values.update(got)
                 for t in self._outputs.intersection(got):
                     if sum(v.nbytes for v in self._kept_outputs.values()) + got[t].nbytes <= self.budget // 8:
@@ -249,6 +222,15 @@ class SegmentedReference:
             if self._closed:
                 self._drop()
         return self
+
+    def _step(self, i: int, carried: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Segment i's values, from what earlier segments left in
+        ``carried``, which then keeps only what a later segment still reads."""
+        got = self.runner.run(i, {t: carried[t] for t in self.runner.reads[i] if t in carried})
+        for t in [t for t in carried if self._last_reader.get(t, -1) <= i]:
+            del carried[t]
+        carried.update((t, v) for t, v in got.items() if self._last_reader.get(t, -1) > i)
+        return got
 
     def _resident(self) -> int:
         seen: set[int] = set()
@@ -313,11 +295,7 @@ class SegmentedReference:
         computation of its own (value pairing fingerprints them so)."""
         carried: dict[str, np.ndarray] = {}
         for i in range(len(self.segments)):
-            got = self.runner.run(i, {t: carried[t] for t in self.runner.reads[i] if t in carried})
-            for t in [t for t in carried if self._last_reader.get(t, -1) <= i]:
-                del carried[t]
-            carried.update((t, v) for t, v in got.items() if self._last_reader.get(t, -1) > i)
-            yield got
+            yield self._step(i, carried)
 
     def graph_outputs(self) -> dict[str, np.ndarray] | None:
         """The model's outputs as computed here (what an impact re-run is

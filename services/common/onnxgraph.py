@@ -247,15 +247,22 @@ def plan_segments(names: list[str], sizes: dict[str, int], min_bytes: int = MIN_
     """Cut tensors (in execution order) into consecutive segments of about
     equal estimated size."""
     total = sum(sizes.get(n, 0) for n in names)
-    budget = max(min_bytes, -(-total // max_segments))
+    return cut_segments([[n] for n in names], sizes, max(min_bytes, -(-total // max_segments)), max_segments)
+
+
+def cut_segments(groups: list[list[str]], sizes: dict[str, int], budget: int,
+                 max_segments: int = 0) -> list[list[str]]:
+    """Consecutive groups of tensors (a node's outputs stay together) cut
+    into segments of at most ``budget`` estimated bytes (a group larger than
+    that is a segment alone), ``max_segments`` at most where given."""
     segments: list[list[str]] = [[]]
     used = 0
-    for n in names:
-        b = sizes.get(n, 0)
-        if segments[-1] and used + b > budget and len(segments) < max_segments:
+    for g in groups:
+        b = sum(sizes.get(t, 0) for t in g)
+        if segments[-1] and used + b > budget and (not max_segments or len(segments) < max_segments):
             segments.append([])
             used = 0
-        segments[-1].append(n)
+        segments[-1].extend(g)
         used += b
     return segments
 
