@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from layerdiff.analyzer import metrics as M
 from layerdiff.analyzer.align import Aligner
 from layerdiff.analyzer.consumer import StreamConsumer
 from layerdiff.analyzer.coverage import MIN_COVERAGE_DEFAULT
@@ -639,6 +640,10 @@ class JobRunner:
         helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         # The first segment is computed while the collector starts producing.
         ref_future = helper.submit(reference.ensure, 0)
+        if not self.broker_url:
+            # The kernels load (a tenth of a second) while the device side is
+            # still building its session, not when the first pair arrives.
+            helper.submit(M.warmup)
         helper.shutdown(wait=False)
 
         rep = JobReport()

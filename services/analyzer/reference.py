@@ -30,6 +30,9 @@ def reference_session(model: onnx.ModelProto, edit=None, quiet: bool = False) ->
     # Without the arena every output returns to the system as soon as its
     # node is compared, instead of the whole run staying resident.
     so.enable_cpu_mem_arena = False
+    # Every session runs once: packing the weights for repeated MatMuls
+    # would cost more than it saves (a third of a transformer's session).
+    so.add_session_config_entry("session.disable_prepacking", "1")
     return lean_session(model, so, ["CPUExecutionProvider"], edit=edit)
 
 

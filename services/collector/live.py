@@ -192,6 +192,9 @@ class LiveRunner:
         # Without the arena every output returns to the system as soon as it
         # has been sent, instead of the whole run staying resident.
         so.enable_cpu_mem_arena = False
+        # One run per session: packing the weights for repeated MatMuls
+        # would cost more than it saves.
+        so.add_session_config_entry("session.disable_prepacking", "1")
         try:
             return lean_session(self.model, so, self.providers, edit=lambda m: expose_only(m, outputs))
         except Exception as e:
