@@ -7,7 +7,9 @@ FP16 converter, one session of each model with every node output marked,
 one run each, and a comparison of every output (cosine, largest
 difference). Both are whole processes, run in turn (A B A B ...), and the
 ratio is taken pair by pair, so that a drift of the machine's speed cancels;
-the goal is a median ratio of at most 2.
+the goal is a median ratio of at most 2. The per-node overhead is how the
+time beyond the script grows from the 3-node model to the 414-node one
+(goal: under 1 ms); what both pay alike is the job's fixed start-up.
 """
 from __future__ import annotations
 
@@ -98,8 +100,8 @@ def bench_model(work: Path, name: str, model: onnx.ModelProto, feeds: dict, runs
             "plain_peak_rss_MiB": statistics.median(b[1] for b in base) / 2**20,
             "wall_ratio_median": statistics.median(wall), "wall_ratio_min": min(wall), "wall_ratio_max": max(wall),
             "rss_ratio_median": statistics.median(rss),
-            "per_node_overhead_ms": 1000 * (statistics.median(o[0] for o in ours)
-                                            - statistics.median(b[0] for b in base)) / max(1, len(model.graph.node)),
+            "graph_nodes": len(model.graph.node),
+            "overhead_s": statistics.median(o[0] for o in ours) - statistics.median(b[0] for b in base),
             "goal": "wall_ratio_median <= 2"}
 
 
@@ -125,9 +127,16 @@ def main(argv=None) -> dict:
             print(f"    plain script  {d['plain_wall_s']:6.2f} s {d['plain_peak_rss_MiB']:6.0f} MiB")
             print(f"    ratio wall {d['wall_ratio_median']:.2f} (min {d['wall_ratio_min']:.2f}, max "
                   f"{d['wall_ratio_max']:.2f}; goal <= 2), peak RSS {d['rss_ratio_median']:.2f}; "
-                  f"{d['per_node_overhead_ms']:.1f} ms per node beyond the script")
-    print(json.dumps({"small": out}))
-    return {"small": out}
+                  f"{d['overhead_s']:.2f} s beyond the script")
+    big, small = out
+    # The time beyond the script grows with the node count by this much: the
+    # per-node cost, apart from what every job pays once (start-up).
+    per_node = 1000 * (big["overhead_s"] - small["overhead_s"]) / (big["graph_nodes"] - small["graph_nodes"])
+    print(f"(e) per-node overhead beyond the script {per_node:.2f} ms (goal < 1); the rest, "
+          f"{small['overhead_s']:.2f} s, is paid once per job")
+    result = {"small": out, "per_node_overhead_ms": per_node, "goal": "per_node_overhead_ms < 1"}
+    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

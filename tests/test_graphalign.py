@@ -623,6 +623,28 @@ def test_the_fp16_build_is_onnxruntimes_and_its_weights_pair_by_name(planted):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.parametrize("values", [
+    [1e-9, -1e-9, 3e-8, -3e-8, 1e-30, 0.0, -0.0, 1.0],     # flushed to zero, kept at the smallest subnormal
+    [7e4, -7e4, 65519.0, 65521.0, 3.4e38, -3.4e38, 1.0],    # beyond FP16's range, clamped
+    [np.nan, np.inf, -np.inf, 1e-9, 7e4, 2.0],              # kept as they are, beside values to fix
+    [np.nan, 1.0], [-0.0, 0.5], [],
+])
+def test_the_fp16_weight_cast_is_the_converters_on_edge_values(values):
+    """The fast cast's shortcut (no fix when the counts of non-zeros and the
+    range say none is needed) gives onnxruntime's converter's bytes."""
+    from onnxruntime.transformers.float16 import convert_np_to_float16
+
+    from layerdiff.collector.live import fp16_weight
+
+    rng = np.random.default_rng(7)
+    for dtype in (np.float32, np.float64):
+        w = np.concatenate([rng.standard_normal(300), np.asarray(values, np.float64)]).astype(dtype)
+        rng.shuffle(w)
+        with np.errstate(all="ignore"):
+            theirs = convert_np_to_float16(w)
+        assert fp16_weight(w).tobytes() == theirs.tobytes()
+
+
 @pytest.mark.parametrize("which", ["cnn", "mlp", "detector"])
 def test_onnxsim_either_side(which, request):
     onnxsim = pytest.importorskip("onnxsim")

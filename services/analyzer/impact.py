@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from layerdiff.analyzer import metrics as M
 from layerdiff.analyzer.reference import reference_session
+from layerdiff.onnxgraph import WeightSplit
 
 MAX_RUNS = 24
 BUDGET_S = 120.0
@@ -94,10 +95,12 @@ class ImpactRunner:
 
     def __init__(self, model: onnx.ModelProto, feeds: dict[str, np.ndarray], values: InjectedValues, tol,
                  max_runs: int = MAX_RUNS, budget_s: float = BUDGET_S,
-                 baseline: dict[str, np.ndarray] | None = None) -> None:
+                 baseline: dict[str, np.ndarray] | None = None, split: WeightSplit | None = None) -> None:
         """``baseline``: the model's outputs as the reference computed them,
-        where it kept them (else one more run computes them)."""
+        where it kept them (else one more run computes them); ``split``: the
+        model's weights, split out once (``WeightSplit``)."""
         self.model = model
+        self.split = split if split is not None else WeightSplit(model)
         self.feeds = feeds
         self.values = values
         self.tol = tol
@@ -110,7 +113,7 @@ class ImpactRunner:
 
     def _session(self, model: onnx.ModelProto, edit=None) -> ort.InferenceSession:
         # a device value the reference does not take fails the run: said in the report
-        return reference_session(model, edit=edit, quiet=True)
+        return reference_session(model, edit=edit, quiet=True, split=self.split)
 
     def baseline(self) -> dict[str, np.ndarray]:
         if self._baseline is None:

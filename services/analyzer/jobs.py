@@ -310,7 +310,8 @@ def _fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
     from layerdiff.collector.live import to_fp16
 
     try:   # the build keeps every node's name: nodes pair by name
-        return _weights(weights_by_name(reference.model, to_fp16(reference.model, spec.model_artifact)))
+        return _weights(weights_by_name(reference.model, to_fp16(reference.model, spec.model_artifact,
+                                                                 split=reference.split)))
     except Exception as e:    # the collector's conversion reports its own failure
         log.warning("comparing the FP16 build's weights failed (%s: %s)", type(e).__name__, e)
         return None
@@ -686,7 +687,7 @@ class JobRunner:
             sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
                                rep, job_info)
         impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default,
-                              baseline=baseline) if injected else None
+                              baseline=baseline, split=p.reference.split) if injected else None
         if p.weights_aside is not None:
             p.weights = p.weights_aside.result()
         try:

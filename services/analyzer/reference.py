@@ -15,15 +15,18 @@ from onnx import numpy_helper
 
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (TensorSite, check_inputs, consumer_map, estimate_output_bytes, expose_all_outputs,
-                                 expose_only, lean_session, load_model, node_runtime, plan_segments, tensor_sites)
+                                 expose_only, lean_session, load_model, node_runtime, plan_segments, tensor_sites,
+                                 WeightSplit)
 
 
-def reference_session(model: onnx.ModelProto, edit=None, quiet: bool = False) -> ort.InferenceSession:
+def reference_session(model: onnx.ModelProto, edit=None, quiet: bool = False,
+                      split: WeightSplit | None = None) -> ort.InferenceSession:
     """A session computing as the reference does: FP32 on the CPU, graph
     optimizations off (no node fused away), the weights handed over in
     memory (``lean_session``; ``edit`` changes the graph's copy); ``quiet``:
     onnxruntime logs nothing short of fatal (runs expected to fail now and
-    then, whose failure is reported otherwise)."""
+    then, whose failure is reported otherwise); ``split``: the model's
+    weights split out once (``WeightSplit``)."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4 if quiet else 3
@@ -33,7 +36,7 @@ def reference_session(model: onnx.ModelProto, edit=None, quiet: bool = False) ->
     # Every session runs once: packing the weights for repeated MatMuls
     # would cost more than it saves (a third of a transformer's session).
     so.add_session_config_entry("session.disable_prepacking", "1")
-    return lean_session(model, so, ["CPUExecutionProvider"], edit=edit)
+    return lean_session(model, so, ["CPUExecutionProvider"], edit=edit, split=split)
 
 
 class OnnxReference:
@@ -51,6 +54,8 @@ class OnnxReference:
             self.node_inputs.setdefault(s.node, list(self.model.graph.node[s.order].input))
         self._constants = {i.name: i for i in self.model.graph.initializer}
         self._const_nodes = {s.tensor for s in self.sites if s.is_constant}
+        # the weights copied out once for the run, the FP16 build and the impact re-runs
+        self.split = WeightSplit(self.model)
 
     def constant(self, tensor: str) -> np.ndarray | None:
         """The value of an initializer (a weight), None for computed tensors."""
@@ -95,7 +100,7 @@ class OnnxReference:
         # job that asked for it), so neither this frame nor onnxruntime's
         # (the cause's traceback) may hold it.
         try:
-            sess = reference_session(self.model, edit=exposed)
+            sess = reference_session(self.model, edit=exposed, split=self.split)
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the model: {e}",
                                  file=self.name) from e.with_traceback(None)

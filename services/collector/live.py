@@ -27,7 +27,7 @@ from onnx import numpy_helper
 from layerdiff.collector.devices import resolve_provider
 from layerdiff.errors import LayerdiffError
 from layerdiff.onnxgraph import (TensorSite, check_inputs, estimate_output_bytes, expose_only, graph_inputs,
-                                 lean_session, load_model, plan_segments, tensor_sites, without_weight_data)
+                                 lean_session, load_model, plan_segments, tensor_sites, WeightSplit)
 from layerdiff.schema import ROLE_INPUT, NodeRecord, check_dump_mode
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "fp16", "int8")
 
 
-def to_fp16(model: onnx.ModelProto, key: str = "") -> onnx.ModelProto:
+def to_fp16(model: onnx.ModelProto, key: str = "", split: WeightSplit | None = None) -> onnx.ModelProto:
     """The FP16 build of a model, as onnxruntime's converter makes it
     (inputs and outputs kept in their types), the same bytes seconds sooner
     on a transformer: the shape inference the converter would run is run on
@@ -43,8 +43,8 @@ def to_fp16(model: onnx.ModelProto, key: str = "") -> onnx.ModelProto:
     with ``fp16_weight`` (a few passes) instead of its own dozen. ``key``
     (the model file's sha256) shares one build between those who ask for it
     at the same time (the embedded analyzer and collector): read it, never
-    change it."""
-    return _BUILDS.get(key, lambda: _to_fp16(model))
+    change it. ``split``: the model's weights split out once (``WeightSplit``)."""
+    return _BUILDS.get(key, lambda: _to_fp16(split if split is not None else WeightSplit(model)))
 
 
 class _SharedBuilds:
@@ -79,10 +79,10 @@ class _SharedBuilds:
 _BUILDS = _SharedBuilds()
 
 
-def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+def _to_fp16(split: WeightSplit) -> onnx.ModelProto:
     from onnxruntime.transformers import float16
 
-    light, held = without_weight_data(model)
+    light, held = split.parts()
     shaped = onnx.shape_inference.infer_shapes(light)
     for init in shaped.graph.initializer:
         if init.name in held:
@@ -107,10 +107,18 @@ def fp16_weight(w: np.ndarray, min_positive_val: float = 5.96e-08, max_finite_va
     w = np.asarray(w)
     with np.errstate(over="ignore", invalid="ignore"):
         h = w.astype(np.float16)
-        tiny = (h == 0) & (w != 0)              # underflowed to zero
-        if tiny.any():
+        if not w.size:
+            return h
+        # Usual weights need neither fix: no value flushed to zero (as many
+        # non-zeros after the cast as before; counted on the bits, the sign
+        # shifted out, as numpy's FP16 arithmetic is slow) and all within
+        # FP16's range (a NaN fails the range test).
+        flushed = np.count_nonzero(h.view(np.uint16) << 1) != np.count_nonzero(w)
+        in_range = -max_finite_val <= w.min() and w.max() <= max_finite_val
+        if flushed:
+            tiny = (h == 0) & (w != 0)
             h[tiny] = np.copysign(np.asarray(min_positive_val, w.dtype), w[tiny]).astype(np.float16)
-        if not np.isfinite(h).all():            # overflowed to Inf (rare: the mask only then)
+        if not in_range and not np.isfinite(h).all():     # overflowed to Inf (rare: the mask only then)
             huge = np.isinf(h) & np.isfinite(w)
             h[huge] = np.copysign(np.asarray(max_finite_val, w.dtype), w[huge]).astype(np.float16)
     return h

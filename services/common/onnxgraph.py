@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,15 +165,38 @@ def without_weight_data(model: onnx.ModelProto, keep: bool = True) -> tuple[onnx
     return light, held
 
 
-def lean_session(model: onnx.ModelProto, options, providers: list, edit=None):
+class WeightSplit:
+    """One model's ``without_weight_data``, made once for every session and
+    build made from it (the reference's run, its FP16 build, the impact
+    re-runs): each would otherwise copy every weight out of the model again.
+    Read it, never change it; thread-safe."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self._lock = threading.Lock()
+        self._parts: tuple[onnx.ModelProto, dict[str, bytes]] | None = None
+
+    def parts(self) -> tuple[onnx.ModelProto, dict[str, bytes]]:
+        with self._lock:
+            if self._parts is None:
+                self._parts = without_weight_data(self.model)
+            return self._parts
+
+
+def lean_session(model: onnx.ModelProto, options, providers: list, edit=None, split: WeightSplit | None = None):
     """An onnxruntime session of the model (``edit``, given a copy of it
     without the weights' data, may change the graph: outputs exposed, say)
     whose large weights are handed to onnxruntime in memory instead of
     serialized with the graph and parsed back: a third of the time on a
-    transformer, the same results."""
+    transformer, the same results. ``split``: the model's, made once."""
     import onnxruntime as ort
 
-    light, held = without_weight_data(model)
+    if split is None:
+        light, held = without_weight_data(model)
+    else:
+        shared, held = split.parts()
+        light = onnx.ModelProto()
+        light.CopyFrom(shared)
     if edit is not None:
         edit(light)
     names, values = [], []
