@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SHELL := /bin/bash
 
-.PHONY: setup stubs test demo bench clean
+.PHONY: setup stubs test lint demo bench clean
 
 setup:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
@@ -24,6 +24,16 @@ stubs:
 
 test:
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# mypy reads the package as it imports: layerdiff is services/, with the
+# generated stubs beside it (a tree of links under build/, as installed).
+TYPECHECK := build/typecheck
+lint:
+	$(BIN)/ruff check services tests bench
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/layerdiff
+	for e in services/*; do [ "$${e##*/}" = __pycache__ ] || ln -s "$(CURDIR)/$$e" $(TYPECHECK)/layerdiff/; done
+	ln -s "$(CURDIR)/proto/layerdiff/v1" "$(CURDIR)/proto/layerdiff/vendor" $(TYPECHECK)/layerdiff/
+	cd $(TYPECHECK) && MYPYPATH=. "$(CURDIR)/$(BIN)/mypy" --config-file "$(CURDIR)/pyproject.toml"
 
 demo:
 	$(BIN)/python -m layerdiff.client.demo

@@ -91,7 +91,7 @@ print(json.dumps({"marks": marks, "analyzer_elapsed_s": res.summary.get("elapsed
 
 def _records(x: np.ndarray, precision: str) -> list:
     from layerdiff.client.demo import packaged_model
-    from layerdiff.collector.live import LiveRunner
+    from layerdiff.collector.live.onnxrt import LiveRunner
 
     return [r for r in LiveRunner(packaged_model().read_bytes(), {"x": x}, precision=precision).records()
             if r.array is not None]
@@ -116,7 +116,7 @@ def pick_side(target_bytes: float, per_px: tuple[float, float]) -> int:
 def make_dumps(root: Path, side: int, fmt: str) -> dict:
     """Golden FP32 and device FP16 dumps of the detector at side x side."""
     from layerdiff.client.demo import det_input
-    from layerdiff.collector.dumpdir import write_dump
+    from layerdiff.collector.dumps.directory import write_dump
 
     x = det_input(side, side)
     out = {}

@@ -26,15 +26,15 @@ import redis
 
 from layerdiff.client.api import run
 from layerdiff.client.demo import REC_MODEL, packaged_model
-from layerdiff.collector.dumpdir import write_dump
-from layerdiff.collector.live import LiveRunner
-from layerdiff.net import free_port
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.net import free_port
 from procs import TaskPushes, serve, wait
 
 
 _FETCH = r"""
 import json, sys, time
-from layerdiff.analyzer.store import TensorStore
+from layerdiff.analyzer.execute.store import TensorStore
 url, refs = sys.argv[1], json.loads(sys.argv[2])
 s = TensorStore(url)
 out = {}
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
         local, laddr = serve("analyzer", tmp / "l", env)
         celery, daddr = serve("analyzer", tmp / "d", dict(env, LAYERDIFF_BROKER_URL=url))
         procs += [collector, local, celery]
-        from layerdiff.analyzer.celery_app import QUEUE, TASK, make_app
+        from layerdiff.analyzer.execute.celery_app import QUEUE, TASK, make_app
 
         app = make_app(url)
         wait(lambda: len(app.control.ping(timeout=1.0)) >= 2)
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
                 progress=False)
         pushes = monitored.sizes
 
-        from layerdiff.analyzer.store import TensorStore, tensor_endpoint
+        from layerdiff.analyzer.execute.store import TensorStore, tensor_endpoint
 
         store = TensorStore(url)
         store.open_job("bench")

@@ -50,7 +50,7 @@ def _timed(cmd: list[str], **kw) -> tuple[float, int, int]:
 def bench_vs_polygraphy(work: Path, height: int, width: int) -> dict:
     from polygraphy.json import save_json
 
-    from layerdiff.collector.live import to_fp16
+    from layerdiff.collector.live.onnxrt import to_fp16
 
     ref = packaged_model()
     device = work / "det_fp16.onnx"
@@ -89,10 +89,10 @@ def bench_analyzer_rss(work: Path, side: int) -> dict:
     """A dump of the detector at side x side in float32 (~2 GB at 1088, ~8 GB
     at 2176), compared by an analyzer process: its peak RSS against its
     memory budget plus the largest tensor, and against the dump."""
-    from layerdiff.analyzer.budget import MemoryBudget
+    from layerdiff.analyzer.jobs.budget import MemoryBudget
     from layerdiff.client.api import run
-    from layerdiff.collector.dumpdir import write_dump
-    from layerdiff.collector.live import LiveRunner
+    from layerdiff.collector.dumps.directory import write_dump
+    from layerdiff.collector.live.onnxrt import LiveRunner
 
     ref = packaged_model()
     feeds = {"x": det_input(side, side)}

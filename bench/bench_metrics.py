@@ -52,7 +52,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
 
-    from layerdiff.analyzer import metrics
+    from layerdiff.analyzer.compare import metrics
 
     n = int(args.mib * 2**20) // 8
     t0 = time.perf_counter()

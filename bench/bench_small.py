@@ -106,7 +106,7 @@ def bench_model(work: Path, name: str, model: onnx.ModelProto, feeds: dict, runs
 
 
 def _all_outputs(model: onnx.ModelProto, feeds: dict) -> dict:
-    from layerdiff.analyzer.reference import OnnxReference
+    from layerdiff.analyzer.reference.onnxrt import OnnxReference
 
     return OnnxReference(model.SerializeToString()).run(feeds)
 

@@ -25,10 +25,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from layerdiff.collector.dumpdir import write_dump
+from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.service import CollectorClient
-from layerdiff.net import DEFAULT_CHUNK_BYTES
-from layerdiff.schema import BufferPool, NodeRecord, TensorAssembler
+from layerdiff.common.net import DEFAULT_CHUNK_BYTES
+from layerdiff.common.schema import BufferPool, NodeRecord, TensorAssembler
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 

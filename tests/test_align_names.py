@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layerdiff.analyzer.align import LEARN_AFTER, Aligner, Decision, Pairing, canonical
+from layerdiff.analyzer.align.names import LEARN_AFTER, Aligner, Decision, Pairing, canonical
 from layerdiff.client.api import run
 from layerdiff.client.demo import packaged_model
-from layerdiff.collector.dumpdir import write_dump
-from layerdiff.collector.live import LiveRunner
-from layerdiff.errors import LayerdiffError
-from layerdiff.onnxgraph import TensorSite, load_model, tensor_sites
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.onnxgraph import TensorSite, load_model, tensor_sites
 
 from conftest import small_cnn
 

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from layerdiff.client.api import run
-from layerdiff.collector import ascend, overflow
-from layerdiff.collector.dumpconfig import DumpConfig
-from layerdiff.collector.dumpdir import DumpDirectory
-from layerdiff.errors import LayerdiffError
+from layerdiff.collector.dumps import ascend
+from layerdiff.collector.dumps import overflow
+from layerdiff.collector.dumps.config import DumpConfig
+from layerdiff.collector.dumps.directory import DumpDirectory
+from layerdiff.common.errors import LayerdiffError
 from layerdiff.vendor import ascend_dump_pb2 as dd
 
 # The record printed in the vendor's overflow guide.
@@ -320,8 +321,8 @@ def test_live_capture_streams_node_inputs_when_asked(services, cnn_files, tmp_pa
 
 
 def test_hostile_op_names_never_leave_the_dump_directory(tmp_path):
-    from layerdiff.collector.dumpdir import write_dump
-    from layerdiff.schema import NodeRecord
+    from layerdiff.collector.dumps.directory import write_dump
+    from layerdiff.common.schema import NodeRecord
 
     arr = np.ones((2, 2), np.float32)
     names = ["../../escape", "a/b\\c d", "nul\x00here", "x" * 400]

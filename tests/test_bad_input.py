@@ -10,7 +10,7 @@ import pytest
 
 from layerdiff.collector.service import CollectorClient
 from layerdiff.client.api import AnalyzerClient
-from layerdiff.net import channel
+from layerdiff.common.net import channel
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
 

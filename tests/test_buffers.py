@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layerdiff.analyzer.align import Aligner
-from layerdiff.analyzer.consumer import StreamConsumer
-from layerdiff.analyzer.jobs import Prepared
-from layerdiff.analyzer.pool import LocalPool
-from layerdiff.analyzer.reference import OnnxReference
-from layerdiff.analyzer.segments import SegmentedReference
-from layerdiff.analyzer.report import JobReport
-from layerdiff.analyzer.tolerances import Tolerances
-from layerdiff.collector.live import LiveRunner
-from layerdiff.schema import BufferLease, BufferPool, TensorAssembler, encode_records
+from layerdiff.analyzer.align.names import Aligner
+from layerdiff.analyzer.jobs.consumer import StreamConsumer
+from layerdiff.analyzer.jobs.runner import Prepared
+from layerdiff.analyzer.execute.local import LocalPool
+from layerdiff.analyzer.reference.onnxrt import OnnxReference
+from layerdiff.analyzer.reference.segments import SegmentedReference
+from layerdiff.analyzer.report.files import JobReport
+from layerdiff.analyzer.compare.tolerances import Tolerances
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.schema import BufferLease, BufferPool, TensorAssembler, encode_records
 
 from conftest import small_cnn
 
@@ -50,7 +50,7 @@ def test_assembled_records_hold_their_buffers():
     pool = BufferPool()
     a = np.arange(256, dtype=np.float32)
     b = -np.arange(256, dtype=np.float32)
-    from layerdiff.schema import NodeRecord
+    from layerdiff.common.schema import NodeRecord
 
     asm = TensorAssembler(pool=pool)
     recs = [r for batch in encode_records([NodeRecord("a", array=a), NodeRecord("b", array=b)])

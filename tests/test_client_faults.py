@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from layerdiff.client.api import AnalyzerClient
-from layerdiff.collector.live import LiveRunner
-from layerdiff.net import free_port
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 from conftest import ServiceProcess, wait_for

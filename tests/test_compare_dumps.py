@@ -23,11 +23,11 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from conftest import ServiceProcess, small_cnn
-from layerdiff.analyzer.reference import OnnxReference
+from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.client.api import compare
-from layerdiff.collector.dumpdir import FORMATS, write_dump
-from layerdiff.errors import JobFailed
-from layerdiff.schema import ROLE_INPUT, NodeRecord
+from layerdiff.collector.dumps.directory import FORMATS, write_dump
+from layerdiff.common.errors import JobFailed
+from layerdiff.common.schema import ROLE_INPUT, NodeRecord
 
 X = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
 # small_cnn's node outputs, in execution order
@@ -595,8 +595,8 @@ def test_unreadable_golden_record_is_skipped_and_the_job_goes_on(services, tmp_p
 def test_golden_tensors_named_like_spill_files_keep_their_own_values(tmp_path):
     """Golden tensor names are anything a runtime wrote: names that look
     like the analyzer's own spill keys still read back their own values."""
-    from layerdiff.analyzer.dumpreference import DumpReference
-    from layerdiff.schema import NodeRecord
+    from layerdiff.analyzer.reference.dump import DumpReference
+    from layerdiff.common.schema import NodeRecord
 
     ref = DumpReference("golden")
     ref.start(tmp_path / "spill")

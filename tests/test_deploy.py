@@ -445,8 +445,8 @@ def _quantity(text: str) -> int:
 def test_what_a_service_keeps_fits_its_work_volume(name, monkeypatch):
     """An emptyDir filled past its sizeLimit evicts the pod (and every job in it): the
     service's own bounds (retention, upload quota, as it reads them) must stop it first."""
-    from layerdiff.analyzer.jobrecords import Retention
-    from layerdiff.artifacts import quota_bytes
+    from layerdiff.analyzer.jobs.records import Retention
+    from layerdiff.common.artifacts import quota_bytes
 
     pod = workload(name)["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -490,8 +490,8 @@ def test_collectors_read_the_host_dump_root_read_only():
 
 def test_secret_placeholders_are_refused_by_the_services():
     """A forgotten placeholder stops the pod instead of running it with a known credential."""
-    from layerdiff.errors import LayerdiffError
-    from layerdiff.security import Tokens
+    from layerdiff.common.errors import LayerdiffError
+    from layerdiff.common.security import Tokens
 
     for _, d in k8s_documents():
         if d["kind"] != "Secret":
@@ -708,7 +708,7 @@ def test_dockerignore_leaves_out_venv_git_and_secrets():
     for path in (".venv", ".venv/bin/python", ".git", ".git/HEAD", "deploy/secrets", "deploy/secrets/ca.key",
                  "deploy/secrets/compose.env", "deploy/.env", "layerdiff.egg-info/PKG-INFO", "build/lib/x.py",
                  "demo-out/report.html", "bench-out/stream.json", ".hypothesis/examples/x", ".pytest_cache/x",
-                 "services/analyzer/__pycache__/metrics.cpython-311.pyc", "proto/layerdiff/v1/layerdiff_pb2.py"):
+                 "services/analyzer/compare/__pycache__/metrics.cpython-311.pyc", "proto/layerdiff/v1/layerdiff_pb2.py"):
         assert ig.excluded(path), f".dockerignore lets {path} into the build context"
 
 
@@ -805,7 +805,7 @@ class NotInImage(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, NotInImage())
 import layerdiff.collector.service, layerdiff.client.cli, layerdiff.client.health
-import layerdiff.collector.dumpconfig, layerdiff.collector.convert, layerdiff.collector.overflow
+import layerdiff.collector.dumps.config, layerdiff.collector.dumps.convert, layerdiff.collector.dumps.overflow
 from onnxruntime.transformers.float16 import convert_float_to_float16
 from onnxruntime.quantization import quantize_static
 import h5py

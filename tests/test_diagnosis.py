@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from layerdiff.analyzer import diagnose
+from layerdiff.analyzer.diagnose import verdicts as diagnose
 from layerdiff.client.api import format_summary, run
 
 from conftest import small_cnn

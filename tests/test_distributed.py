@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from layerdiff.client.api import AnalyzerClient, run
-from layerdiff.net import free_port
+from layerdiff.common.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 from conftest import ServiceProcess, wait_for
@@ -84,7 +84,7 @@ def frozen(workers):
 
 
 def _workers_ready(url: str, n: int) -> bool:
-    from layerdiff.analyzer.celery_app import make_app
+    from layerdiff.analyzer.execute.celery_app import make_app
 
     try:
         return len(make_app(url).control.ping(timeout=1.0)) >= n
@@ -210,8 +210,8 @@ def test_a_killed_worker_does_not_lose_the_job(cluster, tmp_path):
 
 
 def test_bad_tasks_get_clear_errors(cluster):
-    from layerdiff.analyzer.celery_app import QUEUE, TASK, make_app
-    from layerdiff.analyzer.store import TensorStore
+    from layerdiff.analyzer.execute.celery_app import QUEUE, TASK, make_app
+    from layerdiff.analyzer.execute.store import TensorStore
 
     app = make_app(cluster["redis"].url)
     store = TensorStore(cluster["redis"].url)
@@ -257,9 +257,9 @@ def _payload_keys(r, job_id: str, item_id: int, side: str = "r") -> list[bytes]:
 def test_a_payload_unreadable_on_every_attempt_fails_the_job(cluster):
     """A node whose payload is gone from the store is sent again, then fails
     with the store named; the job's other nodes fail with it at once."""
-    from layerdiff.analyzer.fanout import CeleryPool
-    from layerdiff.analyzer.tolerances import Tolerance
-    from layerdiff.errors import UnavailableError
+    from layerdiff.analyzer.execute.fanout import CeleryPool
+    from layerdiff.analyzer.compare.tolerances import Tolerance
+    from layerdiff.common.errors import UnavailableError
 
     url = cluster["redis"].url
     r = redis.Redis.from_url(url)
@@ -295,9 +295,9 @@ def test_a_payload_unreadable_on_every_attempt_fails_the_job(cluster):
 def test_a_payload_readable_again_is_retried_and_compared(cluster):
     """A transient failure (the payload back on a later attempt) costs an
     attempt, not the node: every node is compared, as the local pool would."""
-    from layerdiff.analyzer.compare import compare_node
-    from layerdiff.analyzer.fanout import CeleryPool
-    from layerdiff.analyzer.tolerances import Tolerance
+    from layerdiff.analyzer.compare.node import compare_node
+    from layerdiff.analyzer.execute.fanout import CeleryPool
+    from layerdiff.analyzer.compare.tolerances import Tolerance
 
     url = cluster["redis"].url
     r = redis.Redis.from_url(url)

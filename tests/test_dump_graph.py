@@ -15,10 +15,10 @@ import onnx
 import pytest
 from onnx import helper
 
-from layerdiff.analyzer.graphalign import align_graphs
-from layerdiff.analyzer.manifestgraph import onnx_op, skeleton
+from layerdiff.analyzer.align.graph import align_graphs
+from layerdiff.analyzer.align.manifest import onnx_op, skeleton
 from layerdiff.client.api import run
-from layerdiff.collector.dumpgraph import dump_graph
+from layerdiff.collector.dumps.graph import dump_graph
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 from test_graphalign import all_outputs, bn_cnn, node_outputs, ort_optimized, planted_bug

@@ -10,8 +10,8 @@ import onnx
 import pytest
 
 from layerdiff.client.api import AnalyzerClient, run
-from layerdiff.collector.dumpdir import write_dump
-from layerdiff.collector.live import LiveRunner
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 

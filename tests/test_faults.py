@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from layerdiff.client.api import AnalyzerClient, run
-from layerdiff.collector.live import LiveRunner
-from layerdiff.errors import JobFailed
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.errors import JobFailed
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 from conftest import ServiceProcess, wait_for
@@ -46,8 +46,8 @@ def _big_node(seed: int) -> tuple[np.ndarray, np.ndarray]:
 def _pool_without_broker(tmp_path, job: str, grace_s: float):
     """A Celery pool whose Redis has just been killed; yields the Redis (to
     start again), the pool and ``submit(seed)`` of a 1 MiB node."""
-    from layerdiff.analyzer.fanout import CeleryPool
-    from layerdiff.analyzer.tolerances import Tolerances
+    from layerdiff.analyzer.execute.fanout import CeleryPool
+    from layerdiff.analyzer.compare.tolerances import Tolerances
 
     rs = RedisServer(tmp_path)
     try:
@@ -86,7 +86,7 @@ def test_a_broker_back_without_the_job_fails_it_at_once(tmp_path):
 
 
 def test_cancel_ends_every_wait_of_the_pool_during_an_outage(tmp_path):
-    from layerdiff.analyzer.fanout import PoolCancelled
+    from layerdiff.analyzer.execute.fanout import PoolCancelled
 
     with _pool_without_broker(tmp_path, "cancelled", 60) as (rs, pool, submit):
         futs = [submit(i) for i in range(3)]

@@ -1,5 +1,5 @@
 """Structural pairing of a device ONNX graph with its reference
-(layerdiff.analyzer.graphalign): renamed copies, onnxruntime-optimized copies
+(layerdiff.analyzer.align.graph): renamed copies, onnxruntime-optimized copies
 (BASIC / EXTENDED / ALL: BN folding, FusedConv, FusedGemm, NCHWc), a
 BatchNormalization folded by hand, LayerNorm / Gelu fusions, FP16 and INT8
 builds, onnxsim, and a planted weight bug. Every pairing is checked against
@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from layerdiff.analyzer.align import Pairing
-from layerdiff.analyzer.graphalign import GraphAlignment, align_graphs
-from layerdiff.analyzer.layout import unblock_nchwc
+from layerdiff.analyzer.align.names import Pairing
+from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
+from layerdiff.analyzer.align.layout import unblock_nchwc
 from layerdiff.client.demo import det_input, packaged_model
 
 from onnxbuild import GraphBuilder
@@ -539,7 +539,7 @@ def test_attention_fusion_covers_the_self_attention():
 
 
 def test_fp16_and_int8_builds_pair_through_casts_and_quantizers(cnn):
-    from layerdiff.collector.live import to_fp16, to_int8_qdq
+    from layerdiff.collector.live.onnxrt import to_fp16, to_int8_qdq
 
     model, feeds, ref_vals = cnn
     fp16 = to_fp16(model)
@@ -597,10 +597,10 @@ def test_the_fp16_build_is_onnxruntimes_and_its_weights_pair_by_name(planted):
     what sessions of the serialized models compute."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    from layerdiff.analyzer import weights
-    from layerdiff.analyzer.graphalign import weights_by_name
-    from layerdiff.collector.live import to_fp16
-    from layerdiff.onnxgraph import expose_all_outputs, lean_session
+    from layerdiff.analyzer.diagnose import weights
+    from layerdiff.analyzer.align.graph import weights_by_name
+    from layerdiff.collector.live.onnxrt import to_fp16
+    from layerdiff.common.onnxgraph import expose_all_outputs, lean_session
 
     model = _dense_model(planted)
     theirs = convert_float_to_float16(onnx.ModelProto.FromString(model.SerializeToString()), keep_io_types=True)
@@ -634,7 +634,7 @@ def test_the_fp16_weight_cast_is_the_converters_on_edge_values(values):
     range say none is needed) gives onnxruntime's converter's bytes."""
     from onnxruntime.transformers.float16 import convert_np_to_float16
 
-    from layerdiff.collector.live import fp16_weight
+    from layerdiff.collector.live.onnxrt import fp16_weight
 
     rng = np.random.default_rng(7)
     for dtype in (np.float32, np.float64):

@@ -18,8 +18,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from layerdiff.client.api import run
-from layerdiff.collector.dumpdir import write_dump
-from layerdiff.collector.live import LiveRunner
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.collector.live.onnxrt import LiveRunner
 
 from conftest import small_cnn
 from test_ascend import overflow_files, overflowing_model  # noqa: F401  (a fixture)

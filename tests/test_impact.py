@@ -11,10 +11,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from layerdiff.analyzer.impact import ImpactRunner, InjectedValues
-from layerdiff.analyzer.tolerances import Tolerances
+from layerdiff.analyzer.diagnose.impact import ImpactRunner, InjectedValues
+from layerdiff.analyzer.compare.tolerances import Tolerances
 from layerdiff.client.api import run
-from layerdiff.collector.live import to_fp16
+from layerdiff.collector.live.onnxrt import to_fp16
 
 from onnxbuild import GraphBuilder
 

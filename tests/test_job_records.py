@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import ServiceProcess, small_cnn, wait_for
-from layerdiff.analyzer.jobrecords import RESTARTED_MESSAGE, JobRecords, Retention
-from layerdiff.artifacts import upload
+from layerdiff.analyzer.jobs.records import RESTARTED_MESSAGE, JobRecords, Retention
+from layerdiff.common.artifacts import upload
 from layerdiff.client.api import AnalyzerClient, run
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -320,7 +320,7 @@ def test_an_interrupted_jobs_broker_keys_are_dropped_and_a_dead_broker_holds_not
 
 
 def test_retention_settings_come_from_the_environment():
-    from layerdiff.errors import LayerdiffError
+    from layerdiff.common.errors import LayerdiffError
 
     assert Retention.from_env({}) == Retention(days=7, max_bytes=10 * 1024 ** 3, max_jobs=10000, grace_s=300)
     r = Retention.from_env({"LAYERDIFF_RETAIN_DAYS": "0.5", "LAYERDIFF_RETAIN_BYTES": "512M",

@@ -9,12 +9,12 @@ import csv
 import numpy as np
 import pytest
 
-from layerdiff.analyzer import layout as L
-from layerdiff.analyzer.compare import SkipNode, compare_node, reconcile
-from layerdiff.analyzer.tolerances import Tolerance
+from layerdiff.analyzer.align import layout as L
+from layerdiff.analyzer.compare.node import SkipNode, compare_node, reconcile
+from layerdiff.analyzer.compare.tolerances import Tolerance
 from layerdiff.client.api import run
-from layerdiff.collector.dumpdir import write_dump
-from layerdiff.collector.live import LiveRunner
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.collector.live.onnxrt import LiveRunner
 
 from conftest import small_cnn
 from test_distributed import cluster  # noqa: F401  (a fixture: Redis, two workers, both analyzers)

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from layerdiff.analyzer import listing
+from layerdiff.analyzer.report import listing
 
 
 @pytest.mark.parametrize("value, text", [

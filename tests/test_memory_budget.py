@@ -62,8 +62,8 @@ def test_values_spill_when_the_device_sends_its_last_tensor_first(files, tmp_pat
     """A dump listed in reverse asks for the reference's last segment first:
     what waits for its device counterpart goes to disk past the budget, and
     the report is the in-order one."""
-    from layerdiff.collector.dumpdir import write_dump
-    from layerdiff.collector.live import LiveRunner
+    from layerdiff.collector.dumps.directory import write_dump
+    from layerdiff.collector.live.onnxrt import LiveRunner
 
     records = list(LiveRunner((files / "model.onnx").read_bytes(), FEEDS, precision="fp16").records())
     forward = write_dump(tmp_path / "forward", records)
@@ -95,7 +95,7 @@ def test_a_tiny_model_gives_the_same_report_with_and_without_the_fast_path(files
 
 
 def test_a_malformed_budget_fails_the_submit_naming_it(files, tmp_path, monkeypatch):
-    from layerdiff.errors import LayerdiffError
+    from layerdiff.common.errors import LayerdiffError
 
     monkeypatch.setenv("LAYERDIFF_MEMORY_BUDGET", "lots")
     with pytest.raises(LayerdiffError, match="LAYERDIFF_MEMORY_BUDGET.*'lots'"):

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from layerdiff.analyzer import metrics as M
+from layerdiff.analyzer.compare import metrics as M
 
 F32_MAX = float(np.finfo(np.float32).max)
 FLOAT_FIELDS = [

@@ -16,10 +16,10 @@ import onnxruntime as ort
 import pytest
 
 from layerdiff.client.api import AnalyzerClient, run
-from layerdiff.collector.perfcounters import dump_perf_records
-from layerdiff.collector.profile import parse_profile
-from layerdiff.errors import LayerdiffError
-from layerdiff.perfschema import COUNTER_COLUMNS, PerfRecord, decode_perf, encode_perf
+from layerdiff.collector.perf.counters import dump_perf_records
+from layerdiff.collector.live.profile import parse_profile
+from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.perfschema import COUNTER_COLUMNS, PerfRecord, decode_perf, encode_perf
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 from conftest import small_cnn
@@ -463,7 +463,7 @@ def test_perf_diff_flags_the_planted_regressions_and_nothing_else(services, cnn_
 
 
 def test_perf_diff_faster_is_listed_but_not_a_regression(tmp_path):
-    from layerdiff.analyzer.perfdiff import perf_diff
+    from layerdiff.analyzer.report.perfdiff import perf_diff
 
     _write_counter_csv(tmp_path / "a.csv", [{"name": "n", "mcu_cycle": 1000, "dur_us": 10}],
                        ["name", "mcu_cycle", "dur_us"])
@@ -481,7 +481,7 @@ def test_watched_dump_counters_are_read_when_the_runtime_is_done(services, cnn_f
     import threading
     import time
 
-    from layerdiff.collector.live import LiveRunner
+    from layerdiff.collector.live.onnxrt import LiveRunner
 
     collector, analyzer = services
     model, inputs, device = cnn_files
@@ -512,7 +512,7 @@ def test_watched_dump_counters_are_read_when_the_runtime_is_done(services, cnn_f
 def test_timeline_keeps_overlapping_slices_apart():
     """A source whose start times overlap on one stream: the slice that would
     partly overlap goes to a second lane, never moved, never mis-nested."""
-    from layerdiff.analyzer.perf import PerfData, PerfSettings, build_table, timeline
+    from layerdiff.analyzer.report.perf import PerfData, PerfSettings, build_table, timeline
 
     recs = [PerfRecord("a", start_us=0.0, dur_us=10.0, stream="s0"), PerfRecord("b", start_us=5.0, dur_us=10.0,
                                                                                  stream="s0"),

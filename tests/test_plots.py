@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import small_cnn
-from layerdiff.analyzer import plots
+from layerdiff.analyzer.report import plots
 from layerdiff.client.cli import main
 from layerdiff.client.histogram import parse_min_max, write_histograms
-from layerdiff.collector.dumpdir import write_dump
-from layerdiff.collector.live import LiveRunner
-from layerdiff.errors import LayerdiffError, NotFoundError
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.errors import LayerdiffError, NotFoundError
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -186,7 +186,7 @@ def test_histogram_without_range_file_never_deletes_user_files(dump, tmp_path, m
 
 
 def test_histogram_of_other_formats_hostile_names_and_bad_tensors(tmp_path):
-    from layerdiff.schema import NodeRecord
+    from layerdiff.common.schema import NodeRecord
 
     recs = [NodeRecord(name="/evil/dir\\<x> y", op_type="Relu", order=0, array=np.arange(12, dtype=np.float32)),
             NodeRecord(name="nan only", op_type="Relu", order=1, array=np.full(4, np.nan, np.float32)),
@@ -226,7 +226,7 @@ def test_histogram_cli_reports_bad_bins_and_missing_dump(tmp_path, capsys):
 
 
 def test_range_lines_in_every_layout():
-    from layerdiff.analyzer.minmax import parse_min_max as parse_text
+    from layerdiff.analyzer.diagnose.minmax import parse_min_max as parse_text
 
     ranges, skipped = parse_text("conv1_input  -3.2  41.7\nrelu2: 0.0, 6.0\nfc1000#185,-1,1e1\n"
                                  "pool 5 min: -1 max: +2.5\n'quoted name' [0, .5]\n# a comment\n\n"

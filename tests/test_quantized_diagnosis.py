@@ -10,7 +10,7 @@ import csv
 import numpy as np
 
 from layerdiff.client.api import run
-from layerdiff.collector.live import to_int8_qdq
+from layerdiff.collector.live.onnxrt import to_int8_qdq
 
 from test_impact import FEEDS, _job, encoder, scaled
 

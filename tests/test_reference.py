@@ -7,10 +7,10 @@ import numpy as np
 import onnx
 import pytest
 
-from layerdiff.analyzer.reference import OnnxReference
-from layerdiff.analyzer.segments import SegmentedReference
-from layerdiff.collector.live import LiveRunner
-from layerdiff.onnxgraph import cut_segments, estimate_output_bytes, plan_segments
+from layerdiff.analyzer.reference.onnxrt import OnnxReference
+from layerdiff.analyzer.reference.segments import SegmentedReference
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.onnxgraph import cut_segments, estimate_output_bytes, plan_segments
 
 from conftest import small_cnn
 
@@ -106,7 +106,7 @@ def test_a_budget_cut_keeps_a_node_whole():
 def test_live_runner_in_segments_sends_every_node(monkeypatch):
     """Each segment is a full device run up to its nodes (the device may fuse
     what a segment does not expose), so values agree to FP16 rounding."""
-    import layerdiff.collector.live as live
+    import layerdiff.collector.live.onnxrt as live
 
     model = small_cnn().SerializeToString()
     whole = [(r.name, r.array) for r in LiveRunner(model, _feeds(), precision="fp16").records()]

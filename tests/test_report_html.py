@@ -17,13 +17,16 @@ import numpy as np
 import pytest
 
 from conftest import small_cnn
-from layerdiff.analyzer import explorer, htmlreport, listing, plots
-from layerdiff.analyzer.compare import compare_node
-from layerdiff.analyzer.report import Row, node_summary
-from layerdiff.analyzer.tolerances import Tolerance
-from layerdiff.collector.live import LiveRunner
-from layerdiff.names import safe_filename
-from layerdiff.onnxgraph import tensor_sites
+from layerdiff.analyzer.report import explorer
+from layerdiff.analyzer.report import html as htmlreport
+from layerdiff.analyzer.report import listing
+from layerdiff.analyzer.report import plots
+from layerdiff.analyzer.compare.node import compare_node
+from layerdiff.analyzer.report.files import Row, node_summary
+from layerdiff.analyzer.compare.tolerances import Tolerance
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.names import safe_filename
+from layerdiff.common.onnxgraph import tensor_sites
 
 HOSTILE = "<script>alert(1)</script>"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -2,10 +2,10 @@
 directory, readable, and unique."""
 from __future__ import annotations
 
-from layerdiff.analyzer.align import Aligner, normalize
-from layerdiff.names import safe_filename
-from layerdiff.analyzer.tolerances import Tolerances
-from layerdiff.onnxgraph import TensorSite
+from layerdiff.analyzer.align.names import Aligner, normalize
+from layerdiff.common.names import safe_filename
+from layerdiff.analyzer.compare.tolerances import Tolerances
+from layerdiff.common.onnxgraph import TensorSite
 
 
 def test_file_names_never_leave_the_directory_and_stay_unique():

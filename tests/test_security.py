@@ -160,8 +160,8 @@ def test_clients_that_cannot_speak_tls_or_show_no_certificate_are_refused(secure
 
 
 def test_dump_paths_outside_the_roots_are_refused(secured, model_files, pki, tmp_path):
-    from layerdiff.collector.dumpdir import write_dump
-    from layerdiff.collector.live import LiveRunner
+    from layerdiff.collector.dumps.directory import write_dump
+    from layerdiff.collector.live.onnxrt import LiveRunner
 
     model, inputs = model_files
     records = list(LiveRunner(model.read_bytes(), {"input": np.load(inputs)["input"]}).records())
@@ -278,8 +278,8 @@ def test_one_client_cannot_run_more_jobs_at_once_than_the_bound(pki, model_files
 
 
 def test_the_artifact_quota_of_a_store(pki, model_files, tmp_path):
-    from layerdiff.artifacts import ArtifactStore
-    from layerdiff.errors import LimitError
+    from layerdiff.common.artifacts import ArtifactStore
+    from layerdiff.common.errors import LimitError
     from layerdiff.v1 import layerdiff_pb2 as pb
 
     os.environ["LAYERDIFF_ARTIFACT_QUOTA_BYTES"] = "1000"
@@ -305,7 +305,7 @@ def test_health_over_the_standard_service_and_the_probe_command(secured, pki, tm
     for service in ("analyzer", "collector"):
         res = cli("health", secured[service].address, env=user(pki))
         assert res.returncode == 0 and "SERVING" in res.stdout, (service, res.stdout, res.stderr)
-    from layerdiff.net import free_port
+    from layerdiff.common.net import free_port
 
     nobody = cli("health", f"127.0.0.1:{free_port()}", "--timeout", "2", env=_env())
     assert nobody.returncode == 3 and nobody.stdout.count("\n") == 1, nobody.stdout
@@ -332,8 +332,8 @@ def test_serving_the_network_without_tls_or_tokens_is_refused(tmp_path, pki):
 
 
 def test_tokens_are_compared_by_digest():
-    from layerdiff.errors import Unauthenticated
-    from layerdiff.security import Tokens
+    from layerdiff.common.errors import Unauthenticated
+    from layerdiff.common.security import Tokens
 
     tokens = Tokens.parse(f"{ALICE}\nadmin:{ADMIN}\n", "test")
     assert tokens.identify(ALICE).admin is False and tokens.identify(ADMIN).admin is True
@@ -348,8 +348,8 @@ def test_tokens_are_compared_by_digest():
 def test_the_tensor_endpoint_serves_workers_with_the_token_only(pki, monkeypatch):
     """A worker reads large tensors from the analyzer's endpoint over TLS
     with its token; without it, the read fails naming the token."""
-    from layerdiff.analyzer import store
-    from layerdiff.security import ClientSecurity, ServerSecurity
+    from layerdiff.analyzer.execute import store
+    from layerdiff.common.security import ClientSecurity, ServerSecurity
 
     server = ServerSecurity.from_env(token=SERVICE, cert=str(pki["cert"]), key=str(pki["key"]))
     endpoint = store.TensorEndpoint("127.0.0.1", "127.0.0.1", 0, server)

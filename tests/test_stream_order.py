@@ -24,8 +24,8 @@ from onnx import numpy_helper
 
 from layerdiff.client.api import run
 from layerdiff.client.demo import packaged_model
-from layerdiff.collector.dumpdir import write_dump
-from layerdiff.collector.live import LiveRunner
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.collector.live.onnxrt import LiveRunner
 
 from conftest import ServiceProcess, wait_for
 from test_distributed import RedisServer, _workers_ready as workers_ready, start_worker

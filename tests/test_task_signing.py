@@ -39,10 +39,10 @@ import numpy as np
 import pytest
 import redis
 
-from layerdiff.analyzer.celery_app import QUEUE, SIGNED_CONTENT_TYPE, TASK, make_app, sign
-from layerdiff.analyzer.store import TensorStore
+from layerdiff.analyzer.execute.celery_app import QUEUE, SIGNED_CONTENT_TYPE, TASK, make_app, sign
+from layerdiff.analyzer.execute.store import TensorStore
 from layerdiff.client.api import run
-from layerdiff.errors import UnavailableError
+from layerdiff.common.errors import UnavailableError
 
 from conftest import ServiceProcess, wait_for
 from test_distributed import RedisServer, _pings

@@ -24,11 +24,11 @@ keras = pytest.importorskip("keras")
 from layerdiff import CUR_NPU_NODENAME_FILENAME, onnx_dump_fmap, tf_dump_fmap  # noqa: E402
 from layerdiff.client.api import AnalyzerClient, run  # noqa: E402
 from layerdiff.client.cli import main as cli_main  # noqa: E402
-from layerdiff.collector.dumpdir import DumpDirectory, write_dump  # noqa: E402
+from layerdiff.collector.dumps.directory import DumpDirectory, write_dump  # noqa: E402
 from layerdiff.collector.service import CollectorClient  # noqa: E402
-from layerdiff.collector.tflive import TFLiveRunner  # noqa: E402
-from layerdiff.errors import LayerdiffError  # noqa: E402
-from layerdiff.tfgraph import pack_directory, unpack_archive  # noqa: E402
+from layerdiff.collector.live.tf import TFLiveRunner  # noqa: E402
+from layerdiff.common.errors import LayerdiffError  # noqa: E402
+from layerdiff.common.tfgraph import pack_directory, unpack_archive  # noqa: E402
 from layerdiff.v1 import layerdiff_pb2 as pb  # noqa: E402
 
 BUGGY_LAYER = "branch_b"
@@ -374,8 +374,8 @@ def test_onnx_dump_fmap_with_the_seed_parameters(tmp_path, cnn_files):
 
 def test_tensorflow_is_imported_only_for_tensorflow_models():
     code = ("import sys\n"
-            "import layerdiff, layerdiff.client.api, layerdiff.client.fmap, layerdiff.tfgraph\n"
-            "import layerdiff.collector.service, layerdiff.collector.tflive\n"
-            "import layerdiff.analyzer.jobs, layerdiff.analyzer.tfreference\n"
+            "import layerdiff, layerdiff.client.api, layerdiff.client.fmap, layerdiff.common.tfgraph\n"
+            "import layerdiff.collector.service, layerdiff.collector.live.tf\n"
+            "import layerdiff.analyzer.jobs.runner, layerdiff.analyzer.reference.tf\n"
             "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules, 'imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

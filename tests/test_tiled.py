@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layerdiff.client.api import run
-from layerdiff.collector.dumpdir import DumpDirectory, concat_axis, read_hex, write_tiled_dump
-from layerdiff.collector.live import LiveRunner
-from layerdiff.errors import LayerdiffError
-from layerdiff.schema import NodeRecord
+from layerdiff.collector.dumps.directory import DumpDirectory, concat_axis, read_hex, write_tiled_dump
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.schema import NodeRecord
 
 from conftest import small_cnn
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layerdiff.collector.dumpdir import DumpDirectory
-from layerdiff.schema import ROLE_INPUT, STATUS_OK
+from layerdiff.collector.dumps.directory import DumpDirectory
+from layerdiff.common.schema import ROLE_INPUT, STATUS_OK
 
 torch = pytest.importorskip("torch")
 
@@ -90,7 +90,7 @@ def test_torch_is_imported_only_by_the_helper():
     import subprocess
     import sys
 
-    code = "import sys, layerdiff.client.cli, layerdiff.collector.service, layerdiff.analyzer.jobs; " \
+    code = "import sys, layerdiff.client.cli, layerdiff.collector.service, layerdiff.analyzer.jobs.runner; " \
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from layerdiff.analyzer.layout import LayoutVote
-from layerdiff.analyzer.reference import OnnxReference
-from layerdiff.analyzer.valuematch import ValueMatcher
+from layerdiff.analyzer.align.layout import LayoutVote
+from layerdiff.analyzer.reference.onnxrt import OnnxReference
+from layerdiff.analyzer.align.values import ValueMatcher
 from layerdiff.client.api import run
 from layerdiff.client.demo import det_input, packaged_model
-from layerdiff.collector.live import LiveRunner
+from layerdiff.collector.live.onnxrt import LiveRunner
 
 from conftest import small_cnn
 

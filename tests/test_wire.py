@@ -5,9 +5,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from layerdiff.collector.dumpdir import write_dump
+from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.service import CollectorClient, CollectorServer
-from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, TensorAssembler
+from layerdiff.common.schema import TENSOR_SCHEMA, NodeRecord, TensorAssembler
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 

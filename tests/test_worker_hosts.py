@@ -24,7 +24,7 @@ import onnx
 import pytest
 
 from layerdiff.client.api import run
-from layerdiff.errors import LayerdiffError
+from layerdiff.common.errors import LayerdiffError
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 from conftest import ServiceProcess, small_cnn, wait_for

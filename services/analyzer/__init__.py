@@ -1,0 +1,1 @@
+"""The analyzer: receive a job's device stream, compute the reference, align, compare, diagnose, report."""

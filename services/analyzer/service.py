@@ -10,12 +10,12 @@ from pathlib import Path
 
 
 from layerdiff import __version__
-from layerdiff.analyzer.jobs import JobRunner
-from layerdiff.artifacts import ArtifactStore
-from layerdiff.memory import release_freed_tensors_to_system
-from layerdiff.errors import LayerdiffError, NotFoundError, PermissionDenied, abort_with
-from layerdiff.net import DEFAULT_CHUNK_BYTES, bind, make_server, serve_health
-from layerdiff.security import ServerSecurity, grpc_identity, grpc_interceptors
+from layerdiff.analyzer.jobs.runner import JobRunner
+from layerdiff.common.artifacts import ArtifactStore
+from layerdiff.common.memory import release_freed_tensors_to_system
+from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, abort_with
+from layerdiff.common.net import DEFAULT_CHUNK_BYTES, bind, make_server, serve_health
+from layerdiff.common.security import ServerSecurity, grpc_identity, grpc_interceptors
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
 
@@ -126,7 +126,7 @@ class AnalyzerServer:
         if broker_url is None:
             broker_url = os.environ.get("LAYERDIFF_BROKER_URL") or None
         if broker_url:       # where workers will fetch large tensors: decided (and checked) now
-            from layerdiff.analyzer.store import configure_tensor_endpoint
+            from layerdiff.analyzer.execute.store import configure_tensor_endpoint
 
             configure_tensor_endpoint(broker_url)
         release_freed_tensors_to_system()
@@ -153,13 +153,13 @@ class AnalyzerServer:
         reference model (checked once: the runtime does not come and go),
         and reach its broker when it has one (checked each time)."""
         if self._runtime is None:
-            from layerdiff.onnxgraph import runtime_ready
+            from layerdiff.common.onnxgraph import runtime_ready
 
             self._runtime = runtime_ready()
         if self._runtime:
             return self._runtime
         if self.broker_url:
-            from layerdiff.analyzer.store import TensorStore
+            from layerdiff.analyzer.execute.store import TensorStore
 
             try:
                 with TensorStore(self.broker_url) as store:

@@ -1,0 +1,1 @@
+"""The client: the layerdiff command and the Python API."""

@@ -29,10 +29,10 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from layerdiff.artifacts import chunks_of
-from layerdiff.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
-from layerdiff.net import channel, connect_timeout, wait_ready
-from layerdiff.security import ClientSecurity, with_token
+from layerdiff.common.artifacts import chunks_of
+from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
+from layerdiff.common.net import channel, connect_timeout, wait_ready
+from layerdiff.common.security import ClientSecurity, with_token
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
 
@@ -82,7 +82,7 @@ def read_artifact(path_or_bytes, field: str) -> tuple[bytes, str]:
     p = Path(path_or_bytes)
     if p.is_dir():
         # A SavedModel is a directory: it travels as one tar archive.
-        from layerdiff.tfgraph import pack_directory
+        from layerdiff.common.tfgraph import pack_directory
 
         return pack_directory(p), f"{p.resolve().name}.tar"
     try:
@@ -390,7 +390,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     analyzer that stops answering raises JobFailed (exit status 3) naming it
     and the job.
     """
-    from layerdiff.analyzer.perf import parse_mode
+    from layerdiff.analyzer.report.perf import parse_mode
 
     perf = pb.PerfOptions(mode=parse_mode(perf_mode), hide_span_nodes=not perf_all_nodes, runs=perf_runs or 0,
                           clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")

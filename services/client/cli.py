@@ -236,7 +236,7 @@ def _show(result, listing: bool) -> int:
 
     print(format_summary(result.summary, result.out))
     if listing:
-        from layerdiff.analyzer.listing import format_listing
+        from layerdiff.analyzer.report.listing import format_listing
 
         print(format_listing(result.summary))
     return result.exit_status
@@ -288,7 +288,7 @@ def _add_service(sub, name: str) -> None:
 
 
 def _cmd_serve(a) -> int:
-    from layerdiff.security import ServerSecurity
+    from layerdiff.common.security import ServerSecurity
 
     security = ServerSecurity.from_env(token_file=a.token_file, cert=a.tls_cert, key=a.tls_key, ca=a.tls_ca)
     if a.service == "collector":
@@ -313,7 +313,7 @@ def _add_convert(sub) -> None:
 
 
 def _cmd_convert(a) -> int:
-    from layerdiff.collector.convert import convert
+    from layerdiff.collector.dumps.convert import convert
 
     res = convert(a.dump, a.out, txt=a.txt, fmt=a.dump_format, default_concat_dim=a.default_concat_dim)
     print(f"converted {res['converted']} tensors, skipped {res['skipped']} (see convert_skip.log) into {res['out']}")
@@ -337,7 +337,7 @@ def _add_dump(sub) -> None:
 
 
 def _cmd_dump(a) -> int:
-    from layerdiff.collector.dumpconfig import dump_live_run
+    from layerdiff.collector.dumps.config import dump_live_run
 
     res = dump_live_run(a.model, a.inputs, a.config, precision=a.precision, device=a.device,
                         device_model=a.device_model, fmt=a.format)
@@ -361,7 +361,7 @@ def _add_overflow(sub) -> None:
 def _cmd_overflow(a) -> int:
     import json
 
-    from layerdiff.collector.overflow import scan
+    from layerdiff.collector.dumps.overflow import scan
 
     found = scan(a.path)
     if a.json:
@@ -433,14 +433,14 @@ def _add_worker(sub) -> None:
 def _cmd_worker(a) -> int:
     import os
 
-    from layerdiff.analyzer.pool import default_cores
-    from layerdiff.errors import LayerdiffError
+    from layerdiff.analyzer.execute.local import default_cores
+    from layerdiff.common.errors import LayerdiffError
 
     broker = a.broker or os.environ.get("LAYERDIFF_BROKER_URL")
     if not broker:
         raise LayerdiffError("no broker: give --broker or set LAYERDIFF_BROKER_URL", field="broker")
     os.environ["LAYERDIFF_BROKER_URL"] = broker
-    from layerdiff.analyzer.celery_app import QUEUE, make_app
+    from layerdiff.analyzer.execute.celery_app import QUEUE, make_app
 
     app = make_app(broker)
     app.worker_main(["worker", f"--loglevel={a.loglevel}", f"--concurrency={a.max_cores or default_cores()}",
@@ -467,7 +467,7 @@ def _add_perf_diff(sub) -> None:
 def _cmd_perf_diff(a) -> int:
     import json
 
-    from layerdiff.analyzer.perfdiff import format_diff, perf_diff
+    from layerdiff.analyzer.report.perfdiff import format_diff, perf_diff
 
     d = perf_diff(a.base, a.new, threshold=a.threshold, min_us=a.min_us, top=a.top)
     print(format_diff(d))
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         # A library's warning is not a message for the user: with -v it is logged.
         logging.captureWarnings(True)
         logging.getLogger("py.warnings").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
-        from layerdiff.errors import JobFailed, LayerdiffError
+        from layerdiff.common.errors import JobFailed, LayerdiffError
 
         try:
             return args.func(args)

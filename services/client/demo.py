@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.errors import LayerdiffError
+from layerdiff.common.errors import LayerdiffError
 
 DET_MODEL = "ch_PP-OCRv4_det_infer.onnx"
 REC_MODEL = "ch_PP-OCRv4_rec_infer.onnx"

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from layerdiff.client.api import read_artifact
-from layerdiff.errors import LayerdiffError
-from layerdiff.names import safe_filename
-from layerdiff.onnxgraph import GraphInput
+from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.names import safe_filename
+from layerdiff.common.onnxgraph import GraphInput
 
 from layerdiff import CUR_NPU_NODENAME_FILENAME  # noqa: F401  (the seed imports it with the calls)
 
@@ -47,8 +47,8 @@ def tf_dump_fmap(model_path, input_map: dict, feed_dict: dict, npu_nodename_file
     ``feed_dict``: the data by tensor name (``"x:0"``) or tensor.
     ``graph_def``: a GraphDef to use instead of reading ``model_path``.
     Returns the dump directory."""
-    from layerdiff.analyzer.tfreference import TFReference
-    from layerdiff.tfgraph import FORMAT_GRAPHDEF, load_tf_model
+    from layerdiff.analyzer.reference.tf import TFReference
+    from layerdiff.common.tfgraph import FORMAT_GRAPHDEF, load_tf_model
 
     name = Path(model_path).name if model_path else "graph_def"
     if graph_def is not None:
@@ -84,7 +84,7 @@ def onnx_dump_fmap(model_path, input_map: dict, npu_nodename_filename=None,
     """Dump every node output of an ONNX model computed with onnxruntime on
     the CPU in FP32 (graph optimizations off). ``input_map``: the input
     arrays by input name. Returns the dump directory."""
-    from layerdiff.analyzer.reference import OnnxReference
+    from layerdiff.analyzer.reference.onnxrt import OnnxReference
 
     data, name = read_artifact(model_path, "model_path")
     reference = OnnxReference(data, name)
@@ -140,7 +140,7 @@ def _default_out_dir() -> Path:
 
 def _write_reference_dump(reference, feeds, npu_nodename_filename, consumer_map_filename, dump_shape_flag,
                           out_dir) -> Path:
-    from layerdiff.analyzer.align import Aligner
+    from layerdiff.analyzer.align.names import Aligner
 
     names = _npu_names(npu_nodename_filename)
     sites = reference.sites

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import grpc
 
-from layerdiff.net import channel
-from layerdiff.security import ClientSecurity, with_token
+from layerdiff.common.net import channel
+from layerdiff.common.security import ClientSecurity, with_token
 
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 3
 
@@ -39,7 +39,7 @@ def probe(address: str, timeout: float = 5.0, service: str = "") -> tuple[int, s
 
 def _flight(address: str, timeout: float, security: ClientSecurity) -> tuple[int, str]:
     from layerdiff.collector.service import CollectorClient
-    from layerdiff.errors import LayerdiffError
+    from layerdiff.common.errors import LayerdiffError
 
     client = CollectorClient(address, security=security)
     try:

@@ -7,14 +7,14 @@ when one is given and names the tensor, else from the tensor itself.  A wide
 range around a narrow distribution (max - min > 30) is the sign that a
 layer's input wants 16-bit quantization; such tensors are listed.
 
-The range file is read by layerdiff.analyzer.minmax (the same parser as the
+The range file is read by layerdiff.analyzer.diagnose.minmax (the same parser as the
 job's ``--min-max``): one layer per line, its name and then min and max
 (``conv1 -1.25 3.5``, ``conv1: -1.25, 3.5``, ``conv1 min: -1.25 max: 3.5``,
 ...). A line that does not parse, holds a non-finite number, has min > max
 or repeats a name is skipped with its line number and the reason; the rest
 of the file is used.
 
-Output: ``{name}.png`` per tensor (names through layerdiff.names.safe_filename,
+Output: ``{name}.png`` per tensor (names through layerdiff.common.names.safe_filename,
 so a file never lands outside the output directory), ``histograms.json``
 (tensor → file, min, max and where they came from) and
 ``histogram_skip.log`` (tensors and range lines not used, with the reason).
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.errors import LayerdiffError, NotFoundError
-from layerdiff.names import safe_filename
-from layerdiff.schema import ROLE_INPUT, STATUS_OK
+from layerdiff.common.errors import LayerdiffError, NotFoundError
+from layerdiff.common.names import safe_filename
+from layerdiff.common.schema import ROLE_INPUT, STATUS_OK
 
 DEFAULT_OUT = "Histograms"
 WIDE_RANGE = 30.0
@@ -50,8 +50,8 @@ class RangeFile:
 
 
 def parse_min_max(path: str | Path) -> RangeFile:
-    """Read a ``tensor_min_max.txt`` range file (see layerdiff.analyzer.minmax)."""
-    from layerdiff.analyzer import minmax
+    """Read a ``tensor_min_max.txt`` range file (see layerdiff.analyzer.diagnose.minmax)."""
+    from layerdiff.analyzer.diagnose import minmax
 
     p = Path(path)
     try:
@@ -97,7 +97,7 @@ def tensor_histogram(path: Path, values: np.ndarray, title: str, lo: float, hi: 
                      max_bins: int, min_bins: int) -> None:
     """One histogram PNG (plots.PLOT_WIDTH_PX x PLOT_HEIGHT_PX) of the finite
     values, with ``lo`` and ``hi`` as red dashed lines."""
-    from layerdiff.analyzer import plots
+    from layerdiff.analyzer.report import plots
 
     flat = np.asarray(values).reshape(-1)
     fin = np.isfinite(flat) if flat.dtype.kind == "f" else np.ones(flat.size, dtype=bool)
@@ -133,14 +133,14 @@ def write_histograms(dump: str | Path, out: str | Path = DEFAULT_OUT, *, min_max
                      max_bins: int | None = None, min_bins: int | None = None, fmt: str = "",
                      default_concat_dim: int = 0, progress: bool = False) -> dict:
     """Histogram every tensor of the dump directory ``dump`` (any format
-    layerdiff.collector.dumpdir.DumpDirectory reads) into ``out`` (default
+    layerdiff.collector.dumps.directory.DumpDirectory reads) into ``out`` (default
     ``./Histograms``; see fresh_dir).  ``min_max``: a range file; ``max_bins``
     (default 128) and ``min_bins`` (default 1, at most max_bins) bound the
     bins.  Returns ``{"out", "note", "written": [{tensor, file, min, max,
     source, range}], "skipped": [(tensor, reason)], "range_lines_skipped":
     [(file:line, reason)], "unmatched_ranges": [names], "wide": [tensors]}``."""
-    from layerdiff.analyzer import plots
-    from layerdiff.collector.dumpdir import DumpDirectory
+    from layerdiff.analyzer.report import plots
+    from layerdiff.collector.dumps.directory import DumpDirectory
 
     max_bins, min_bins = plots.check_bins(plots.DEFAULT_MAX_BINS if max_bins is None else max_bins,
                                           plots.DEFAULT_MIN_BINS if min_bins is None else min_bins)

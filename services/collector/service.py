@@ -3,14 +3,14 @@ move from the mapped dump file or the runtime's buffer onto the wire without
 a Python-side copy.
 
 - ``DoGet(Ticket = layerdiff.v1.CaptureRequest bytes)``: the tensor stream,
-  record batches of ``layerdiff.schema.TENSOR_SCHEMA``; with
+  record batches of ``layerdiff.common.schema.TENSOR_SCHEMA``; with
   ``stream = CAPTURE_STREAM_PERF`` the performance stream of the same source,
-  record batches of ``layerdiff.perfschema.PERF_SCHEMA``.
+  record batches of ``layerdiff.common.perfschema.PERF_SCHEMA``.
 - ``DoPut(descriptor path ["artifact", NAME])``: upload one file as batches of
   one binary column; the reply's metadata is a ``layerdiff.v1.ArtifactRef``.
 - ``DoAction("health")``: a ``layerdiff.v1.HealthReply``.
 - ``DoAction("dump_graph", DumpSource bytes)``: the ``layerdiff.v1.DeviceGraph``
-  the dump's manifest describes (see ``layerdiff.collector.dumpgraph``).
+  the dump's manifest describes (see ``layerdiff.collector.dumps.graph``).
 
 User errors travel as INVALID_ARGUMENT (or NOT_FOUND) with the message of the
 LayerdiffError, which names the file, node or field.
@@ -29,21 +29,21 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from layerdiff import __version__
-from layerdiff.artifacts import ArtifactStore
-from layerdiff.collector.dumpdir import DumpDirectory
-from layerdiff.collector.live import LiveRunner
-from layerdiff.collector.perfcounters import dump_perf_records
-from layerdiff.collector.profile import profile_model
+from layerdiff.common.artifacts import ArtifactStore
+from layerdiff.collector.dumps.directory import DumpDirectory
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.collector.perf.counters import dump_perf_records
+from layerdiff.collector.live.profile import profile_model
 from layerdiff.collector.stream import DEFAULT_HEARTBEAT_S, OutgoingStream
-from layerdiff.collector.watch import watch_records
-from layerdiff.memory import release_freed_tensors_to_system
-from layerdiff.errors import LayerdiffError, NotFoundError, PermissionDenied, Unauthenticated, UnavailableError
-from layerdiff.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
-from layerdiff.onnxgraph import load_inputs, runtime_ready
-from layerdiff.perfschema import PERF_SCHEMA, PerfEncoder, PerfRecord
-from layerdiff.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
-from layerdiff.collector.roots import DumpRoots
-from layerdiff.security import ClientSecurity, ServerSecurity, flight_middleware, is_loopback
+from layerdiff.collector.dumps.watch import watch_records
+from layerdiff.common.memory import release_freed_tensors_to_system
+from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, Unauthenticated, UnavailableError
+from layerdiff.common.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
+from layerdiff.common.onnxgraph import load_inputs, runtime_ready
+from layerdiff.common.perfschema import PERF_SCHEMA, PerfEncoder, PerfRecord
+from layerdiff.common.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
+from layerdiff.collector.dumps.roots import DumpRoots
+from layerdiff.common.security import ClientSecurity, ServerSecurity, flight_middleware, is_loopback
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class CollectorFlight(flight.FlightServerBase):
                                              status=self.status).SerializeToString())]
 
     def _dump_graph(self, body: bytes) -> pb.DeviceGraph:
-        from layerdiff.collector.dumpgraph import dump_graph
+        from layerdiff.collector.dumps.graph import dump_graph
 
         try:
             source = pb.DumpSource.FromString(body)
@@ -203,12 +203,12 @@ def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, devi
     TensorFlow (imported only then), ONNX ones on onnxruntime. A device model
     is run whatever the reference is (a TensorFlow network converted to ONNX,
     say)."""
-    from layerdiff.tfgraph import is_tensorflow
+    from layerdiff.common.tfgraph import is_tensorflow
 
     precision, device = live.precision or "fp32", live.device or "cpu"
     runs_tf = is_tensorflow(device_model_name, device_model) if device_model else is_tensorflow(model_name, model)
     if runs_tf:
-        from layerdiff.collector.tflive import TFLiveRunner
+        from layerdiff.collector.live.tf import TFLiveRunner
 
         return TFLiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
                             model_name=model_name, device_model_name=device_model_name, signature=live.signature)
@@ -252,7 +252,7 @@ class CollectorServer:
         if health_port is None and os.environ.get("LAYERDIFF_HEALTH_PORT", "").strip():
             health_port = int(os.environ["LAYERDIFF_HEALTH_PORT"])
         if health_port is not None:
-            from layerdiff.net import bind, make_server, serve_health
+            from layerdiff.common.net import bind, make_server, serve_health
 
             from grpc_health.v1 import health_pb2
 

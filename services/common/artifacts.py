@@ -19,8 +19,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from layerdiff.errors import LayerdiffError, LimitError, NotFoundError
-from layerdiff.net import DEFAULT_CHUNK_BYTES
+from layerdiff.common.errors import LayerdiffError, LimitError, NotFoundError
+from layerdiff.common.net import DEFAULT_CHUNK_BYTES
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 DEFAULT_MAX_ARTIFACT_BYTES = 8 * 1024**3
@@ -29,7 +29,7 @@ DEFAULT_QUOTA_BYTES = 64 * 1024**3
 
 def quota_bytes() -> int:
     """LAYERDIFF_ARTIFACT_QUOTA_BYTES: what all of a store's uploads together may hold (64 GiB)."""
-    from layerdiff.settings import env_limit
+    from layerdiff.common.settings import env_limit
 
     return env_limit("LAYERDIFF_ARTIFACT_QUOTA_BYTES", DEFAULT_QUOTA_BYTES, size=True)
 

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import shape_inference
 
-from layerdiff.errors import LayerdiffError, LimitError
+from layerdiff.common.errors import LayerdiffError, LimitError
 
 # onnx TensorProto element type -> numpy dtype name
 ONNX_TO_NUMPY = {
@@ -311,7 +311,7 @@ MAX_INPUTS_BYTES_DEFAULT = 1 << 30
 
 def max_inputs_bytes() -> int:
     """LAYERDIFF_MAX_INPUTS_BYTES: the most an inputs .npz may inflate to (1 GiB)."""
-    from layerdiff.settings import env_limit
+    from layerdiff.common.settings import env_limit
 
     return env_limit("LAYERDIFF_MAX_INPUTS_BYTES", MAX_INPUTS_BYTES_DEFAULT, size=True)
 

@@ -126,7 +126,7 @@ def _batch(recs: list[PerfRecord]) -> pa.RecordBatch:
 
 class PerfEncoder:
     """Performance records in, batches of up to _ROWS_PER_BATCH rows out;
-    ``flush`` sends a partial batch (see layerdiff.schema.RecordEncoder)."""
+    ``flush`` sends a partial batch (see layerdiff.common.schema.RecordEncoder)."""
 
     def __init__(self) -> None:
         self._rows: list[PerfRecord] = []

@@ -32,7 +32,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerdiff.errors import LayerdiffError, Unauthenticated
+from layerdiff.common.errors import LayerdiffError, Unauthenticated
 
 AUTH_HEADER = "authorization"
 ADMIN_PREFIX = "admin:"
@@ -363,7 +363,7 @@ def check_collector_allowed(address: str, allow: str | None = None) -> None:
     """The analyzer connects only to collectors on its allow-list
     (LAYERDIFF_COLLECTOR_ALLOW: ``host`` or ``host:port`` entries, comma-
     separated); without one, only to collectors on loopback."""
-    from layerdiff.errors import PermissionDenied
+    from layerdiff.common.errors import PermissionDenied
 
     raw = allow if allow is not None else os.environ.get("LAYERDIFF_COLLECTOR_ALLOW", "")
     entries = {e.strip().lower() for e in raw.split(",") if e.strip()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 
-from layerdiff.errors import LayerdiffError
+from layerdiff.common.errors import LayerdiffError
 
 _UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
 

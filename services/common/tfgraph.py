@@ -50,8 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from layerdiff.errors import LayerdiffError, LimitError
-from layerdiff.onnxgraph import GraphInput, TensorSite
+from layerdiff.common.errors import LayerdiffError, LimitError
+from layerdiff.common.onnxgraph import GraphInput, TensorSite
 
 FORMAT_ONNX = "onnx"
 FORMAT_GRAPHDEF = "graphdef"

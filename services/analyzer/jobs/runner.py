@@ -1,0 +1,906 @@
+"""A job: reference, device stream, alignment, comparisons, reports.
+
+The first reference segment is computed while the collector starts
+producing; flow control holds the device stream back whenever the analyzer
+is busy, at most two comparisons per core are in flight, and every tensor is
+dropped once compared, so memory stays near one reference segment plus a
+handful of device tensors whatever the size of the network.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import pyarrow as pa
+
+from layerdiff.analyzer.compare import metrics as M
+from layerdiff.analyzer.align.names import Aligner
+from layerdiff.analyzer.jobs.consumer import StreamConsumer
+from layerdiff.analyzer.compare.coverage import MIN_COVERAGE_DEFAULT
+from layerdiff.analyzer.reference.dump import DumpReference
+from layerdiff.analyzer.diagnose.impact import ImpactRunner, InjectedValues
+from layerdiff.common.security import check_collector_allowed
+from layerdiff.common.settings import env_limit
+from layerdiff.analyzer.jobs.records import JobRecords, Retention, drop_broker_keys, is_disk_full
+from layerdiff.analyzer.diagnose.minmax import parse_min_max
+from layerdiff.analyzer.report.perf import PerfSettings, check_perf_options
+from layerdiff.analyzer.jobs.receive import CollectorStream, upload_timeout
+from layerdiff.analyzer.execute.local import LocalPool
+from layerdiff.analyzer.reference.onnxrt import OnnxReference
+from layerdiff.analyzer.jobs.budget import MemoryBudget
+from layerdiff.analyzer.reference.segments import SegmentedReference
+from layerdiff.analyzer.reference.tf import TFReference, open_reference
+from layerdiff.analyzer.report.files import JobReport, write_report
+from layerdiff.analyzer.compare.tolerances import Tolerances
+from layerdiff.common.artifacts import ArtifactStore
+from layerdiff.common.errors import (EXIT_BAD_INPUT, EXIT_NO_ANSWER, LayerdiffError, LimitError, NotFoundError,
+                              UnavailableError)
+from layerdiff.common.onnxgraph import load_inputs
+from layerdiff.collector.service import CollectorClient
+from layerdiff.common.schema import BufferPool, TensorAssembler, check_dump_mode
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+log = logging.getLogger(__name__)
+TERMINAL = {pb.DONE, pb.FAILED, pb.CANCELLED}
+DIFF_CNT_DEFAULT = 128
+PRECISIONS = ("fp32", "fp16", "int8")
+# Finished jobs that keep their whole event history in memory; older ones keep
+# their final event, as after a restart. Finished jobs and their reports are
+# deleted by retention (jobrecords: LAYERDIFF_RETAIN_*), not by count here.
+KEEP_EVENT_HISTORY = 64
+# What a job's record keeps of its final event.
+RECORDED_EVENT_FIELDS = ("nodes_done", "nodes_total", "message", "first_failing_node", "outcome", "exit_status")
+
+
+@dataclass
+class Job:
+    id: str
+    spec: pb.JobSpec
+    report_dir: Path
+    state: int = pb.QUEUED
+    events: list = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    call: object = None        # the collector stream being read (CollectorStream), for Cancel
+    executor: object = None    # the comparisons' pool, for Cancel
+    error: str = ""
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    dropped: int = 0    # events let go from the front of ``events`` (a finished job's history)
+    owner: str = ""     # digest of the token that submitted it ("" on a service without tokens)
+    thread: threading.Thread | None = None    # the job's own thread, while it runs here
+
+    def emit(self, state: int | None = None, **kw) -> None:
+        with self.cond:
+            if state is not None:
+                self.state = state
+            self.events.append(pb.JobEvent(job_id=self.id, state=self.state, **kw))
+            self.cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def artifacts(self) -> list[str]:
+        s = self.spec
+        return [a for a in (s.model_artifact, s.inputs_artifact, s.device_model_artifact) if a]
+
+    def record(self, event: pb.JobEvent | None = None) -> dict:
+        """What the analyzer keeps of this job across restarts (jobrecords):
+        enough for Watch and FetchReport, and a few words for an operator."""
+        if event is None:
+            event = self.events[-1] if self.events else pb.JobEvent(state=self.state)
+        s = self.spec
+        return {"id": self.id, "state": pb.JobState.Name(event.state), "created_at": self.created_at,
+                "finished_at": self.finished_at, "error": self.error,
+                "event": {f: getattr(event, f) for f in RECORDED_EVENT_FIELDS},
+                "artifacts": self.artifacts, "model": s.model_name, "collector": s.collector,
+                "precision": s.precision, "device": s.device, "dump_path": s.dump_path, "owner": self.owner}
+
+    @classmethod
+    def from_record(cls, rec: dict, report_dir: Path) -> "Job":
+        """A job read back from its record: finished, with its final event."""
+        state = pb.JobState.Value(rec["state"])
+        spec = pb.JobSpec(model_name=str(rec.get("model") or ""), collector=str(rec.get("collector") or ""),
+                          precision=str(rec.get("precision") or ""), device=str(rec.get("device") or ""),
+                          dump_path=str(rec.get("dump_path") or ""))
+        job = cls(id=rec["id"], spec=spec, report_dir=report_dir, state=state, error=str(rec.get("error") or ""),
+                  created_at=float(rec.get("created_at") or 0.0), finished_at=rec.get("finished_at"),
+                  owner=str(rec.get("owner") or ""))
+        event = rec.get("event") or {}
+        job.events.append(pb.JobEvent(job_id=job.id, state=state,
+                                      **{f: event[f] for f in RECORDED_EVENT_FIELDS if f in event}))
+        return job
+
+
+@dataclass
+class Prepared:
+    """Everything checked at submit time, so bad input fails the Submit call."""
+    reference: OnnxReference | TFReference | DumpReference
+    feeds: dict
+    aligner: Aligner
+    tolerances: Tolerances
+    diff_cnt: int = DIFF_CNT_DEFAULT
+    max_cores: int = 0
+    force_compare: bool = False
+    quantized: bool = False
+    show_graph: bool = False
+    max_bins: int = 128
+    min_bins: int = 1
+    given_ranges: dict = field(default_factory=dict)     # from a tensor_min_max.txt
+    range_skips: list = field(default_factory=list)      # its lines that did not parse
+    perf: PerfSettings = field(default_factory=PerfSettings)
+    min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
+    weights: list | None = None         # weights.csv rows where both models are at hand
+    weights_aside: Future | None = None  # those rows being made for an FP16 build (started at submit)
+    golden: bool = False                # the reference is a golden dump, streamed first (DumpReference)
+
+
+def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
+    MemoryBudget.from_env()     # a malformed LAYERDIFF_MEMORY_BUDGET fails the Submit, naming it
+    if spec.HasField("reference_dump"):
+        return _prepare_dump_reference(spec, store)
+    if not spec.collector:
+        raise LayerdiffError("no collector address given", field="collector")
+    check_collector_allowed(spec.collector)
+    if spec.precision and spec.precision not in PRECISIONS and not spec.device_model_artifact:
+        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
+                             field="precision")
+    model_name = spec.model_name or store.name(spec.model_artifact)
+    reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature)
+    inputs_name = store.name(spec.inputs_artifact) if spec.inputs_artifact else "inputs"
+    feeds = reference.check_inputs(load_inputs(store.read(spec.inputs_artifact, "inputs_artifact"), inputs_name),
+                                   inputs_name)
+    if spec.device_model_artifact:
+        store.path(spec.device_model_artifact, "device_model_artifact")
+    elif isinstance(reference, TFReference) and not spec.dump_path:
+        reference.check_device_precision(spec.precision)
+    graph = _graph_alignment(spec, store, reference)
+    aligner = _aligner(reference, spec.options, graph)
+    options = _checked_options(spec)
+    options["quantized"] = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
+        store.read(spec.device_model_artifact, "device_model_artifact")))
+    perf = options["perf"]
+    if perf.enabled and not spec.dump_path:
+        _check_live_perf(spec, store)
+    if perf.only and spec.watch:
+        raise LayerdiffError("watch streams tensors while the runtime writes them; a performance-only job reads "
+                             "the counter files once: run it when the runtime has finished", field="watch")
+    return Prepared(reference, feeds, aligner, weights=_weights(graph), **options)
+
+
+def _checked_options(spec: pb.JobSpec) -> dict:
+    """The comparison options of a job, checked: Prepared's fields."""
+    o = spec.options
+    tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
+                            o.op_config_csv)
+    if o.diff_cnt < 0:
+        raise LayerdiffError("must be >= 0", field="diff_cnt")
+    if o.max_cores < 0:
+        raise LayerdiffError("must be >= 0", field="max_cores")
+    check_dump_mode(spec.dump_mode)
+    max_bins = o.max_bins or 128
+    min_bins = o.min_bins or 1
+    if max_bins < 1 or max_bins > 4096:
+        raise LayerdiffError(f"must be in [1, 4096], got {max_bins}", field="max_bins")
+    if not 1 <= min_bins <= max_bins:
+        raise LayerdiffError(f"must be in [1, max_bins={max_bins}], got {min_bins}", field="min_bins")
+    given_ranges, range_skips = parse_min_max(o.min_max_text) if o.min_max_text.strip() else ({}, [])
+    min_coverage = o.min_coverage if o.has_min_coverage or o.min_coverage else None
+    if min_coverage is not None and not 0.0 <= min_coverage <= 1.0:
+        raise LayerdiffError(f"must be in [0, 1], got {min_coverage:g}", field="min_coverage")
+    return dict(tolerances=tolerances, diff_cnt=o.diff_cnt or DIFF_CNT_DEFAULT, max_cores=o.max_cores,
+                force_compare=o.force_compare, show_graph=o.show_graph, max_bins=max_bins, min_bins=min_bins,
+                given_ranges=given_ranges, range_skips=range_skips, perf=check_perf_options(spec.perf),
+                min_coverage=min_coverage)
+
+
+def _prepare_dump_reference(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
+    """Two dumps: the golden one (read by its collector first, in the job)
+    is the reference; an ONNX model, if given, lends its graph."""
+    golden = spec.reference_dump
+    if not golden.collector:
+        raise LayerdiffError("no collector address given for the reference dump", field="reference_dump.collector")
+    if not golden.dump.path:
+        raise LayerdiffError("no reference dump path given", field="reference_dump.dump.path")
+    if golden.dump.watch:
+        raise LayerdiffError("the reference dump is read once, whole: it cannot be watched",
+                             field="reference_dump.dump.watch")
+    if not spec.collector:
+        raise LayerdiffError("no collector address given for the device dump", field="collector")
+    if not spec.dump_path:
+        raise LayerdiffError("a reference dump is compared with a device dump: give the device dump's path",
+                             field="dump_path")
+    if spec.device_model_artifact:
+        raise LayerdiffError("two dumps are compared without running a device model", field="device_model_artifact")
+    if spec.precision and spec.precision not in PRECISIONS:
+        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
+                             field="precision")
+    for address in (golden.collector, spec.collector):
+        check_collector_allowed(address)
+    model = None
+    if spec.model_artifact:
+        from layerdiff.common.onnxgraph import load_model
+        from layerdiff.common.tfgraph import is_tensorflow
+
+        name = store.name(spec.model_artifact)
+        data = store.read(spec.model_artifact, "model_artifact")
+        if is_tensorflow(name, data):
+            raise LayerdiffError("only an ONNX model lends its graph to a comparison of two dumps", file=name,
+                                 field="model")
+        model = load_model(data, name)
+    options = _checked_options(spec)
+    if options["perf"].enabled:
+        raise LayerdiffError("a comparison of two dumps is of accuracy only", field="perf")
+    provenance = {"collector": golden.collector, "dump_path": golden.dump.path,
+                  "format": golden.dump.format or "detected"}
+    reference = DumpReference(spec.model_name or f"reference dump {golden.dump.path}", model=model,
+                              provenance=provenance)
+    # the aligner needs the golden dump's tensors: built once it has streamed (JobRunner._receive_golden)
+    return Prepared(reference, {}, Aligner([]), quantized=spec.precision == "int8", golden=True, **options)
+
+
+MAX_JOBS_PER_CLIENT_DEFAULT = 4
+# a golden dump is spilled to the analyzer's disk while its job runs
+REFERENCE_DUMP_BYTES_DEFAULT = 64 * 1024 ** 3
+SPILL_DIR = "spill"
+REPORT_QUOTA_BYTES_DEFAULT = 2 * 1024 ** 3
+
+
+def _check_report_quota(report_dir: Path) -> None:
+    """A job's reports past LAYERDIFF_REPORT_QUOTA_BYTES (2 GiB) fail it (and
+    a failed job's partial reports are deleted): the reports are bounded by
+    construction (diff_cnt rows per failing node, plots for the first 40),
+    and this bound is the one an operator sets."""
+    quota = env_limit("LAYERDIFF_REPORT_QUOTA_BYTES", REPORT_QUOTA_BYTES_DEFAULT, size=True)
+    used = sum(f.stat().st_size for f in report_dir.rglob("*") if f.is_file())
+    if used > quota:
+        raise LimitError(f"the reports take {used} bytes, over the per-job quota of {quota} "
+                         "(LAYERDIFF_REPORT_QUOTA_BYTES); fewer rows per failing node (--diff-cnt) or no plots "
+                         "make them smaller", field="reports")
+
+
+def max_jobs_per_client() -> int:
+    """LAYERDIFF_MAX_JOBS_PER_CLIENT: jobs one token may have running at once (4)."""
+    return env_limit("LAYERDIFF_MAX_JOBS_PER_CLIENT", MAX_JOBS_PER_CLIENT_DEFAULT)
+
+
+def _aligner(reference, o: pb.CompareOptions, graph) -> Aligner:
+    """The job's aligner: the user's mapping, then the graphs' pairs, then names."""
+    return Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
+                   exclude_node_list=list(o.exclude_node_list), pairs=graph.pairs if graph else None,
+                   fused=graph.fused if graph else None, groups=graph.groups if graph else None,
+                   unpaired=graph.lost if graph else None, folded=graph.folded if graph else None,
+                   attributed=graph.attributed if graph else None)
+
+
+def _weights(graph) -> list | None:
+    """The device model's weights against the reference's (weights.csv rows),
+    from the graph alignment of a device model."""
+    from layerdiff.analyzer.diagnose import weights
+
+    if graph is None or not getattr(graph, "weights", None):
+        return None
+    return weights.compare(graph.weights)
+
+
+def _is_fp16_build(spec: pb.JobSpec, reference) -> bool:
+    """Does the collector run an FP16 build it makes of an ONNX reference?"""
+    return isinstance(reference, OnnxReference) and not spec.device_model_artifact and not spec.dump_path \
+        and spec.precision == "fp16"
+
+
+def _fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
+    """For a live FP16 build of an ONNX reference, its weights against the
+    reference's, from the same conversion the collector makes (beside the
+    job, not in the Submit call: it costs a conversion of the model)."""
+    if not _is_fp16_build(spec, reference):
+        return None
+    from layerdiff.analyzer.align.graph import weights_by_name
+    from layerdiff.collector.live.onnxrt import to_fp16
+
+    try:   # the build keeps every node's name: nodes pair by name
+        return _weights(weights_by_name(reference.model, to_fp16(reference.model, spec.model_artifact,
+                                                                 split=reference.split)))
+    except Exception as e:    # the collector's conversion reports its own failure
+        log.warning("comparing the FP16 build's weights failed (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _dump_graph_alignment(spec: pb.JobSpec, reference, collector: CollectorClient):
+    """A dump whose manifest describes its graph (op types and inputs) pairs
+    with an ONNX reference by structure, as a device model does; None where
+    it describes none (names decide)."""
+    if not spec.dump_path or spec.device_model_artifact or spec.watch or not isinstance(reference, OnnxReference):
+        return None
+    from layerdiff.analyzer.align.graph import align_graphs
+    from layerdiff.analyzer.align.manifest import skeleton
+
+    try:
+        graph = collector.dump_graph(pb.DumpSource(path=spec.dump_path, format=spec.dump_format,
+                                                   default_concat_dim=spec.default_concat_dim))
+        return align_graphs(reference.model, skeleton(graph, reference.model)) if graph.nodes else None
+    except LayerdiffError as e:    # the stream says what is wrong with the dump; names pair what they can
+        log.warning("the dump's graph could not be read (%s); pairing by names", e)
+    except Exception as e:
+        log.warning("aligning the dump's graph failed (%s: %s); pairing by names", type(e).__name__, e)
+    return None
+
+
+def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
+    """The device model's tensors paired with the reference's by the two
+    graphs: by structure when both are ONNX (renamed, fused, folded builds),
+    layer by layer when both are Keras models; None otherwise, and names
+    decide."""
+    if not spec.device_model_artifact:
+        return None
+    from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
+    from layerdiff.common.tfgraph import FORMAT_KERAS, is_tensorflow, load_tf_model
+
+    name = store.name(spec.device_model_artifact)
+    data = store.read(spec.device_model_artifact, "device_model_artifact")
+    try:
+        if isinstance(reference, OnnxReference) and not is_tensorflow(name, data):
+            from layerdiff.common.onnxgraph import load_model
+
+            return align_graphs(reference.model, load_model(data, name))
+        if isinstance(reference, TFReference) and reference.format == FORMAT_KERAS and is_tensorflow(name, data):
+            from layerdiff.analyzer.align.keras import keras_pairs
+
+            device = load_tf_model(data, name)
+            if device.format == FORMAT_KERAS:
+                return GraphAlignment(pairs=keras_pairs(reference.graph, device))
+    except LayerdiffError:
+        raise
+    except Exception as e:   # the names still pair what they can: say so, never fail the job on it
+        log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
+    return None
+
+
+def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
+    """Live performance data is onnxruntime's profiler: the file that runs as
+    the device must be ONNX."""
+    from layerdiff.common.tfgraph import is_tensorflow
+
+    artifact = spec.device_model_artifact or spec.model_artifact
+    name = store.name(artifact)
+    if is_tensorflow(name, store.read(artifact)):
+        raise LayerdiffError("performance data of a live run comes from onnxruntime's profiler, and this is a "
+                             "TensorFlow model; give the runtime's counter files as a dump, or an ONNX device model",
+                             file=name, field="perf")
+
+
+def _is_quantized(model_bytes: bytes) -> bool:
+    """A fixed-point build: the device model quantizes somewhere."""
+    import onnx
+
+    try:
+        model = onnx.load_model_from_string(model_bytes)
+    except Exception:
+        return False
+    return any(n.op_type in ("QuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
+               for n in model.graph.node)
+
+
+class JobRunner:
+    """Runs jobs on the local pool, or on Celery workers when a broker URL is
+    given (LAYERDIFF_BROKER_URL or --broker)."""
+
+    def __init__(self, store: ArtifactStore, jobs_dir: Path, broker_url: str | None = None,
+                 retention: Retention | None = None) -> None:
+        """Reads back the jobs recorded under ``jobs_dir`` (those that were
+        running when the analyzer stopped are recorded as FAILED) and
+        applies ``retention`` (default: from LAYERDIFF_RETAIN_*)."""
+        self.store = store
+        self.jobs_dir = Path(jobs_dir)
+        self.workdir = self.jobs_dir.parent
+        self.broker_url = broker_url or None
+        self.jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        # jobs each owner has being prepared: they count against the owner's
+        # bound before they are in self.jobs, so two submits at once cannot
+        # both pass it
+        self._submitting: dict[str, int] = {}
+        self._retention_lock = threading.Lock()
+        self.records = JobRecords(self.jobs_dir, retention if retention is not None else Retention.from_env())
+        # golden dumps spilled by jobs a stopped analyzer left behind
+        shutil.rmtree(self.workdir / SPILL_DIR, ignore_errors=True)
+        records, interrupted = self.records.load()
+        for rec in records:
+            try:
+                job = Job.from_record(rec, self.records.report_dir(rec["id"]))
+            except (KeyError, ValueError, TypeError) as e:
+                log.warning("job record %s is not usable (%s): ignored", rec.get("id"), e)
+                continue
+            self.jobs[job.id] = job
+        if interrupted:
+            log.warning("%d job(s) were running when the analyzer stopped, now recorded as FAILED: %s",
+                        len(interrupted), ", ".join(interrupted))
+            if self.broker_url:   # in the background: a broker that does not answer never holds start-up
+                threading.Thread(target=drop_broker_keys, args=(self.broker_url, interrupted),
+                                 name="drop-interrupted-jobs", daemon=True).start()
+        self._enforce_retention()
+
+    def executor(self, job_id: str, max_cores: int | None):
+        if self.broker_url:
+            from layerdiff.analyzer.execute.fanout import CeleryPool
+
+            return CeleryPool(self.broker_url, job_id, max_cores)
+        return LocalPool(max_cores)
+
+    def submit(self, spec: pb.JobSpec, owner: str = "") -> Job:
+        """``owner``: the digest of the submitting token; only it (or an
+        admin token) may watch, fetch or cancel the job."""
+        limit = max_jobs_per_client()
+        with self._lock:
+            # a cancelled job is winding down: Ctrl-C and run again is not refused
+            running = self._submitting.get(owner, 0) + sum(
+                1 for j in self.jobs.values() if j.owner == owner and not j.done and not j.cancelled.is_set())
+            if owner and running >= limit:     # without tokens every client is the same one: no per-client bound
+                raise LimitError(f"{running} jobs of this client are still running, the most one client may run "
+                                 f"at once (LAYERDIFF_MAX_JOBS_PER_CLIENT={limit}); wait for one to end")
+            self._submitting[owner] = self._submitting.get(owner, 0) + 1
+        try:
+            return self._submit(spec, owner)
+        finally:
+            with self._lock:
+                self._submitting[owner] -= 1
+                if not self._submitting[owner]:
+                    del self._submitting[owner]
+
+    def _submit(self, spec: pb.JobSpec, owner: str) -> Job:
+        job_id = uuid.uuid4().hex[:16]
+        job = Job(id=job_id, spec=spec, report_dir=self.records.report_dir(job_id), owner=owner)
+        self.store.hold(job.artifacts)   # from here until the job ends, retention leaves them alone
+        try:
+            prepared = prepare(spec, self.store)
+            if self.broker_url:
+                from layerdiff.analyzer.execute.store import TensorStore
+
+                with TensorStore(self.broker_url) as check:   # a broker refusing connections fails the Submit itself
+                    check.ping()
+        except BaseException:
+            self.store.release(job.artifacts)
+            raise
+        with self._lock:
+            self._forget_old_jobs()
+            self.jobs[job.id] = job
+        job.emit(pb.QUEUED, nodes_total=len(prepared.reference.sites))
+        try:
+            self.records.save(job.record())   # before the job can end and record that
+        except Exception:
+            log.exception("job %s: its record was not written", job.id)
+        if prepared.weights is None and _is_fp16_build(spec, prepared.reference):
+            # made beside the job (the FP16 build is shared with an embedded collector's run)
+            aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
+            prepared.weights_aside = aside.submit(_fp16_build_weights, spec, prepared.reference)
+            aside.shutdown(wait=False)
+        job.thread = threading.Thread(target=self._run, args=(job, prepared), name=f"job-{job.id}", daemon=True)
+        job.thread.start()
+        return job
+
+    def _forget_old_jobs(self) -> None:
+        """Finished jobs beyond the newest KEEP_EVENT_HISTORY keep only their
+        final event in memory (their records and reports stay, under the
+        retention limits)."""
+        finished = [j for j in self.jobs.values() if j.done and len(j.events) > 1]
+        for old in finished[:max(0, len(finished) - KEEP_EVENT_HISTORY)]:
+            with old.cond:
+                old.dropped += len(old.events) - 1
+                old.events = old.events[-1:]
+
+    def _enforce_retention(self) -> None:
+        try:
+            with self._retention_lock:
+                deleted = self.records.enforce(self.store)
+        except Exception:   # never a reason to fail a job or the start-up
+            log.exception("retention of finished jobs and uploads failed")
+            return
+        with self._lock:
+            for job_id in deleted:
+                job = self.jobs.get(job_id)
+                if job is not None and job.done:
+                    del self.jobs[job_id]
+
+    def get(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            why = self.records.why_forgotten(job_id)
+            if why:
+                raise NotFoundError(f"job {job_id!r} and its reports were deleted: {why}", field="job_id")
+            raise NotFoundError(f"no job {job_id!r} on this analyzer; {self.records.retention.describe()}",
+                                field="job_id")
+        return job
+
+    def cancel(self, job_id: str) -> Job:
+        """Cancel a job: every wait of its thread ends at once (the stream,
+        the comparisons, the reference); the job then reads CANCELLED."""
+        job = self.get(job_id)
+        if not job.done:
+            job.cancelled.set()
+            for part in (job.call, job.executor):
+                if part is not None:
+                    part.cancel()
+        return job
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Cancel every job under way and wait, ``timeout`` at most, for
+        their threads to end (a service stopping, its work dir about to go)."""
+        with self._lock:
+            running = [j for j in self.jobs.values() if j.thread is not None and j.thread.is_alive()]
+        for job in running:
+            self.cancel(job.id)
+        end = time.monotonic() + timeout
+        for job in running:
+            job.thread.join(max(0.0, end - time.monotonic()))
+
+    # ------------------------------------------------------------------ run
+
+    def _run(self, job: Job, p: Prepared) -> None:
+        started = time.time()
+        try:
+            try:
+                summary = self._execute(job, p, started)
+                total = len(p.reference.sites)     # a golden dump's are known once it has streamed
+                first = summary["first_failing_node"]
+                answer = summary["outcome"]
+                state, end = pb.DONE, dict(
+                    nodes_done=total, nodes_total=total, first_failing_node=first["node"] if first else "",
+                    message=answer["reason"], outcome=answer["status"], exit_status=answer["exit_status"])
+            except _Cancelled:
+                state, end = pb.CANCELLED, dict(message="cancelled")
+            except Exception as e:
+                if is_disk_full(e):
+                    job.error = (f"disk full: the analyzer's work dir {self.workdir} has no space left for the "
+                                 "reports; free space there and run the job again")
+                    log.warning("job %s: %s (%s)", job.id, job.error, e)
+                    exit_status = EXIT_NO_ANSWER
+                elif isinstance(e, LayerdiffError):
+                    job.error = str(e)
+                    exit_status = failure_exit_status(e)
+                else:   # a bug: say so, keep the service up
+                    log.exception("job %s failed", job.id)
+                    job.error = f"internal error: {type(e).__name__}: {e}"
+                    exit_status = failure_exit_status(e)
+                state, end = pb.FAILED, dict(message=job.error, exit_status=exit_status)
+            self._finish(job, state, end)
+        finally:
+            self.store.release(job.artifacts)
+            if isinstance(p.reference, DumpReference):
+                p.reference.close()
+        self._enforce_retention()
+
+    def _finish(self, job: Job, state: int, end: dict) -> None:
+        """Record the job's end, then tell its watchers: a client that has
+        seen the end finds it recorded, whatever happens to the analyzer."""
+        job.finished_at = time.time()
+        if state != pb.DONE:   # reports are fetched from DONE jobs only: free the space at once
+            shutil.rmtree(job.report_dir, ignore_errors=True)
+        try:
+            self.records.finish(job.record(pb.JobEvent(job_id=job.id, state=state, **end)))
+        except Exception:   # a record never ends the job thread
+            log.exception("job %s: its record was not written", job.id)
+        job.emit(state, **end)
+
+    def _capture_request(self, job: Job, collector) -> pb.CaptureRequest:
+        spec = job.spec
+        if spec.dump_path:
+            return pb.CaptureRequest(job_id=job.id, dump=pb.DumpSource(
+                path=spec.dump_path, format=spec.dump_format, default_concat_dim=spec.default_concat_dim,
+                watch=spec.watch))
+        def upload(artifact: str) -> str:
+            if collector.has_artifact(artifact):    # ids are contents' digests: sent before, or handed over
+                return artifact
+            data = self.store.read(artifact)
+            return collector.upload(data, self.store.name(artifact), timeout=upload_timeout(len(data)))
+
+        model = upload(spec.model_artifact)
+        inputs = upload(spec.inputs_artifact)
+        device_model = upload(spec.device_model_artifact) if spec.device_model_artifact else ""
+        return pb.CaptureRequest(job_id=job.id, live=pb.LiveSource(
+            model_artifact=model, inputs_artifact=inputs, device_model_artifact=device_model,
+            precision=spec.precision or "fp32", device=spec.device or "cpu", dump_mode=spec.dump_mode or "output",
+            signature=spec.signature))
+
+    def _execute(self, job: Job, p: Prepared, started: float) -> dict:
+        spec = job.spec
+        if p.golden:
+            self._receive_golden(job, p)
+        total = len(p.reference.sites)
+        # Timed first, before the reference runs, so that nothing of this job
+        # loads the host while the device is being timed; a watched dump's
+        # counter files are read once the runtime has finished writing it.
+        perf = self._capture_perf(job, p) if p.perf.enabled and not spec.watch else None
+        if p.perf.only:
+            from layerdiff.analyzer.report.perf import write_perf_only
+
+            job.emit(pb.REPORTING, nodes_total=total)
+            return write_perf_only(job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
+                                   job=self._job_info(job, p, started), parameters=self._parameters(job, p))
+        job.emit(pb.REFERENCE, nodes_total=total)
+        mode = check_dump_mode(spec.dump_mode)
+        # Node inputs read tensors that are also node outputs: such values are
+        # kept until every comparison that needs them has had them.
+        # A golden dump's values are mapped from its spill files: kept for
+        # every reader whatever the mode, at no memory cost.
+        uses = {t: n + (mode == "all" or p.golden) for t, n in p.reference.input_uses().items()} \
+            if mode != "output" or p.golden else None
+        budget = MemoryBudget.from_env()
+        reference = SegmentedReference(p.reference, p.feeds, uses, budget=budget.reference,
+                                       spill_dir=self.workdir / SPILL_DIR / f"{job.id}.values")
+        helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
+        # The first segment is computed while the collector starts producing.
+        ref_future = helper.submit(reference.ensure, 0)
+        if not self.broker_url:
+            # The kernels load (a tenth of a second) while the device side is
+            # still building its session, not when the first pair arrives.
+            helper.submit(M.warmup)
+        helper.shutdown(wait=False)
+
+        rep = JobReport()
+        if isinstance(p.reference, DumpReference):
+            rep.reference_overflow = dict(p.reference.overflow)
+        # device values of nodes with an error of their own, for the impact re-runs
+        injected = InjectedValues(cap_bytes=budget.impact) if isinstance(p.reference, OnnxReference) else None
+
+        def on_ready(collector: CollectorClient) -> None:
+            if p.golden and p.reference.model is None:
+                return      # the golden dump's names and values pair the device's
+            graph = _dump_graph_alignment(spec, p.reference, collector)
+            if graph is not None:
+                p.aligner = _aligner(p.reference, spec.options, graph)
+
+        try:
+            with self._stream(job, collector_request=None, on_ready=on_ready) as stream:
+                job.executor = executor = self.executor(job.id, p.max_cores or None)
+                try:
+                    if job.cancelled.is_set():
+                        executor.cancel()
+                    self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget)
+                finally:
+                    executor.close()
+                    job.executor = None
+        finally:
+            baseline = reference.graph_outputs()
+            reference.close()
+        if job.cancelled.is_set():
+            raise _Cancelled()
+        if p.perf.enabled and perf is None:
+            perf = self._capture_perf(job, p)
+        job.emit(pb.REPORTING, nodes_done=total, nodes_total=total)
+        job_info = self._job_info(job, p, started)
+        job_info["memory"] = reference.memory()
+        sections = None
+        if perf is not None:
+            from layerdiff.analyzer.report.perf import write_perf_sections
+
+            sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
+                               rep, job_info)
+        impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default,
+                              baseline=baseline, split=p.reference.split) if injected else None
+        if p.weights_aside is not None:
+            p.weights = p.weights_aside.result()
+        try:
+            summary = write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
+                                   node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
+                                   all_sites=p.reference.sites, aligner=p.aligner,
+                                   node_inputs=p.reference.node_inputs, sections=sections,
+                                   min_coverage=p.min_coverage, impact=impact, weights=p.weights,
+                                   presumed=getattr(p.reference, "presumed", None))
+        finally:
+            if injected is not None:
+                injected.release()
+        _check_report_quota(job.report_dir)
+        return summary
+
+    def _parameters(self, job: Job, p: Prepared) -> dict:
+        o = job.spec.options
+        return {
+            "atol": p.tolerances.default.atol, "rtol": p.tolerances.default.rtol, "diff_cnt": p.diff_cnt,
+            "op_config": bool(o.op_config_csv.strip()), "map_node_dict": dict(o.map_node_dict),
+            "skip_keys": list(o.skip_keys), "exclude_node_list": list(o.exclude_node_list),
+            "force_compare": o.force_compare, "max_cores": p.max_cores or None,
+            "dump_mode": check_dump_mode(job.spec.dump_mode),
+            "min_coverage": MIN_COVERAGE_DEFAULT if p.min_coverage is None else p.min_coverage,
+        }
+
+    def _job_info(self, job: Job, p: Prepared, started: float) -> dict:
+        spec = job.spec
+        return {
+            "job_id": job.id, "model": p.reference.name, "device": spec.device or ("device" if p.golden else "cpu"),
+            "precision": spec.precision or "fp32",
+            "source": "dump" if spec.dump_path else ("device_model" if spec.device_model_artifact else "live"),
+            "dump_path": spec.dump_path or None, "collector": spec.collector,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "elapsed_s": round(time.time() - started, 3),
+            **({"reference_dump": self._golden_provenance(p)} if p.golden else {}),
+        }
+
+    @staticmethod
+    def _golden_provenance(p: Prepared) -> dict:
+        """Where the reference came from: the golden dump, its collector,
+        what it held; the device dump's is the job's dump_path/collector."""
+        g = p.reference
+        return {**g.provenance, "records": g.records, "tensors": g.tensors, "bytes": g.bytes,
+                "duplicates": len(g.duplicates), "model": p.reference.name if g.model is not None else None,
+                "structure": "model" if g.model is not None else "dump"}
+
+    def _capture_perf(self, job: Job, p: Prepared):
+        """The collector's performance stream for this job's source: the
+        dump's counter files, or the device model profiled on the collector."""
+        from layerdiff.analyzer.report.perf import receive
+
+        job.emit(pb.COMPARING, nodes_total=len(p.reference.sites), message="capturing performance data")
+
+        def perf_request(request: pb.CaptureRequest) -> None:
+            request.stream = pb.CAPTURE_STREAM_PERF
+            request.perf.CopyFrom(pb.PerfCapture(runs=p.perf.runs, graph_optimization=p.perf.graph_optimization))
+
+        with self._stream(job, perf_request) as stream:
+            try:
+                data = receive(stream)
+            except LayerdiffError:
+                if job.cancelled.is_set():
+                    raise _Cancelled() from None
+                raise
+        if job.cancelled.is_set():
+            raise _Cancelled()
+        return data
+
+    @contextmanager
+    def _stream(self, job: Job, collector_request=None, on_ready=None, golden: bool = False):
+        """The job's stream from its collector (``golden``: the reference
+        dump's, from its own collector), open and watched for liveness;
+        ``collector_request`` may amend the capture request, ``on_ready`` is
+        called with the collector once it answers. Closed (connection and
+        watchdog released) when the block ends."""
+        collector = CollectorClient(job.spec.reference_dump.collector if golden else job.spec.collector)
+        stream = None
+        try:
+            collector.wait_ready(stop=job.cancelled)
+            if job.cancelled.is_set():
+                raise _Cancelled()
+            if on_ready is not None:
+                on_ready(collector)
+            if golden:
+                request = pb.CaptureRequest(job_id=job.id, dump=job.spec.reference_dump.dump)
+            else:
+                request = self._capture_request(job, collector)
+            if collector_request is not None:
+                collector_request(request)
+            stream = CollectorStream(collector, request)
+            job.call = stream
+            try:
+                stream.open()
+            except LayerdiffError:
+                if job.cancelled.is_set():
+                    raise _Cancelled() from None
+                raise
+            except pa.ArrowException:     # cancelled before the stream started
+                raise _Cancelled() from None
+            yield stream
+        finally:
+            job.call = None
+            if stream is not None:
+                stream.cancel()
+                stream.close()
+            collector.close()
+
+    def _receive_golden(self, job: Job, p: Prepared) -> None:
+        """Stream the golden dump into the job's spill directory, then fix
+        the reference's sites and the aligner the device stream pairs by."""
+        golden: DumpReference = p.reference
+        spec = job.spec
+        where = f"reference dump {spec.reference_dump.dump.path!r} on collector {spec.reference_dump.collector}"
+        job.emit(pb.REFERENCE, message=f"reading the {where}")
+        golden.start(self.workdir / SPILL_DIR / job.id)
+        limit = env_limit("LAYERDIFF_REFERENCE_DUMP_BYTES", REFERENCE_DUMP_BYTES_DEFAULT, size=True)
+        assembler = TensorAssembler(pool=BufferPool())
+        try:
+            with self._stream(job, golden=True) as stream:
+                for batch in stream:
+                    if job.cancelled.is_set():
+                        break
+                    for rec in assembler.feed(batch):
+                        self._take_golden(golden, rec, limit, where)
+                if not job.cancelled.is_set():
+                    for rec in assembler.finish():
+                        self._take_golden(golden, rec, limit, where)
+        except LayerdiffError as e:
+            if job.cancelled.is_set():
+                raise _Cancelled() from None
+            raise (e if e.field == "reference_dump" else _about_golden(e, where)) from None
+        if job.cancelled.is_set():
+            raise _Cancelled()
+        golden.seal()
+        if not golden.tensors:
+            raise LayerdiffError(f"the {where} holds no readable tensor ({golden.records} records): check the "
+                                 "path on that collector's host and the reference dump's format",
+                                 field="reference_dump")
+        p.aligner = _aligner(golden, spec.options, None)
+        job.emit(pb.REFERENCE, nodes_total=len(golden.sites),
+                 message=f"{golden.tensors} reference tensors read from the {where}")
+
+    @staticmethod
+    def _take_golden(golden: DumpReference, rec, limit: int, where: str) -> None:
+        try:
+            if rec.array is not None and golden.bytes + rec.array.nbytes > limit:
+                raise LimitError(f"the {where} is larger than the analyzer takes, {limit} bytes "
+                                 "(LAYERDIFF_REFERENCE_DUMP_BYTES)", field="reference_dump")
+            golden.take(rec)
+        finally:
+            if rec.lease is not None:
+                rec.lease.release()
+
+    def _consume(self, job: Job, p: Prepared, stream, ref_future: Future, executor, rep: JobReport,
+                 total: int, injected=None, budget: MemoryBudget = MemoryBudget()) -> None:
+        assembler = TensorAssembler(pool=BufferPool())
+
+        def progress(done: int, node: str, passed: bool) -> None:
+            job.emit(nodes_done=done, nodes_total=total, node=node, node_passed=passed)
+
+        def references():
+            while True:   # the reference runs on its own thread: a Cancel must not wait for it
+                try:
+                    return ref_future.result(timeout=0.2)
+                except FutureTimeout:
+                    if job.cancelled.is_set():
+                        raise _Cancelled() from None
+
+        consumer = StreamConsumer(p, executor, references, rep, job.report_dir, progress,
+                                  dump_mode=check_dump_mode(job.spec.dump_mode), injected=injected, budget=budget)
+        try:
+            for batch in stream:
+                if job.cancelled.is_set():
+                    break
+                if not batch.num_rows:     # a heartbeat: the source is quiet, report what is finished
+                    consumer.finish_done()
+                    continue
+                if job.state != pb.COMPARING:
+                    job.emit(pb.COMPARING, nodes_done=consumer.done, nodes_total=total)
+                for rec in assembler.feed(batch):
+                    consumer.take(rec)
+            if not job.cancelled.is_set():
+                for rec in assembler.finish():
+                    consumer.take(rec)
+                consumer.finish()
+        except BaseException:
+            consumer.abandon()
+            if job.cancelled.is_set():   # whatever a cancelled wait raised, the job was cancelled
+                raise _Cancelled() from None
+            raise
+        if job.cancelled.is_set():
+            consumer.abandon()
+            raise _Cancelled()
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _about_golden(e: LayerdiffError, where: str) -> LayerdiffError:
+    """A collector's error about the golden dump, said of the reference dump
+    (its fields are the device dump's names on the wire); the same class, so
+    the exit status stays."""
+    text = str(e).replace("field 'dump_path': ", "").replace("field 'dump_path'", "")
+    out = LayerdiffError.__new__(type(e))
+    LayerdiffError.__init__(out, f"{where}: {text}", field="reference_dump")
+    return out
+
+
+def failure_exit_status(e: BaseException) -> int:
+    """2 for bad input or usage; 3 when a component failed and the job
+    could not answer."""
+    if isinstance(e, LayerdiffError) and not isinstance(e, UnavailableError):
+        return EXIT_BAD_INPUT
+    return EXIT_NO_ANSWER

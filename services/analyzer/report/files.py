@@ -1,0 +1,484 @@
+"""Report files of a job, written into its private report directory:
+
+- ``cpu_vs_npu.csv``: one row per compared node output in execution order,
+  the seed tool's columns first, then layerdiff's further metrics;
+- ``{op_name}.csv``: for each failing node, its worst elements (at most
+  ``diff_cnt``; index, std_value, npu_value, abs_diff, relative_diff);
+- ``compare_skip.log``, ``invalid_out_nodename.log``,
+  ``dump_memory_nodename.log``, ``overflow_nodename.log``: a node and a
+  reason per line;
+- ``op_config.csv``: a template with every node and NA tolerances;
+- ``node_runtime.json``, ``consumer_map.json``: node order and graph edges;
+- ``summary.json``: everything a machine needs (first failing node, counts,
+  the job's parameters, tool version) and per-node metrics.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from layerdiff import __version__
+from layerdiff.analyzer.compare import coverage
+from layerdiff.analyzer.diagnose import verdicts as diagnose
+from layerdiff.analyzer.diagnose import weights as weights_mod
+from layerdiff.analyzer.compare.node import NodeOutcome
+from layerdiff.common.names import safe_filename
+from layerdiff.common.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
+from layerdiff.common.onnxgraph import TensorSite
+
+SEED_COLUMNS = ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_dim/data_shape", "ref_value",
+                "npu_value", "max_abs_err", "mean_abs_err", "max_abs_total", "mean_abs_total", "mean", "std", "rms"]
+EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", "atol", "rtol",
+                 "max_abs_diff", "mean_abs_diff", "cosine", "mse", "rmse", "pearson", "sqnr_db", "rel_euclidean",
+                 "kl_div", "rel_err_lt_0.001", "rel_err_lt_0.005", "ref_nan", "ref_inf", "npu_nan", "npu_inf",
+                 "fp16_overflow", "npu_fp16_overflow", "finite_pairs", "both_nan", "nonfinite_errors", "note", "role",
+                 "overflow", "verdict", "cause", "evidence"]
+DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
+
+
+def g6(v: float) -> str:
+    if isinstance(v, float) and math.isnan(v):
+        return "nan"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:.6g}"
+
+
+@dataclass
+class Row:
+    """One comparison: a node output, or (role "input") the tensor a node
+    read, in which case ``site.output_index`` is the input index."""
+    site: TensorSite
+    device_name: str
+    outcome: NodeOutcome
+    role: str = "output"
+    overflow: str = ""
+    device_dtype: str = ""           # what the device computed this tensor in (float16: FP16 range applies)
+    # evidence gathered while the tensors were at hand (failing nodes only)
+    isolated: object = None          # metrics of the device against the node re-run alone on its device inputs
+    isolation_note: str = ""         # why there is no isolated re-run
+    isolated_core: object = None     # the same without mask-like values (|x| >> the rest), where the reference has some
+    core_note: str = ""
+    quant_step: float = 0.0          # a quantized build: the step of the grid the device values lie on
+    quant_levels: int = 0
+    int8_bound: object = None        # a quantized Conv/Gemm/MatMul: (expected rounding RMSE, how it was had)
+    inherited: str = ""              # why no closer look was needed: its error is what it read
+    layout: str = ""
+    uneven: str = ""
+    constants_read: frozenset = frozenset()    # the weights the node reads
+    reads: tuple = ()                          # the tensors it reads from other nodes and weights
+    finding: object = None           # diagnose.Finding, set when the report is written
+
+    @property
+    def failed(self) -> bool:
+        return not self.outcome.metrics.passed
+
+    @property
+    def is_input(self) -> bool:
+        return self.role == "input"
+
+    @property
+    def label(self) -> str:
+        return f"{self.site.node}.input.{self.site.output_index}" if self.is_input else self.site.tensor
+
+    @property
+    def is_constant(self) -> bool:
+        return self.site.is_constant
+
+
+@dataclass
+class JobReport:
+    rows: list[Row] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)        # (node, reason)
+    invalid_out: list[tuple[str, str]] = field(default_factory=list)    # (device name, reason)
+    not_dumped: list[TensorSite] = field(default_factory=list)
+    # reference tensors computed inside a fused device node (Conv+BN+Relu as one
+    # kernel): not dumped by design; the fusion's output is compared instead
+    fused: list[tuple[TensorSite, str]] = field(default_factory=list)   # (site, device node covering it)
+    # device tensors standing for a reference tensor without being compared:
+    # (device tensor, reference tensor, why) - INT8 views, weight copies
+    attributed: list[tuple[str, str, str]] = field(default_factory=list)
+    # reference tensors the device folded into constants (the graphs say so)
+    folded: list[tuple[TensorSite, str]] = field(default_factory=list)  # (site, why)
+    value_pairs: list[dict] = field(default_factory=list)   # pairings decided by value (alignment.csv rows)
+    device_names: list[str] = field(default_factory=list)
+    check_skip: list[tuple[str, str]] = field(default_factory=list)     # tiled slices that failed validation
+    concat_skip: list[tuple[str, str]] = field(default_factory=list)    # slices that did not splice
+    overflow: dict[str, str] = field(default_factory=dict)              # node -> why the device flagged it
+    reference_overflow: dict[str, str] = field(default_factory=dict)    # node -> why a golden dump's runtime did
+    input_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # reference min/max of op inputs
+    quantized: bool = False
+    range_skips: list[tuple[str, str]] = field(default_factory=list)    # tensor_min_max.txt lines not read
+    plots: dict[str, dict] = field(default_factory=dict)                # row label -> plot files
+    user_skipped: set[str] = field(default_factory=set)                 # tensors the options skip
+    device_errors: list[tuple[str, str]] = field(default_factory=list)  # device entries that could not be read
+
+    def note_overflow(self, node: str, why: str) -> None:
+        self.overflow.setdefault(node, why)
+
+    def log_splice_failure(self, rec) -> None:
+        if rec.status == STATUS_CHECK_SKIP:
+            self.check_skip.append((rec.name, rec.message))
+        elif rec.status == STATUS_CONCAT_SKIP:
+            self.concat_skip.append((rec.name, rec.message))
+
+    def in_graph_order(self, sites: list[TensorSite]) -> None:
+        """Sort every list by the reference's execution order, then by name,
+        so that no file depends on the order the device stream came in."""
+        rank: dict[str, int] = {}
+        for s in sites:
+            rank.setdefault(s.tensor, s.order)
+            rank.setdefault(s.node, s.order)
+        last = len(sites)
+
+        def key(item) -> tuple:
+            name = item[0] if isinstance(item, tuple) else item
+            return (rank.get(name.split(" (input ")[0], last), name, item)
+
+        for items in (self.skipped, self.invalid_out, self.device_names, self.check_skip, self.concat_skip):
+            items.sort(key=key)
+        self.overflow = dict(sorted(self.overflow.items(), key=key))
+        self.plots = dict(sorted(self.plots.items(), key=key))
+
+    def ordered(self) -> list[Row]:
+        # a node's inputs come before its outputs, as it reads them first
+        return sorted(self.rows, key=lambda r: (r.site.order, not r.is_input, r.site.output_index))
+
+    def first_failing(self) -> Row | None:
+        """The first failing computation in execution order. Constants are
+        parameters, not computations: a constant that differs (a weight that
+        overflows FP16, a quantized weight) is reported on its own, and so
+        are node inputs, which a node inherits rather than computes."""
+        return next((r for r in self.ordered() if r.failed and not r.is_constant and not r.is_input), None)
+
+
+def _seed_cells(r: Row) -> list[str]:
+    m = r.outcome.metrics
+    idx = "(" + ",".join(str(i) for i in m.first_mismatch_index) + ")"
+    shape = "(" + ",".join(str(i) for i in m.shape) + ")"
+    name = f"{r.site.node}.input.{r.site.output_index}" if r.is_input else r.site.node
+    return [
+        f"{name}(atol={m.atol:g},rtol={m.rtol:g})",
+        f"{m.dev_nan}/{m.dev_inf}",
+        f"{m.errors}/{m.total}",
+        f"{m.first_mismatch_offset}/{idx}/{shape}",
+        g6(m.ref_value), g6(m.dev_value),
+        g6(m.max_abs_err), g6(m.mean_abs_err), g6(m.max_rel_err), g6(m.mean_rel_err),
+        g6(m.ref_mean), g6(m.ref_std), g6(m.ref_rms),
+    ]
+
+
+def _extra_cells(i: int, r: Row) -> list[str]:
+    m = r.outcome.metrics
+    return [str(i), r.site.node, r.site.tensor, r.site.op_type, r.device_name, "fail" if r.failed else "pass",
+            g6(m.atol), g6(m.rtol), g6(m.max_abs_diff), g6(m.mean_abs_diff), g6(m.cosine), g6(m.mse), g6(m.rmse),
+            g6(m.pearson), g6(m.sqnr_db), g6(m.rel_euclidean), g6(m.kl_div), g6(m.rel_err_lt_0_001),
+            g6(m.rel_err_lt_0_005), str(m.ref_nan), str(m.ref_inf), str(m.dev_nan), str(m.dev_inf),
+            str(m.fp16_overflow), str(m.dev_fp16_overflow), str(m.finite_pairs), str(m.both_nan),
+            str(m.nonfinite_errors), r.outcome.note, r.role, r.overflow,
+            r.finding.verdict if r.finding else "", r.finding.cause if r.finding else "",
+            " | ".join(r.finding.evidence) if r.finding else ""]
+
+
+def _json_num(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def summary_number(v: object) -> float:
+    """A number of summary.json read back (null is NaN, "inf"/"-inf" the
+    infinities, anything else that is not a number NaN)."""
+    if v is None or isinstance(v, bool):
+        return math.nan
+    if isinstance(v, str):
+        return {"inf": math.inf, "-inf": -math.inf}.get(v.strip().lower(), math.nan)
+    try:
+        return float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def node_summary(r: Row) -> dict:
+    d = {k: _json_num(v) for k, v in r.outcome.metrics.as_dict().items()}
+    d.update(node=r.site.node, tensor=r.site.tensor, op_type=r.site.op_type, order=r.site.order,
+             device_name=r.device_name, passed=not r.failed, constant=r.is_constant, note=r.outcome.note,
+             role=r.role, overflow=r.overflow or None)
+    if r.is_input:
+        d["input_index"] = r.site.output_index
+    d.update(verdict=r.finding.verdict if r.finding else None, cause=r.finding.cause if r.finding else "",
+             evidence=list(r.finding.evidence) if r.finding else [],
+             impact=r.finding.impact.as_dict() if r.finding and r.finding.impact is not None else None)
+    if r.isolated is not None:
+        d["isolated"] = {k: _json_num(getattr(r.isolated, k)) for k in ("errors", "total", "cosine",
+                                                                          "mean_rel_err", "max_abs_diff")}
+    return d
+
+
+_PRECISION = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+def device_precision(rows: list[Row], quantized: bool) -> str:
+    """What the device computed in, as its tensors show it (not as asked):
+    int8 for a quantized build, else the float type most node outputs came
+    in ("mixed fp16/fp32" where neither holds most of them)."""
+    if quantized:
+        return "int8"
+    kinds: dict[str, int] = {}
+    for r in rows:
+        if not r.is_input and r.device_dtype in _PRECISION:
+            kinds[_PRECISION[r.device_dtype]] = kinds.get(_PRECISION[r.device_dtype], 0) + 1
+    if not kinds:
+        return ""
+    top, n = max(kinds.items(), key=lambda kv: kv[1])
+    if len(kinds) > 1 and 2 * n < sum(kinds.values()):
+        return "mixed " + "/".join(sorted(kinds))
+    return top
+
+
+def _measure_impact(rows: list[Row], impact) -> None:
+    """Each computation error's effect on the model's outputs, in execution
+    order (the budget goes to the earliest), as the last piece of its evidence."""
+    if impact is None:
+        return
+    for r in rows:
+        f = r.finding
+        if f is None or f.verdict != diagnose.COMPUTATION or r.is_input or r.is_constant:
+            continue
+        f.impact = impact.measure(r.site.tensor)
+        if f.impact.harmful is False:
+            f.impact.why = _why_absorbed(r)
+        f.evidence.append(f.impact.sentence())
+
+
+def _why_absorbed(r: Row) -> str:
+    """What the data say about why a computation error does not reach the outputs."""
+    if r.isolated_core is not None:
+        return f"its differences lie in mask-like values ({r.core_note}), which what follows saturates"
+    if any("clamped" in e for e in r.finding.evidence):
+        return "a constant the device clamped, whose new value acts the same downstream"
+    return ""
+
+
+def _read_rows(rows: list[Row], node_inputs: dict[str, list[str]]) -> dict[str, list[Row]]:
+    """node -> the rows of what it read: its own input rows where the device
+    sent them, else the output rows of the tensors it reads."""
+    by_tensor = {r.site.tensor: r for r in rows if not r.is_input}
+    own: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.is_input:
+            own.setdefault(r.site.node, []).append(r)
+    out = {}
+    for node, ins in node_inputs.items():
+        out[node] = own.get(node) or [by_tensor[t] for t in ins if t in by_tensor]
+    return out
+
+
+def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node_runtime: list[dict],
+                 consumers: dict[str, list[str]], all_sites: list[TensorSite], aligner,
+                 node_inputs: dict[str, list[str]] | None = None, sections: dict | None = None,
+                 min_coverage: float | None = None, impact=None, weights: list | None = None,
+                 presumed: dict[str, str] | None = None) -> dict:
+    """``sections``: further top-level parts of summary.json (the performance
+    data, its per-node view), written by their own modules; a callable is
+    called once every row carries its diagnosis. The coverage comes first:
+    below ``min_coverage`` the headline is that the job cannot answer.
+    ``impact`` (impact.ImpactRunner): measures what each computation error
+    does to the outputs; the headline names the first harmful one.
+    ``weights``: the device model's weights against the reference's
+    (weights.csv), which name "cause: weight" without the node's inputs.
+    ``presumed``: node -> the tensor it is presumed to read (a golden dump
+    that records no inputs: the node before it in execution order), said
+    in its evidence."""
+    out.mkdir(parents=True, exist_ok=True)
+    rep.in_graph_order(all_sites)
+    rows = rep.ordered()
+    weight_issues = weights_mod.issues(weights or [], getattr(aligner, "groups", {}))
+    findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized, weight_issues,
+                               unknown_reads={n for n, t in (presumed or {}).items() if not t})
+    for r in rows:
+        r.finding = findings.get(id(r))
+        if r.finding and presumed and presumed.get(r.site.node):
+            r.finding.evidence.append(f"what it read is presumed from the execution order: {presumed[r.site.node]}, "
+                                      "the output of the node before it (neither dump records its inputs; a model "
+                                      "or dump_mode all gives them)")
+        if r.finding and r.finding.cause == "quantization" and r.quant_step and consumers.get(r.site.node):
+            # the hand-over's break shows in what it feeds: name it
+            r.finding.hand_over = list(consumers[r.site.node])
+            r.finding.evidence.append("its INT8 hand-over feeds " + ", ".join(consumers[r.site.node]))
+    _measure_impact(rows, impact)
+    nan_overflow = diagnose.nan_and_overflow(rows)
+    cov = coverage.assess(rep, all_sites, aligner, min_coverage=min_coverage, source=job.get("source", ""),
+                          dump_path=job.get("dump_path") or "")
+    taken: set[str] = set()
+    detail_files: dict[str, str] = {}
+    with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(SEED_COLUMNS + EXTRA_COLUMNS)
+        for i, r in enumerate(rows):
+            w.writerow(_seed_cells(r) + _extra_cells(i, r))
+    for r in rows:
+        if not r.failed:
+            continue
+        fname = safe_filename(r.label if r.is_input or r.site.output_index else r.site.node, taken) + ".csv"
+        detail_files[r.label] = fname
+        with open(out / fname, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(DETAIL_COLUMNS)
+            for idx, rv, dv, ad, rd in r.outcome.worst:
+                w.writerow([idx, g6(rv), g6(dv), g6(ad), g6(rd)])
+    _write_log(out / "compare_skip.log", rep.skipped +
+               [(s.tensor, f"fused into device node {dev!r}: its output is compared instead") for s, dev in rep.fused] +
+               [(s.tensor, why) for s, why in rep.folded] +
+               [(s.tensor, "not dumped by the device (not produced, or fused away where no device graph says so)")
+                for s in rep.not_dumped])
+    write_alignment(out / "alignment.csv", rep, aligner, all_sites)
+    if weights is not None:
+        weights_mod.write_csv(out / "weights.csv", weights)
+    _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
+    _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
+    _write_log(out / "check_skip.log", rep.check_skip)
+    _write_log(out / "concate_skip.log", rep.concat_skip)
+    _write_log(out / "overflow_nodename.log", list(rep.overflow.items()) +
+               [(f"{n} (reference dump)", why) for n, why in rep.reference_overflow.items()])
+    if rep.range_skips:
+        _write_log(out / "min_max_skip.log", rep.range_skips)
+    (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
+                                                  encoding="utf-8")
+    with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["op_name", "atol", "rtol"])
+        seen = set()
+        for s in all_sites:
+            if s.node not in seen:
+                seen.add(s.node)
+                w.writerow([s.node, "NA", "NA"])
+    (out / "node_runtime.json").write_text(json.dumps(node_runtime, indent=1), encoding="utf-8")
+    (out / "consumer_map.json").write_text(json.dumps(consumers, indent=1), encoding="utf-8")
+
+    first = rep.first_failing()
+    first_comp = next((r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION
+                       and not r.finding.benign), None)
+    benign = [r for r in rows if r.finding and r.finding.benign]
+    answer = coverage.outcome(rep, cov)
+    undecided = [r for r in rows if r.finding and r.finding.verdict == diagnose.UNDECIDED]
+    text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided)
+    if answer["status"] == "no_answer":
+        text = f"NO ANSWER: {answer['reason']}"
+    diagnosis = {"headline": text, **nan_overflow}
+    if impact is not None:
+        unmeasured = [r.site.node for r in rows if r.finding and r.finding.impact is not None
+                      and r.finding.impact.harmful is None]
+        diagnosis["impact"] = {**impact.summary(), "not_measured": unmeasured}
+    verdicts = [{"node": r.site.node, "tensor": r.site.tensor, "op_type": r.site.op_type, "order": r.site.order,
+                 "verdict": r.finding.verdict, "cause": r.finding.cause, "evidence": list(r.finding.evidence),
+                 "impact": r.finding.impact.as_dict() if r.finding.impact is not None else None}
+                for r in rows if r.finding]
+    inputs = [r for r in rows if r.is_input]
+    rows_out = [r for r in rows if not r.is_input]
+    failed = [r for r in rows_out if r.failed]
+    failed_constants = [r for r in failed if r.is_constant]
+    summary = {
+        "tool": "layerdiff",
+        "version": __version__,
+        **job,
+        "parameters": parameters,
+        "outcome": answer,
+        "coverage": cov,
+        "diagnosis": diagnosis,
+        "first_computation_error": node_summary(first_comp) if first_comp else None,
+        "device_precision": device_precision(rows, rep.quantized),
+        "first_failing_node": node_summary(first) if first else None,
+        "benign_computation_errors": [node_summary(r) for r in benign],
+        "counts": {
+            "reference_tensors": len(all_sites),
+            "compared": len(rows_out),
+            "failed": len(failed) - len(failed_constants),
+            "failed_constants": len(failed_constants),
+            "passed": len(rows_out) - len(failed),
+            "inputs_compared": len(inputs),
+            "inputs_failed": sum(r.failed for r in inputs),
+            "overflowing_nodes": len(rep.overflow),
+            "skipped": len(rep.skipped),
+            "not_dumped": len(rep.not_dumped),
+            "fused": len(rep.fused),
+            "folded": len(rep.folded),
+            "attributed": len(rep.attributed),
+            "invalid_out": len(rep.invalid_out),
+            "device_tensors": len(rep.device_names),
+        },
+        "failing_nodes": [r.site.tensor for r in failed if not r.is_constant],
+        "failing_constants": [node_summary(r) for r in failed_constants],
+        "failing_inputs": [r.label for r in inputs if r.failed],
+        "overflow_nodes": [{"node": n, "why": why, "side": "device"} for n, why in rep.overflow.items()] +
+                          [{"node": n, "why": why, "side": "reference"} for n, why in rep.reference_overflow.items()],
+        "verdicts": verdicts,
+        "plots": rep.plots,
+        "quantization": diagnose.quantization_advice(all_sites, node_inputs or {}, rows, rep.input_ranges,
+                                                     rep.quantized),
+        "detail_files": detail_files,
+        "nodes": [node_summary(r) for r in rows],
+    }
+    summary.update((sections() if callable(sections) else sections) or {})
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")
+    # what a person reads: the page, and the errors to overlay on the graph
+    from layerdiff.analyzer.report.explorer import write_node_data
+    from layerdiff.analyzer.report.html import write_html
+
+    write_node_data(out, summary)
+    write_html(out, summary)
+    return summary
+
+
+ALIGNMENT_COLUMNS = ["reference_tensor", "device_tensor", "method", "confidence", "note"]
+
+
+def write_alignment(path: Path, rep: JobReport, aligner, sites: list[TensorSite]) -> None:
+    """alignment.csv: how every reference tensor and every device tensor was
+    paired, or why not: map (map_node_dict), graph, fused, name, value;
+    "fused into" for reference tensors a device fusion covers, "folded" for
+    those the device computes as constants, "not dumped",
+    and "unmatched" device tensors with the closest reference names."""
+    by_value = {r["device_tensor"] for r in rep.value_pairs}
+    rows = [r for r in aligner.rows() if r.get("device_tensor") not in by_value]
+    # names left open (ambiguous, a near miss) are listed once, with the unmatched device tensors below
+    why_open = {r["device_tensor"]: r.get("note", "") for r in rows if not r.get("reference_tensor")}
+    decided = [r for r in rows if r.get("reference_tensor")] + list(rep.value_pairs)
+    rank = {s.tensor: s.order for s in sites}
+    last = len(sites)
+    decided.sort(key=lambda r: (rank.get(r.get("reference_tensor", ""), last), r.get("device_tensor", "")))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(ALIGNMENT_COLUMNS)
+        for r in decided:
+            conf = r.get("confidence")
+            w.writerow([_one_line(r.get("reference_tensor", "")), _one_line(r.get("device_tensor", "")),
+                        r.get("method", ""), "" if conf is None else f"{float(conf):.3g}",
+                        _one_line(r.get("note", ""))])
+        for s, dev in rep.fused:
+            w.writerow([_one_line(s.tensor), "", "fused into", "", _one_line(f"computed inside device node {dev}")])
+        for s, why in rep.folded:
+            w.writerow([_one_line(s.tensor), "", "folded", "", _one_line(why)])
+        for s in rep.not_dumped:
+            w.writerow([_one_line(s.tensor), "", "not dumped", "", ""])
+        for dev, ref, why in rep.attributed:
+            w.writerow([_one_line(ref), _one_line(dev), "attributed", "", _one_line(why)])
+        for name, reason in rep.invalid_out:
+            close = aligner.closest(name.split(" (input ")[0])
+            note = "; ".join(x for x in (reason, why_open.get(name, "")) if x)
+            note += f"; closest reference names: {', '.join(close)}" if close else ""
+            w.writerow(["", _one_line(name), "unmatched", "", _one_line(note)])
+
+
+def _write_log(path: Path, items: list[tuple[str, str]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for name, reason in items:
+            # one line per node, whatever the name holds
+            f.write(f"{_one_line(name)}: {_one_line(reason)}\n")
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")

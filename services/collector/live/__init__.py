@@ -1,0 +1,1 @@
+"""Live device runs: onnxruntime (execution providers), TensorFlow, the profiler."""

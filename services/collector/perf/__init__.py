@@ -1,0 +1,1 @@
+"""Vendor performance counters beside a dump."""
