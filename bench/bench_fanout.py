@@ -23,14 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import redis
+from procs import TaskPushes, serve, wait
 
 from layerdiff.client.api import run
 from layerdiff.client.demo import REC_MODEL, packaged_model
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.net import free_port
-from procs import TaskPushes, serve, wait
-
 
 _FETCH = r"""
 import json, sys, time

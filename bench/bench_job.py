@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from procs import serve
 
 from layerdiff.client.demo import det_input, packaged_model
-from procs import serve
 
 
 def _timed(cmd: list[str], **kw) -> tuple[float, int, int]:

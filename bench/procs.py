@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import redis
 
@@ -50,7 +50,7 @@ class TaskPushes:
                 if self._stop.is_set():
                     return
 
-    def __enter__(self) -> "TaskPushes":
+    def __enter__(self) -> TaskPushes:
         self._thread.start()
         time.sleep(0.2)
         return self

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import small_cnn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,8 +18,6 @@ from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import TensorSite, load_model, tensor_sites
-
-from conftest import small_cnn
 
 PREFIXES = ["", "npu_model/", "model/", "graph_0/", "npu_model/graph_0/", "NPU_MODEL\\"]
 SUFFIXES = ["", "_npu", "-npu", ".om", "_int8", "_fp16", "_quant"]

@@ -10,10 +10,9 @@ import csv
 import numpy as np
 import onnx
 import pytest
+from test_graphalign import bn_cnn, fold_bn, ort_optimized, planted_bug, renamed
 
 from layerdiff.client.api import run
-
-from test_graphalign import bn_cnn, fold_bn, ort_optimized, planted_bug, renamed
 
 SIDE = 16
 

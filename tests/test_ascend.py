@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from layerdiff.client.api import run
-from layerdiff.collector.dumps import ascend
-from layerdiff.collector.dumps import overflow
+from layerdiff.collector.dumps import ascend, overflow
 from layerdiff.collector.dumps.config import DumpConfig
 from layerdiff.collector.dumps.directory import DumpDirectory
 from layerdiff.common.errors import LayerdiffError

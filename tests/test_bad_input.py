@@ -8,8 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from layerdiff.collector.service import CollectorClient
 from layerdiff.client.api import AnalyzerClient
+from layerdiff.collector.service import CollectorClient
 from layerdiff.common.net import channel
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg

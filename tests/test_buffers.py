@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import small_cnn
 
 from layerdiff.analyzer.align.names import Aligner
+from layerdiff.analyzer.compare.tolerances import Tolerances
+from layerdiff.analyzer.execute.local import LocalPool
 from layerdiff.analyzer.jobs.consumer import StreamConsumer
 from layerdiff.analyzer.jobs.runner import Prepared
-from layerdiff.analyzer.execute.local import LocalPool
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
 from layerdiff.analyzer.report.files import JobReport
-from layerdiff.analyzer.compare.tolerances import Tolerances
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.schema import BufferLease, BufferPool, TensorAssembler, encode_records
-
-from conftest import small_cnn
 
 
 def test_a_buffer_returns_to_the_pool_after_its_last_holder():

@@ -18,13 +18,12 @@ import time
 import grpc
 import numpy as np
 import pytest
+from conftest import ServiceProcess, wait_for
 
 from layerdiff.client.api import AnalyzerClient
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
-
-from conftest import ServiceProcess, wait_for
 
 JOB_LINE = re.compile(r"^layerdiff: job ([0-9a-f]+) on analyzer (\S+) "
                       r"\(reattach: layerdiff watch \1 --analyzer \2\)$")

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import ServiceProcess, small_cnn
 from onnx import TensorProto, numpy_helper
 
-from conftest import ServiceProcess, small_cnn
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.client.api import compare
 from layerdiff.collector.dumps.directory import FORMATS, write_dump

@@ -8,14 +8,12 @@ import json
 
 import numpy as np
 import onnx
-import pytest
+from conftest import small_cnn
 from onnx import TensorProto, helper, numpy_helper
+from test_ascend import overflowing_model
 
 from layerdiff.analyzer.diagnose import verdicts as diagnose
 from layerdiff.client.api import format_summary, run
-
-from conftest import small_cnn
-from test_ascend import overflowing_model
 
 
 def _rows(out):

@@ -17,12 +17,11 @@ import time
 import numpy as np
 import pytest
 import redis
+from conftest import ServiceProcess, wait_for
 
 from layerdiff.client.api import AnalyzerClient, run
 from layerdiff.common.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
-
-from conftest import ServiceProcess, wait_for
 
 CHUNK = "4096"   # small chunks so that the tests' nodes are split and merged
 
@@ -257,8 +256,8 @@ def _payload_keys(r, job_id: str, item_id: int, side: str = "r") -> list[bytes]:
 def test_a_payload_unreadable_on_every_attempt_fails_the_job(cluster):
     """A node whose payload is gone from the store is sent again, then fails
     with the store named; the job's other nodes fail with it at once."""
-    from layerdiff.analyzer.execute.fanout import CeleryPool
     from layerdiff.analyzer.compare.tolerances import Tolerance
+    from layerdiff.analyzer.execute.fanout import CeleryPool
     from layerdiff.common.errors import UnavailableError
 
     url = cluster["redis"].url
@@ -296,8 +295,8 @@ def test_a_payload_readable_again_is_retried_and_compared(cluster):
     """A transient failure (the payload back on a later attempt) costs an
     attempt, not the node: every node is compared, as the local pool would."""
     from layerdiff.analyzer.compare.node import compare_node
-    from layerdiff.analyzer.execute.fanout import CeleryPool
     from layerdiff.analyzer.compare.tolerances import Tolerance
+    from layerdiff.analyzer.execute.fanout import CeleryPool
 
     url = cluster["redis"].url
     r = redis.Redis.from_url(url)

@@ -14,14 +14,13 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
+from test_graphalign import all_outputs, bn_cnn, node_outputs, ort_optimized, planted_bug
 
 from layerdiff.analyzer.align.graph import align_graphs
 from layerdiff.analyzer.align.manifest import onnx_op, skeleton
 from layerdiff.client.api import run
 from layerdiff.collector.dumps.graph import dump_graph
 from layerdiff.v1 import layerdiff_pb2 as pb
-
-from test_graphalign import all_outputs, bn_cnn, node_outputs, ort_optimized, planted_bug
 
 # How a TensorFlow-flavoured runtime spells the ONNX ops of the models below.
 VENDOR = {"Conv": "Conv2D", "BatchNormalization": "FusedBatchNormV3", "Concat": "ConcatV2", "MatMul": "MatMulV2",

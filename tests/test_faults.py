@@ -18,15 +18,14 @@ import time
 
 import numpy as np
 import pytest
+from conftest import ServiceProcess, wait_for
+from netns import Hosts, remove_leftovers, require_netns
+from test_distributed import RedisServer, _workers_ready, frozen, start_worker
 
 from layerdiff.client.api import AnalyzerClient, run
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.errors import JobFailed
 from layerdiff.v1 import layerdiff_pb2 as pb
-
-from conftest import ServiceProcess, wait_for
-from netns import Hosts, remove_leftovers, require_netns
-from test_distributed import RedisServer, _workers_ready, frozen, start_worker
 
 GRACE_S = 4          # LAYERDIFF_STORE_GRACE_S of the tests' analyzer
 LIVENESS_S = 3       # LAYERDIFF_COLLECTOR_LIVENESS_S of the tests' analyzers
@@ -46,8 +45,8 @@ def _big_node(seed: int) -> tuple[np.ndarray, np.ndarray]:
 def _pool_without_broker(tmp_path, job: str, grace_s: float):
     """A Celery pool whose Redis has just been killed; yields the Redis (to
     start again), the pool and ``submit(seed)`` of a 1 MiB node."""
-    from layerdiff.analyzer.execute.fanout import CeleryPool
     from layerdiff.analyzer.compare.tolerances import Tolerances
+    from layerdiff.analyzer.execute.fanout import CeleryPool
 
     rs = RedisServer(tmp_path)
     try:

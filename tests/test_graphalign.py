@@ -16,13 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
+from onnxbuild import GraphBuilder
 
-from layerdiff.analyzer.align.names import Pairing
 from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
 from layerdiff.analyzer.align.layout import unblock_nchwc
+from layerdiff.analyzer.align.names import Pairing
 from layerdiff.client.demo import det_input, packaged_model
-
-from onnxbuild import GraphBuilder
 
 LEVELS = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
           "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
@@ -597,8 +596,8 @@ def test_the_fp16_build_is_onnxruntimes_and_its_weights_pair_by_name(planted):
     what sessions of the serialized models compute."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    from layerdiff.analyzer.diagnose import weights
     from layerdiff.analyzer.align.graph import weights_by_name
+    from layerdiff.analyzer.diagnose import weights
     from layerdiff.collector.live.onnxrt import to_fp16
     from layerdiff.common.onnxgraph import expose_all_outputs, lean_session
 

@@ -15,14 +15,13 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from conftest import small_cnn
 from onnx import TensorProto, helper
+from test_ascend import overflow_files, overflowing_model  # noqa: F401  (a fixture)
 
 from layerdiff.client.api import run
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.live.onnxrt import LiveRunner
-
-from conftest import small_cnn
-from test_ascend import overflow_files, overflowing_model  # noqa: F401  (a fixture)
 
 NODES = ["conv1", "relu1", "conv2", "relu2", "residual/add", "conv3", "pool", "flatten", "fc"]
 

@@ -10,13 +10,12 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnxbuild import GraphBuilder
 
-from layerdiff.analyzer.diagnose.impact import ImpactRunner, InjectedValues
 from layerdiff.analyzer.compare.tolerances import Tolerances
+from layerdiff.analyzer.diagnose.impact import ImpactRunner, InjectedValues
 from layerdiff.client.api import run
 from layerdiff.collector.live.onnxrt import to_fp16
-
-from onnxbuild import GraphBuilder
 
 HIDDEN, HEADS, SEQ = 32, 4, 16
 MASK_VALUE = -3.4e38     # torch.finfo(float32).min, as BERT exports write it

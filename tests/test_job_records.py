@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-
 from conftest import ServiceProcess, small_cnn, wait_for
+
 from layerdiff.analyzer.jobs.records import RESTARTED_MESSAGE, JobRecords, Retention
-from layerdiff.common.artifacts import upload
 from layerdiff.client.api import AnalyzerClient, run
+from layerdiff.common.artifacts import upload
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
@@ -278,7 +278,6 @@ def test_job_records_alone(tmp_path):
 
 def test_an_interrupted_jobs_broker_keys_are_dropped_and_a_dead_broker_holds_nothing_up(tmp_path):
     import redis
-
     from test_distributed import RedisServer
 
     workdir = tmp_path / "analyzer"

@@ -8,6 +8,8 @@ import csv
 
 import numpy as np
 import pytest
+from conftest import small_cnn
+from test_distributed import cluster  # noqa: F401  (a fixture: Redis, two workers, both analyzers)
 
 from layerdiff.analyzer.align import layout as L
 from layerdiff.analyzer.compare.node import SkipNode, compare_node, reconcile
@@ -15,9 +17,6 @@ from layerdiff.analyzer.compare.tolerances import Tolerance
 from layerdiff.client.api import run
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.live.onnxrt import LiveRunner
-
-from conftest import small_cnn
-from test_distributed import cluster  # noqa: F401  (a fixture: Redis, two workers, both analyzers)
 
 NHWC = (0, 3, 1, 2)     # dev.transpose(NHWC) is the NCHW reference
 

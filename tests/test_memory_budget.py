@@ -10,13 +10,12 @@ import json
 import numpy as np
 import onnx
 import pytest
+from test_impact import FEEDS, encoder
+from test_stream_order import reports
 
 from layerdiff.analyzer.service import AnalyzerServer
 from layerdiff.client.api import run
 from layerdiff.collector.service import CollectorServer
-
-from test_impact import FEEDS, encoder
-from test_stream_order import reports
 
 
 @pytest.fixture(scope="module")

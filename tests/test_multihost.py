@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from netns import Network, remove_leftovers, require_netns
 from test_distributed import _reports
 from test_security import ADMIN, ALICE, SERVICE, _openssl

@@ -14,15 +14,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import small_cnn
 
 from layerdiff.client.api import AnalyzerClient, run
-from layerdiff.collector.perf.counters import dump_perf_records
 from layerdiff.collector.live.profile import parse_profile
+from layerdiff.collector.perf.counters import dump_perf_records
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.perfschema import COUNTER_COLUMNS, PerfRecord, decode_perf, encode_perf
 from layerdiff.v1 import layerdiff_pb2 as pb
-
-from conftest import small_cnn
 
 
 def _csv(path):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import small_cnn
+
 from layerdiff.analyzer.report import plots
 from layerdiff.client.cli import main
 from layerdiff.client.histogram import parse_min_max, write_histograms

@@ -8,11 +8,10 @@ from __future__ import annotations
 import csv
 
 import numpy as np
+from test_impact import FEEDS, _job, encoder, scaled
 
 from layerdiff.client.api import run
 from layerdiff.collector.live.onnxrt import to_int8_qdq
-
-from test_impact import FEEDS, _job, encoder, scaled
 
 
 def _alignment(out) -> list[dict]:

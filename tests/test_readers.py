@@ -7,20 +7,25 @@ import json
 
 import numpy as np
 import pytest
+from conftest import small_cnn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layerdiff.analyzer.align.names import normalize
 from layerdiff.collector.dumps.convert import convert
-from layerdiff.collector.dumps.directory import (DumpDirectory, read_npy, read_npz, read_raw, read_tensor_proto,
-                                        write_dump)
+from layerdiff.collector.dumps.directory import (
+    DumpDirectory,
+    read_npy,
+    read_npz,
+    read_raw,
+    read_tensor_proto,
+    write_dump,
+)
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.collector.service import CollectorClient, CollectorServer
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.schema import TensorAssembler
 from layerdiff.v1 import layerdiff_pb2 as pb
-
-from conftest import small_cnn
 
 
 @pytest.fixture(scope="module")

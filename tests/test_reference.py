@@ -6,13 +6,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import small_cnn
 
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.onnxgraph import cut_segments, estimate_output_bytes, plan_segments
-
-from conftest import small_cnn
 
 
 def _feeds():

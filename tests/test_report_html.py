@@ -15,15 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import small_cnn
-from layerdiff.analyzer.report import explorer
-from layerdiff.analyzer.report import html as htmlreport
-from layerdiff.analyzer.report import listing
-from layerdiff.analyzer.report import plots
+
 from layerdiff.analyzer.compare.node import compare_node
-from layerdiff.analyzer.report.files import Row, node_summary
 from layerdiff.analyzer.compare.tolerances import Tolerance
+from layerdiff.analyzer.report import explorer, listing, plots
+from layerdiff.analyzer.report import html as htmlreport
+from layerdiff.analyzer.report.files import Row, node_summary
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import tensor_sites
@@ -304,7 +302,7 @@ def test_listing_in_the_debug_script_layout(report):
     assert len(lines) == len(summary["nodes"])
     conv1 = next(l for l in lines if l.startswith("0.conv1 "))
     n = summary["nodes"][0]
-    assert f"OP_TYPE:Conv" in conv1
+    assert "OP_TYPE:Conv" in conv1
     assert f"MSE:{n['mse']:.6f}" in conv1 and f"COS:{n['cosine']:.6f}" in conv1 and f"RMSE:{n['rmse']:.6f}" in conv1
     first = next(l for l in lines if "<- first failing node" in l)
     assert first.startswith("2.conv2 ") and "FAIL computation error (weight)" in first

@@ -3,8 +3,8 @@ directory, readable, and unique."""
 from __future__ import annotations
 
 from layerdiff.analyzer.align.names import Aligner, normalize
-from layerdiff.common.names import safe_filename
 from layerdiff.analyzer.compare.tolerances import Tolerances
+from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import TensorSite
 
 

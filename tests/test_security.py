@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ServiceProcess, small_cnn
 
 ALICE, BOB, ADMIN, SERVICE = ("alice-token-0123456789", "bob-token-0123456789abc", "admin-token-0123456789",

@@ -15,9 +15,9 @@ import time
 import numpy as np
 import onnx
 import pytest
-
 from conftest import ROOT, ServiceProcess, small_cnn, wait_for
 from test_distributed import RedisServer, _workers_ready, start_worker
+
 from layerdiff.client.api import run
 
 sys.path.insert(0, str(ROOT / "bench"))

@@ -18,17 +18,17 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import ServiceProcess, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import numpy_helper
+from test_distributed import RedisServer, start_worker
+from test_distributed import _workers_ready as workers_ready
 
 from layerdiff.client.api import run
 from layerdiff.client.demo import packaged_model
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.live.onnxrt import LiveRunner
-
-from conftest import ServiceProcess, wait_for
-from test_distributed import RedisServer, _workers_ready as workers_ready, start_worker
 
 PLANTED = "p2o.Conv.31"
 

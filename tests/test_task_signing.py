@@ -38,14 +38,13 @@ import uuid
 import numpy as np
 import pytest
 import redis
+from conftest import ServiceProcess, wait_for
+from test_distributed import RedisServer, _pings
 
 from layerdiff.analyzer.execute.celery_app import QUEUE, SIGNED_CONTENT_TYPE, TASK, make_app, sign
 from layerdiff.analyzer.execute.store import TensorStore
 from layerdiff.client.api import run
 from layerdiff.common.errors import UnavailableError
-
-from conftest import ServiceProcess, wait_for
-from test_distributed import RedisServer, _pings
 
 SECRET = "test-secret-" + "5f0c6a1e9b7d43a8a2e1c0ffee42d00d"
 OTHER = "other-secret-" + "0123456789abcdef0123456789abcdef"

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import small_cnn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +16,6 @@ from layerdiff.collector.dumps.directory import DumpDirectory, concat_axis, read
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.schema import NodeRecord
-
-from conftest import small_cnn
 
 
 @pytest.fixture(scope="module")

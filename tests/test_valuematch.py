@@ -6,16 +6,15 @@ import csv
 
 import numpy as np
 import pytest
+from conftest import small_cnn
 from onnx import TensorProto, helper, numpy_helper
 
 from layerdiff.analyzer.align.layout import LayoutVote
-from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.align.values import ValueMatcher
+from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.client.api import run
 from layerdiff.client.demo import det_input, packaged_model
 from layerdiff.collector.live.onnxrt import LiveRunner
-
-from conftest import small_cnn
 
 CNN_X = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
 

@@ -9,8 +9,8 @@ import time
 import numpy as np
 
 from layerdiff.client.api import run
-from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.collector.dumps.watch import watch_records
+from layerdiff.collector.live.onnxrt import LiveRunner
 
 
 def _slow_writer(root, records, done_manifest=True, leave_last_cut=False):

@@ -22,14 +22,13 @@ import time
 import numpy as np
 import onnx
 import pytest
+from conftest import ServiceProcess, small_cnn, wait_for
+from netns import Hosts, remove_leftovers, require_netns
+from test_distributed import RedisServer, _workers_ready
 
 from layerdiff.client.api import run
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.v1 import layerdiff_pb2 as pb
-
-from conftest import ServiceProcess, small_cnn, wait_for
-from netns import Hosts, remove_leftovers, require_netns
-from test_distributed import RedisServer, _workers_ready
 
 # Large enough that every activation goes through the tensor endpoint;
 # chunks small enough that the 1-2 MiB activations are cut and merged.

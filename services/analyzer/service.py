@@ -8,12 +8,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-
 from layerdiff import __version__
 from layerdiff.analyzer.jobs.runner import JobRunner
 from layerdiff.common.artifacts import ArtifactStore
-from layerdiff.common.memory import release_freed_tensors_to_system
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, abort_with
+from layerdiff.common.memory import release_freed_tensors_to_system
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES, bind, make_server, serve_health
 from layerdiff.common.security import ServerSecurity, grpc_identity, grpc_interceptors
 from layerdiff.v1 import layerdiff_pb2 as pb

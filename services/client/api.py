@@ -21,10 +21,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import numpy as np

@@ -26,12 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from layerdiff import CUR_NPU_NODENAME_FILENAME  # noqa: F401  (the seed imports it with the calls)
 from layerdiff.client.api import read_artifact
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import GraphInput
-
-from layerdiff import CUR_NPU_NODENAME_FILENAME  # noqa: F401  (the seed imports it with the calls)
 
 
 def tf_dump_fmap(model_path, input_map: dict, feed_dict: dict, npu_nodename_filename=None,

@@ -22,27 +22,27 @@ import os
 import re
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from layerdiff import __version__
-from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.collector.dumps.directory import DumpDirectory
-from layerdiff.collector.live.onnxrt import LiveRunner
-from layerdiff.collector.perf.counters import dump_perf_records
-from layerdiff.collector.live.profile import profile_model
-from layerdiff.collector.stream import DEFAULT_HEARTBEAT_S, OutgoingStream
+from layerdiff.collector.dumps.roots import DumpRoots
 from layerdiff.collector.dumps.watch import watch_records
-from layerdiff.common.memory import release_freed_tensors_to_system
+from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.collector.live.profile import profile_model
+from layerdiff.collector.perf.counters import dump_perf_records
+from layerdiff.collector.stream import DEFAULT_HEARTBEAT_S, OutgoingStream
+from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, Unauthenticated, UnavailableError
+from layerdiff.common.memory import release_freed_tensors_to_system
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from layerdiff.common.onnxgraph import load_inputs, runtime_ready
 from layerdiff.common.perfschema import PERF_SCHEMA, PerfEncoder, PerfRecord
 from layerdiff.common.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
-from layerdiff.collector.dumps.roots import DumpRoots
 from layerdiff.common.security import ClientSecurity, ServerSecurity, flight_middleware, is_loopback
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -252,9 +252,9 @@ class CollectorServer:
         if health_port is None and os.environ.get("LAYERDIFF_HEALTH_PORT", "").strip():
             health_port = int(os.environ["LAYERDIFF_HEALTH_PORT"])
         if health_port is not None:
-            from layerdiff.common.net import bind, make_server, serve_health
-
             from grpc_health.v1 import health_pb2
+
+            from layerdiff.common.net import bind, make_server, serve_health
 
             self._health_server = make_server(max_workers=2)
             self.health = serve_health(self._health_server)

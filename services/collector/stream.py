@@ -23,7 +23,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.flight as flight

@@ -16,8 +16,8 @@ import shutil
 import tempfile
 import threading
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from layerdiff.common.errors import LayerdiffError, LimitError, NotFoundError
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES
@@ -133,7 +133,7 @@ class ArtifactStore:
             return False
         return True
 
-    def link_from(self, other: "ArtifactStore", artifact_id: str) -> None:
+    def link_from(self, other: ArtifactStore, artifact_id: str) -> None:
         """Hold what another store of this process holds (the embedded
         collector takes the analyzer's artifacts so): a hard link where both
         lie on one file system, a copy elsewhere; nothing if already held."""

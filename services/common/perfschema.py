@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import pyarrow as pa
 
@@ -85,7 +85,7 @@ class PerfRecord:
     source: str = ""
 
     @classmethod
-    def error(cls, name: str, message: str, source: str = "") -> "PerfRecord":
+    def error(cls, name: str, message: str, source: str = "") -> PerfRecord:
         return cls(name=name, status=STATUS_ERROR, message=message, source=source)
 
     @property

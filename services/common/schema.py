@@ -16,8 +16,8 @@ an execution order (the ``order`` column says what the sender knows).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -97,11 +97,11 @@ class NodeRecord:
     extra: dict = field(default_factory=dict)
     # The receive buffer behind ``array`` on the analyzer side: the record
     # holds one reference; whoever keeps reading the array retains its own.
-    lease: "BufferLease | None" = None
+    lease: BufferLease | None = None
 
     @classmethod
     def error(cls, name: str, message: str, op_type: str = "", order: int = -1, node: str = "",
-              status: str = STATUS_ERROR, role: str = ROLE_OUTPUT, slot: int = 0) -> "NodeRecord":
+              status: str = STATUS_ERROR, role: str = ROLE_OUTPUT, slot: int = 0) -> NodeRecord:
         return cls(name=name, op_type=op_type, order=order, status=status, message=message, node=node, role=role,
                    slot=slot)
 
@@ -249,7 +249,7 @@ class BufferLease:
 
     __slots__ = ("_buffer", "_pool", "_holders", "_lock")
 
-    def __init__(self, buffer: np.ndarray, pool: "BufferPool | None" = None) -> None:
+    def __init__(self, buffer: np.ndarray, pool: BufferPool | None = None) -> None:
         self._buffer: np.ndarray | None = buffer
         self._pool = pool
         self._holders = 1
@@ -259,7 +259,7 @@ class BufferLease:
     def holders(self) -> int:
         return self._holders
 
-    def retain(self) -> "BufferLease":
+    def retain(self) -> BufferLease:
         with self._lock:
             if self._holders <= 0:
                 raise RuntimeError("a receive buffer was retained after its last release")

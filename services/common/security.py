@@ -90,7 +90,7 @@ class Tokens:
     admins: tuple[str, ...]
 
     @classmethod
-    def parse(cls, text: str, source: str) -> "Tokens":
+    def parse(cls, text: str, source: str) -> Tokens:
         users, admins = [], []
         for n, line in enumerate(text.splitlines(), start=1):
             line = line.split("#", 1)[0].strip()
@@ -147,7 +147,7 @@ class ServerSecurity:
 
     @classmethod
     def from_env(cls, *, token: str | None = None, token_file: str | None = None, cert: str | None = None,
-                 key: str | None = None, ca: str | None = None) -> "ServerSecurity":
+                 key: str | None = None, ca: str | None = None) -> ServerSecurity:
         token, token_file = _setting(token, "LAYERDIFF_TOKEN"), _setting(token_file, "LAYERDIFF_TOKEN_FILE")
         cert, key, ca = (_setting(cert, "LAYERDIFF_TLS_CERT"), _setting(key, "LAYERDIFF_TLS_KEY"),
                          _setting(ca, "LAYERDIFF_TLS_CA"))
@@ -217,7 +217,7 @@ class ClientSecurity:
         return self.ca is not None
 
     @classmethod
-    def from_env(cls, *, token: str | None = None, ca: str | None = None) -> "ClientSecurity":
+    def from_env(cls, *, token: str | None = None, ca: str | None = None) -> ClientSecurity:
         token = _setting(token, "LAYERDIFF_TOKEN")
         if token is None:
             token_file = _setting(None, "LAYERDIFF_TOKEN_FILE")

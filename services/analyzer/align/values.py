@@ -56,9 +56,9 @@ go, or earlier at the cap.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterable
 
 import numpy as np
 

@@ -108,8 +108,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Iterable
 
 import numpy as np
 from llvmlite import binding as _llvm
@@ -218,7 +218,7 @@ class NodeMetrics:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict) -> "NodeMetrics":
+    def from_dict(cls, d: dict) -> NodeMetrics:
         kw = {f.name: d[f.name] for f in fields(cls)}
         kw["first_mismatch_index"] = tuple(kw["first_mismatch_index"])
         kw["shape"] = tuple(kw["shape"])
@@ -309,7 +309,7 @@ class Accumulator:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Accumulator":
+    def from_dict(cls, d: dict) -> Accumulator:
         kw = {}
         for f in fields(cls):
             if f.name in d:
@@ -322,7 +322,7 @@ class Accumulator:
         return iv, fv
 
     @classmethod
-    def _from_arrays(cls, iv, fv, atol, rtol) -> "Accumulator":
+    def _from_arrays(cls, iv, fv, atol, rtol) -> Accumulator:
         kw = {k: int(v) for k, v in zip(_INT_FIELDS, iv.tolist())}
         kw.update({k: float(v) for k, v in zip(_FLOAT_FIELDS, fv.tolist())})
         return cls(atol=float(atol), rtol=float(rtol), **kw)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from layerdiff.analyzer.align import layout as L
-from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.align.layout import LayoutVote
+from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.compare.tolerances import Tolerance
 
 

@@ -291,8 +291,8 @@ def compare_batch(self, job_id: str, items: list[dict]) -> list[dict]:
     import redis
 
     from layerdiff.analyzer.compare.node import SkipNode, compare_chunk, compare_node
-    from layerdiff.analyzer.execute.store import PayloadError
     from layerdiff.analyzer.compare.tolerances import Tolerance
+    from layerdiff.analyzer.execute.store import PayloadError
     from layerdiff.common.errors import LayerdiffError
 
     worker = getattr(self.request, "hostname", None) or f"pid {os.getpid()}"

@@ -41,9 +41,15 @@ import redis
 from kombu.exceptions import OperationalError
 
 from layerdiff.analyzer.compare import metrics as M
-from layerdiff.analyzer.execute.celery_app import QUEUE, TASK, make_app
 from layerdiff.analyzer.compare.node import NodeOutcome, SkipNode, chunk_bounds, merge_chunks, reconcile
-from layerdiff.analyzer.execute.store import FLIGHT_MIN_BYTES, TensorStore, drop_from_endpoint, mask_url, tensor_endpoint
+from layerdiff.analyzer.execute.celery_app import QUEUE, TASK, make_app
+from layerdiff.analyzer.execute.store import (
+    FLIGHT_MIN_BYTES,
+    TensorStore,
+    drop_from_endpoint,
+    mask_url,
+    tensor_endpoint,
+)
 from layerdiff.common.errors import LayerdiffError, UnavailableError
 
 log = logging.getLogger(__name__)

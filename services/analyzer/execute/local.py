@@ -22,7 +22,7 @@ class LocalPool:
         self.max_in_flight = 2 * self.max_cores   # each in-flight node holds its tensors
         self._ex = ThreadPoolExecutor(max_workers=self.max_cores, thread_name_prefix="layerdiff-compare")
 
-    def submit(self, ref, dev, tol, diff_cnt, force_compare) -> "Future[NodeOutcome]":
+    def submit(self, ref, dev, tol, diff_cnt, force_compare) -> Future[NodeOutcome]:
         return self._ex.submit(compare_node, ref, dev, tol, diff_cnt, force_compare)
 
     def cancel(self) -> None:

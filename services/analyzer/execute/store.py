@@ -184,7 +184,7 @@ class TensorStore:
         collector."""
         self.r.close()
 
-    def __enter__(self) -> "TensorStore":
+    def __enter__(self) -> TensorStore:
         return self
 
     def __exit__(self, *exc) -> None:

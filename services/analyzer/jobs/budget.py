@@ -25,7 +25,7 @@ class MemoryBudget:
     total: int = MEMORY_BUDGET_DEFAULT
 
     @classmethod
-    def from_env(cls) -> "MemoryBudget":
+    def from_env(cls) -> MemoryBudget:
         return cls(env_limit("LAYERDIFF_MEMORY_BUDGET", MEMORY_BUDGET_DEFAULT, size=True))
 
     @property

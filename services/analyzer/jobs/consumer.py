@@ -25,19 +25,19 @@ in, nor on the executor or its core count.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from layerdiff.analyzer.align import layout as L
-from layerdiff.analyzer.jobs.budget import MemoryBudget
+from layerdiff.analyzer.align.values import ValueMatcher
 from layerdiff.analyzer.compare.node import SkipNode
 from layerdiff.analyzer.diagnose.verdicts import NodeExaminer
+from layerdiff.analyzer.jobs.budget import MemoryBudget
 from layerdiff.analyzer.report.files import JobReport, Row
-from layerdiff.analyzer.align.values import ValueMatcher
 from layerdiff.common.onnxgraph import TensorSite
 from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, NodeRecord
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -73,7 +73,7 @@ class CollectorStream:
         self._watchdog.start()
 
     # ------------------------------------------------------------------ open
-    def open(self) -> "CollectorStream":
+    def open(self) -> CollectorStream:
         """Start the capture. The collector answers once its source has
         started (a few seconds at most); a call left unanswered for the
         liveness interval is a collector that cannot be reached."""

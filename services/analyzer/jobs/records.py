@@ -25,9 +25,9 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from layerdiff.common.errors import EXIT_NO_ANSWER, LayerdiffError
 from layerdiff.common.settings import parse_bytes
@@ -72,7 +72,7 @@ class Retention:
     grace_s: float = 300.0            # LAYERDIFF_RETAIN_GRACE_S: never deleted for size when younger
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> "Retention":
+    def from_env(cls, env: dict | None = None) -> Retention:
         env = os.environ if env is None else env
         d = cls()
         return cls(days=_number(env, "LAYERDIFF_RETAIN_DAYS", d.days),

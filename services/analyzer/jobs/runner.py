@@ -22,31 +22,37 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.align.names import Aligner
-from layerdiff.analyzer.jobs.consumer import StreamConsumer
+from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.compare.coverage import MIN_COVERAGE_DEFAULT
-from layerdiff.analyzer.reference.dump import DumpReference
+from layerdiff.analyzer.compare.tolerances import Tolerances
 from layerdiff.analyzer.diagnose.impact import ImpactRunner, InjectedValues
-from layerdiff.common.security import check_collector_allowed
-from layerdiff.common.settings import env_limit
-from layerdiff.analyzer.jobs.records import JobRecords, Retention, drop_broker_keys, is_disk_full
 from layerdiff.analyzer.diagnose.minmax import parse_min_max
-from layerdiff.analyzer.report.perf import PerfSettings, check_perf_options
-from layerdiff.analyzer.jobs.receive import CollectorStream, upload_timeout
 from layerdiff.analyzer.execute.local import LocalPool
-from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.jobs.budget import MemoryBudget
+from layerdiff.analyzer.jobs.consumer import StreamConsumer
+from layerdiff.analyzer.jobs.receive import CollectorStream, upload_timeout
+from layerdiff.analyzer.jobs.records import JobRecords, Retention, drop_broker_keys, is_disk_full
+from layerdiff.analyzer.reference.dump import DumpReference
+from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
 from layerdiff.analyzer.reference.tf import TFReference, open_reference
 from layerdiff.analyzer.report.files import JobReport, write_report
-from layerdiff.analyzer.compare.tolerances import Tolerances
-from layerdiff.common.artifacts import ArtifactStore
-from layerdiff.common.errors import (EXIT_BAD_INPUT, EXIT_NO_ANSWER, LayerdiffError, LimitError, NotFoundError,
-                              UnavailableError)
-from layerdiff.common.onnxgraph import load_inputs
+from layerdiff.analyzer.report.perf import PerfSettings, check_perf_options
 from layerdiff.collector.service import CollectorClient
+from layerdiff.common.artifacts import ArtifactStore
+from layerdiff.common.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_NO_ANSWER,
+    LayerdiffError,
+    LimitError,
+    NotFoundError,
+    UnavailableError,
+)
+from layerdiff.common.onnxgraph import load_inputs
 from layerdiff.common.schema import BufferPool, TensorAssembler, check_dump_mode
+from layerdiff.common.security import check_collector_allowed
+from layerdiff.common.settings import env_limit
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -108,7 +114,7 @@ class Job:
                 "precision": s.precision, "device": s.device, "dump_path": s.dump_path, "owner": self.owner}
 
     @classmethod
-    def from_record(cls, rec: dict, report_dir: Path) -> "Job":
+    def from_record(cls, rec: dict, report_dir: Path) -> Job:
         """A job read back from its record: finished, with its final event."""
         state = pb.JobState.Value(rec["state"])
         spec = pb.JobSpec(model_name=str(rec.get("model") or ""), collector=str(rec.get("collector") or ""),

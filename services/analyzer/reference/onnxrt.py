@@ -14,9 +14,20 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.onnxgraph import (TensorSite, check_inputs, consumer_map, estimate_output_bytes, expose_all_outputs,
-                                 expose_only, lean_session, load_model, node_runtime, plan_segments, tensor_sites,
-                                 WeightSplit)
+from layerdiff.common.onnxgraph import (
+    TensorSite,
+    WeightSplit,
+    check_inputs,
+    consumer_map,
+    estimate_output_bytes,
+    expose_all_outputs,
+    expose_only,
+    lean_session,
+    load_model,
+    node_runtime,
+    plan_segments,
+    tensor_sites,
+)
 
 
 def reference_session(model: onnx.ModelProto, edit=None, quiet: bool = False,

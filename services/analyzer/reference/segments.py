@@ -206,7 +206,7 @@ class SegmentedReference:
         self._outputs = {o.name for o in model.graph.output} if model is not None else set()
         self._kept_outputs: dict[str, np.ndarray] = {}
 
-    def ensure(self, upto: int) -> "SegmentedReference":
+    def ensure(self, upto: int) -> SegmentedReference:
         with self._lock:
             while self.computed <= min(upto, len(self.segments) - 1) and not self._closed:
                 i = self.computed

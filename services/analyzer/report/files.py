@@ -22,12 +22,12 @@ from pathlib import Path
 
 from layerdiff import __version__
 from layerdiff.analyzer.compare import coverage
+from layerdiff.analyzer.compare.node import NodeOutcome
 from layerdiff.analyzer.diagnose import verdicts as diagnose
 from layerdiff.analyzer.diagnose import weights as weights_mod
-from layerdiff.analyzer.compare.node import NodeOutcome
 from layerdiff.common.names import safe_filename
-from layerdiff.common.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
 from layerdiff.common.onnxgraph import TensorSite
+from layerdiff.common.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
 
 SEED_COLUMNS = ["op_name", "nan/inf", "errors/total", "1st_diff_offset/offset_dim/data_shape", "ref_value",
                 "npu_value", "max_abs_err", "mean_abs_err", "max_abs_total", "mean_abs_total", "mean", "std", "rms"]

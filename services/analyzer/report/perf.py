@@ -31,7 +31,12 @@ from functools import cached_property
 from pathlib import Path
 
 from layerdiff.analyzer.align.names import Aligner
-from layerdiff.collector.live.profile import DEFAULT_GRAPH_OPTIMIZATION, DEFAULT_RUNS, MAX_RUNS, check_graph_optimization
+from layerdiff.collector.live.profile import (
+    DEFAULT_GRAPH_OPTIMIZATION,
+    DEFAULT_RUNS,
+    MAX_RUNS,
+    check_graph_optimization,
+)
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.names import safe_filename
 from layerdiff.common.perfschema import COUNTER_COLUMNS, PerfRecord, decode_perf

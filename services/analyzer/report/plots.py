@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import re
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 

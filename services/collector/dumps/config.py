@@ -50,7 +50,7 @@ class DumpConfig:
     overflow_only: bool = False
 
     @classmethod
-    def parse(cls, text: str, model_names: set[str], shown: str = "acl.json") -> "DumpConfig":
+    def parse(cls, text: str, model_names: set[str], shown: str = "acl.json") -> DumpConfig:
         try:
             doc = json.loads(text)
         except ValueError as e:
@@ -98,7 +98,7 @@ class DumpConfig:
         return cls(str(Path(path)), "all" if overflow_only else mode, layers, op_switch, debug, overflow_only)
 
     @classmethod
-    def load(cls, path: str | Path, model_names: set[str]) -> "DumpConfig":
+    def load(cls, path: str | Path, model_names: set[str]) -> DumpConfig:
         p = Path(path)
         try:
             text = p.read_text(encoding="utf-8")

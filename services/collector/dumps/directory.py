@@ -45,14 +45,22 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
 from layerdiff.common.errors import LayerdiffError, NotFoundError
-from layerdiff.common.schema import (ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, STATUS_CHECK_SKIP,
-                              STATUS_CONCAT_SKIP, NodeRecord, span_bytes)
+from layerdiff.common.schema import (
+    ALLOWED_DTYPES,
+    DEFAULT_MAX_TENSOR_BYTES,
+    ROLE_INPUT,
+    ROLE_OUTPUT,
+    STATUS_CHECK_SKIP,
+    STATUS_CONCAT_SKIP,
+    NodeRecord,
+    span_bytes,
+)
 
 MANIFEST = "manifest.json"
 FORMATS = ("npy", "npz", "onnx", "bin", "h5", "ascend")
@@ -695,8 +703,7 @@ def write_dump(directory: str | Path, records: Iterable[NodeRecord], fmt: str = 
 def _write_ascend(root: Path, kept: list[tuple[int, NodeRecord]]) -> Path:
     """One vendor dump file per node ({time}/{device_id}/{model_id}/{data_index}
     layout), and an overflow record for every node flagged as overflowing."""
-    from layerdiff.collector.dumps import ascend
-    from layerdiff.collector.dumps import overflow
+    from layerdiff.collector.dumps import ascend, overflow
 
     leaf = ascend.leaf_dir(root)
     leaf.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ class DumpRoots:
     local: bool = False                # the collector serves loopback only
 
     @classmethod
-    def from_env(cls, value: str | None = None, *, local: bool) -> "DumpRoots":
+    def from_env(cls, value: str | None = None, *, local: bool) -> DumpRoots:
         raw = value if value is not None else os.environ.get("LAYERDIFF_DUMP_ROOTS", "")
         parts = [p.strip() for p in raw.split(":") if p.strip()]
         if not parts:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from layerdiff.collector.dumps.directory import MANIFEST, DumpDirectory
 from layerdiff.common.errors import LayerdiffError, NotFoundError

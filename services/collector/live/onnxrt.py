@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -26,8 +26,18 @@ from onnx import numpy_helper
 
 from layerdiff.collector.live.devices import resolve_provider
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.onnxgraph import (TensorSite, check_inputs, estimate_output_bytes, expose_only, graph_inputs,
-                                 lean_session, load_model, plan_segments, tensor_sites, WeightSplit)
+from layerdiff.common.onnxgraph import (
+    TensorSite,
+    WeightSplit,
+    check_inputs,
+    estimate_output_bytes,
+    expose_only,
+    graph_inputs,
+    lean_session,
+    load_model,
+    plan_segments,
+    tensor_sites,
+)
 from layerdiff.common.schema import ROLE_INPUT, NodeRecord, check_dump_mode
 
 log = logging.getLogger(__name__)

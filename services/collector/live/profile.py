@@ -25,8 +25,8 @@ import bisect
 import json
 import math
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import onnx
@@ -34,7 +34,6 @@ import onnxruntime as ort
 
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.perfschema import PerfRecord, shapes_json
-
 
 DEFAULT_RUNS = 5
 MAX_RUNS = 1000

@@ -12,7 +12,7 @@ precision graph) reach the report as device names without a reference node.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from layerdiff.collector.live.profile import parse_profile
 from layerdiff.common.errors import NotFoundError
