@@ -22,7 +22,7 @@ setup:
 stubs:
 	proto/generate.sh $(BIN)/python
 
-test:
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # mypy reads the package as it imports: layerdiff is services/, with the

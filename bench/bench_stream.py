@@ -109,7 +109,7 @@ _FLIGHT_SINK = r"""
 import pyarrow.flight as flight
 class Sink(flight.FlightServerBase):
     def do_put(self, context, descriptor, reader, writer):
-        for chunk in reader:
+        for _chunk in reader:
             pass
 s = Sink("grpc://127.0.0.1:0")
 print(s.port, flush=True)
@@ -119,7 +119,7 @@ s.serve()
 
 class _Sink(flight.FlightServerBase):
     def do_put(self, context, descriptor, reader, writer):
-        for chunk in reader:
+        for _chunk in reader:
             pass
 
 
@@ -181,7 +181,8 @@ def main(argv=None) -> dict:
     print(f"(a) streaming {total / 2**20:.0f} MiB in {a.chunk / 2**20:.1f} MiB messages")
     print(f"    layerdiff Capture  {ours / 1e9:6.2f} GB/s")
     print(f"    loopback TCP       {tcp / 1e9:6.2f} GB/s   ratio {ours / tcp:.2f}  (goal >= 0.35)")
-    print(f"    Flight DoPut       {fl / 1e9:6.2f} GB/s   ratio {ours / fl:.2f}  (goal >= 0.9; sink in another process)")
+    print(f"    Flight DoPut       {fl / 1e9:6.2f} GB/s   ratio {ours / fl:.2f}  "
+          "(goal >= 0.9; sink in another process)")
     print(f"    Flight DoPut       {fl_same / 1e9:6.2f} GB/s   ratio {ours / fl_same:.2f}  (sink in this process)")
     print(json.dumps({"stream": res}))
     return res

@@ -25,7 +25,8 @@ def minilm(layers: int = 12, hidden: int = 384, heads: int = 12, seq: int = 16, 
 
     def dense(x, n_in, n_out, name):
         w = const(f"{name}.w", rng.standard_normal((n_in, n_out)) / np.sqrt(n_in))
-        return node("Add", [node("MatMul", [x, w], f"{name}/matmul"), const(f"{name}.b", rng.standard_normal(n_out) * .1)],
+        bias = const(f"{name}.b", rng.standard_normal(n_out) * .1)
+        return node("Add", [node("MatMul", [x, w], f"{name}/matmul"), bias],
                     f"{name}/add")
 
     def norm(x, name):

@@ -47,7 +47,8 @@ def small_cnn(bug: bool = False, side: int = 16, width: int = 8) -> onnx.ModelPr
         return name
 
     def conv(name, x, cin, cout, out):
-        return helper.make_node("Conv", [x, w(f"{name}.weight", (cout, cin, 3, 3), 0.2), w(f"{name}.bias", (cout,), 0.1)],
+        weight, bias = w(f"{name}.weight", (cout, cin, 3, 3), 0.2), w(f"{name}.bias", (cout,), 0.1)
+        return helper.make_node("Conv", [x, weight, bias],
                                 [out], name=name, pads=[1, 1, 1, 1])
 
     nodes = [conv("conv1", "input", 3, c, "c1"), helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
@@ -100,7 +101,7 @@ def bench_soak(work: Path, jobs: int, settle_s: float) -> dict:
         pids = {"collector": collector.pid, "analyzer": analyzer.pid}
         rows = {name: [sample(pid)] for name, pid in pids.items()}
         conns, walls, first_node = [], [], None
-        for i in range(jobs):
+        for _ in range(jobs):
             t = time.perf_counter()
             res = run(model, inputs, device_model=device, analyzer=aaddr, collector=caddr, out=work / "out",
                       progress=False)

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from layerdiff.client.api import AnalyzerClient
+from layerdiff.client.analyzer_client import AnalyzerClient
 from layerdiff.collector.service import CollectorClient
 from layerdiff.common.net import channel
 from layerdiff.v1 import layerdiff_pb2 as pb

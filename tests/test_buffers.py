@@ -11,7 +11,7 @@ from layerdiff.analyzer.align.names import Aligner
 from layerdiff.analyzer.compare.tolerances import Tolerances
 from layerdiff.analyzer.execute.local import LocalPool
 from layerdiff.analyzer.jobs.consumer import StreamConsumer
-from layerdiff.analyzer.jobs.runner import Prepared
+from layerdiff.analyzer.jobs.prepare import Prepared
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
 from layerdiff.analyzer.report.files import JobReport

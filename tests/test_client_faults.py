@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import ServiceProcess, wait_for
 
-from layerdiff.client.api import AnalyzerClient
+from layerdiff.client.analyzer_client import AnalyzerClient
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
@@ -88,6 +88,19 @@ def _wait_state(analyzer: str, job_id: str, states, timeout=60.0) -> pb.JobEvent
 def _no_traceback(*texts):
     for t in texts:
         assert "Traceback" not in t, t
+
+
+def _interrupt(proc, again_after: float | None = None, timeout: float = 30) -> tuple[str, str]:
+    """Ctrl-C (and again ``again_after`` seconds later): the command ends
+    with status 130 and no traceback; its (stdout, stderr)."""
+    proc.send_signal(signal.SIGINT)
+    if again_after is not None:
+        time.sleep(again_after)
+        proc.send_signal(signal.SIGINT)
+    out, err = _finish(proc, timeout=timeout)
+    assert proc.returncode == 130, out + err
+    _no_traceback(out, err)
+    return out, err
 
 
 def _report_lines(stdout: str) -> list[str]:
@@ -177,12 +190,9 @@ def test_ctrl_c_cancels_the_job_in_one_line(services, det_files, tmp_path):
     try:
         line, job = _job_line(proc)
         _wait_state(analyzer.address, job, {pb.COMPARING})
-        proc.send_signal(signal.SIGINT)
-        out, err = _finish(proc, timeout=30)
+        out, err = _interrupt(proc)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err
-    _no_traceback(out, err)
     assert err.splitlines() == [f"layerdiff: interrupted; job {job} cancelled"], err
     assert _wait_state(analyzer.address, job, {pb.DONE, pb.FAILED, pb.CANCELLED}, timeout=10).state == pb.CANCELLED
 
@@ -203,14 +213,9 @@ def test_ctrl_c_twice_while_uploading_or_submitting(services, det_files, tmp_pat
     try:
         assert wait_for(lambda: {str(p) for p in _files(state)} - before or proc.poll() is not None,
                         timeout=60, every=0.005)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        out, err = _finish(proc, timeout=30)
+        out, err = _interrupt(proc, again_after=0.05)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err
-    _no_traceback(out, err)
     lines = err.splitlines()
     assert lines[-1].startswith("layerdiff: interrupted") and len(lines) <= 2, err
     jobs = set(re.findall(r"job ([0-9a-f]{16})", err))
@@ -234,12 +239,9 @@ def test_ctrl_c_the_moment_a_job_starts_ends_the_command_every_time(services, cn
         try:
             _, job = _job_line(proc)
             time.sleep(delay)
-            proc.send_signal(signal.SIGINT)
-            out, err = _finish(proc, timeout=20)
+            out, err = _interrupt(proc, timeout=20)
         finally:
             proc.kill()
-        assert proc.returncode == 130, (i, err)
-        _no_traceback(out, err)
         assert err.splitlines() == [f"layerdiff: interrupted; job {job} cancelled"], (i, err)
 
 
@@ -257,14 +259,11 @@ def test_ctrl_c_with_the_embedded_services_is_immediate(det_files, tmp_path):
         m = re.fullmatch(r"layerdiff: job ([0-9a-f]+)\n", got[0] if got else "")
         assert m, got
         time.sleep(0.5)                      # the device run under way
-        proc.send_signal(signal.SIGINT)
         started = time.monotonic()
-        out, err = _finish(proc, timeout=30)
+        out, err = _interrupt(proc)
         elapsed = time.monotonic() - started
     finally:
         proc.kill()
-    assert proc.returncode == 130, out + err
-    _no_traceback(out, err)
     assert err.splitlines() == [f"layerdiff: interrupted; job {m.group(1)} cancelled"], err
     assert elapsed < 4, elapsed          # (held by the Flight server: the rest of the capture, 6 s and more)
 

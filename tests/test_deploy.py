@@ -401,7 +401,8 @@ def test_worker_probe_is_installed_in_the_image():
 def test_k8s_references_resolve():
     """Volumes, Secrets and their keys, env paths inside mounts, Service selectors and ports."""
     docs = [d for _, d in k8s_documents()]
-    secrets = {(d["metadata"]["namespace"], d["metadata"]["name"]): set(d.get("stringData", {})) | set(d.get("data", {}))
+    secrets = {(d["metadata"]["namespace"], d["metadata"]["name"]):
+               set(d.get("stringData", {})) | set(d.get("data", {}))
                for d in docs if d["kind"] == "Secret"}
     for w in workloads():
         ns, pod = w["metadata"]["namespace"], w["spec"]["template"]["spec"]
@@ -477,7 +478,8 @@ def test_collectors_read_the_host_dump_root_read_only():
     assert roots == [m["mountPath"] for m in mounts]
     assert all(host_paths[m["name"]] == m["mountPath"] for m in mounts), "dump paths mean the same in and out"
     # hostPath and hostPort only here, in the namespace that does not enforce the restricted profile
-    ns = {d["metadata"]["name"]: d["metadata"].get("labels", {}) for _, d in k8s_documents() if d["kind"] == "Namespace"}
+    ns = {d["metadata"]["name"]: d["metadata"].get("labels", {})
+          for _, d in k8s_documents() if d["kind"] == "Namespace"}
     for w in workloads():
         p = w["spec"]["template"]["spec"]
         exposed = any("hostPath" in v for v in p.get("volumes", [])) or any(
@@ -708,7 +710,8 @@ def test_dockerignore_leaves_out_venv_git_and_secrets():
     for path in (".venv", ".venv/bin/python", ".git", ".git/HEAD", "deploy/secrets", "deploy/secrets/ca.key",
                  "deploy/secrets/compose.env", "deploy/.env", "layerdiff.egg-info/PKG-INFO", "build/lib/x.py",
                  "demo-out/report.html", "bench-out/stream.json", ".hypothesis/examples/x", ".pytest_cache/x",
-                 "services/analyzer/compare/__pycache__/metrics.cpython-311.pyc", "proto/layerdiff/v1/layerdiff_pb2.py"):
+                 "services/analyzer/compare/__pycache__/metrics.cpython-311.pyc",
+                 "proto/layerdiff/v1/layerdiff_pb2.py"):
         assert ig.excluded(path), f".dockerignore lets {path} into the build context"
 
 

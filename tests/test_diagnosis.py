@@ -13,7 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 from test_ascend import overflowing_model
 
 from layerdiff.analyzer.diagnose import verdicts as diagnose
-from layerdiff.client.api import format_summary, run
+from layerdiff.client.api import run
+from layerdiff.client.summary_text import format_summary
 
 
 def _rows(out):

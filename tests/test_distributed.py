@@ -19,7 +19,8 @@ import pytest
 import redis
 from conftest import ServiceProcess, wait_for
 
-from layerdiff.client.api import AnalyzerClient, run
+from layerdiff.client.analyzer_client import AnalyzerClient
+from layerdiff.client.api import run
 from layerdiff.common.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -105,7 +106,8 @@ def cluster(tmp_path_factory):
         assert wait_for(lambda: _workers_ready(rs.url, 2), 60), "workers did not come up"
         collector = ServiceProcess("collector", base / "collector")
         procs.append(collector)
-        celery_analyzer = ServiceProcess("analyzer", base / "analyzer-celery", env=dict(env, LAYERDIFF_BROKER_URL=rs.url))
+        celery_analyzer = ServiceProcess("analyzer", base / "analyzer-celery",
+                                         env=dict(env, LAYERDIFF_BROKER_URL=rs.url))
         procs.append(celery_analyzer)
         local_analyzer = ServiceProcess("analyzer", base / "analyzer-local", env=env)
         procs.append(local_analyzer)

@@ -9,7 +9,8 @@ import numpy as np
 import onnx
 import pytest
 
-from layerdiff.client.api import AnalyzerClient, run
+from layerdiff.client.analyzer_client import AnalyzerClient
+from layerdiff.client.api import run
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.v1 import layerdiff_pb2 as pb

@@ -22,7 +22,8 @@ from conftest import ServiceProcess, wait_for
 from netns import Hosts, remove_leftovers, require_netns
 from test_distributed import RedisServer, _workers_ready, frozen, start_worker
 
-from layerdiff.client.api import AnalyzerClient, run
+from layerdiff.client.analyzer_client import AnalyzerClient
+from layerdiff.client.api import run
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.errors import JobFailed
 from layerdiff.v1 import layerdiff_pb2 as pb

@@ -391,7 +391,7 @@ def test_onnxruntime_optimized_copies_pair_by_value(subject, level, tmp_path):
     assert not set(al.fused) & paired
     for ref_t, nodes in al.groups.items():
         assert ref_t in paired and len(nodes) > 1
-    for d, p in al.pairs.items():
+    for p in al.pairs.values():
         if p.method == "fused":
             assert p.ref_tensor in al.groups and "covers" in p.note
     # nothing is left unpaired; blocked NCHWc tensors (ALL on x86) are paired as such, and said so

@@ -17,7 +17,8 @@ import pytest
 from conftest import ServiceProcess, small_cnn, wait_for
 
 from layerdiff.analyzer.jobs.records import RESTARTED_MESSAGE, JobRecords, Retention
-from layerdiff.client.api import AnalyzerClient, run
+from layerdiff.client.analyzer_client import AnalyzerClient
+from layerdiff.client.api import run
 from layerdiff.common.artifacts import upload
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -162,7 +163,7 @@ def test_retention_by_age_and_size_never_takes_a_running_jobs_upload(collector, 
                                                           LAYERDIFF_RETAIN_GRACE_S=0))
         client = AnalyzerClient(an.address)
         for job_id, why in ((j2, "older than 7 days"), (j1, "LAYERDIFF_RETAIN_BYTES")):
-            code, details = _refused(lambda: list(client.watch(job_id, timeout=10)))
+            code, details = _refused(lambda job_id=job_id: list(client.watch(job_id, timeout=10)))
             assert code == grpc.StatusCode.NOT_FOUND and job_id in details and why in details, details
             assert not (jobs / job_id).exists() and not (jobs / f"{job_id}.json").exists()
         assert not (arts / stale_upload).exists()

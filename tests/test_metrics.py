@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from layerdiff.analyzer.compare import kernel as K
 from layerdiff.analyzer.compare import metrics as M
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -449,7 +450,10 @@ def _block_of_nan():
 def _edge_cases():
     f32, f16, f64 = np.float32, np.float16, np.float64
     nan, inf = np.nan, np.inf
-    a = lambda v, t=f32: np.array(v, t)
+
+    def a(v, t=f32):
+        return np.array(v, t)
+
     r_bl, d_bl = _blocky()
     r_bn, d_bn = _block_of_nan()
     return {
@@ -932,7 +936,7 @@ def test_log32_accuracy():
     @njit
     def logs(q, out):
         for i in range(q.size):
-            out[i] = M._log32(q[i])
+            out[i] = K._log32(q[i])
 
     lo = np.array([1e-15], np.float32).view(np.uint32)[0]
     hi = np.array([1e15], np.float32).view(np.uint32)[0]
@@ -1100,10 +1104,10 @@ def test_kernel_exact_on_narrower_targets(target, tmp_path):
 def test_kernel_lanes_follow_target():
     target = os.environ.get("LAYERDIFF_NARROW_TARGET")
     if target is not None:
-        assert M._W == 8
-        assert M._HAS_AVX2 == (target == "avx2") and M._HAS_F16C == (target == "avx2")
+        assert K._W == 8
+        assert K._HAS_AVX2 == (target == "avx2") and K._HAS_F16C == (target == "avx2")
     else:
-        assert M._W == (16 if M._HAS_AVX512 else 8)
+        assert K._W == (16 if K._HAS_AVX512 else 8)
 
 
 def test_device_moments_do_not_cancel_when_the_tensors_disagree():

@@ -16,7 +16,8 @@ import onnxruntime as ort
 import pytest
 from conftest import small_cnn
 
-from layerdiff.client.api import AnalyzerClient, run
+from layerdiff.client.analyzer_client import AnalyzerClient
+from layerdiff.client.api import run
 from layerdiff.collector.live.profile import parse_profile
 from layerdiff.collector.perf.counters import dump_perf_records
 from layerdiff.common.errors import LayerdiffError
@@ -171,13 +172,13 @@ def _known_table(seed=5):
     nodes = [("conv1", "Conv", "0"), ("relu1", "Relu", "0"), ("conv2", "Conv", "1"),
              ("fused_span_3", "Conv", "1"), ("fc", "Gemm", "0")]
     rows = []
-    for run in range(3):
+    for k in range(3):
         for name, op, stream in nodes:
             counters = {c: int(rng.integers(0, 10**6)) for c in COUNTER_COLUMNS}
             counters["mcu_cycle"] = int(rng.integers(10**5, 10**6))
             if name == "conv2":
-                counters["dma1_c1_byte"] = 2**62 + run    # large counters stay exact
-            rows.append({"name": name, "op_type": op, "stream_id": stream, **counters, "core_id": f"c{run}"})
+                counters["dma1_c1_byte"] = 2**62 + k    # large counters stay exact
+            rows.append({"name": name, "op_type": op, "stream_id": stream, **counters, "core_id": f"c{k}"})
     return nodes, rows
 
 
@@ -411,7 +412,7 @@ def test_perf_diff_flags_the_planted_regressions_and_nothing_else(services, cnn_
     rng = np.random.default_rng(11)
     names = [f"node{i}" for i in range(12)]
     base = []
-    for run_ in range(2):
+    for _ in range(2):
         for i, n in enumerate(names):
             c = {k: int(rng.integers(1000, 10**6)) for k in COUNTER_COLUMNS}
             c["mcu_cycle"] = 10**6 + 1000 * i
@@ -511,7 +512,8 @@ def test_watched_dump_counters_are_read_when_the_runtime_is_done(services, cnn_f
 def test_timeline_keeps_overlapping_slices_apart():
     """A source whose start times overlap on one stream: the slice that would
     partly overlap goes to a second lane, never moved, never mis-nested."""
-    from layerdiff.analyzer.report.perf import PerfData, PerfSettings, build_table, timeline
+    from layerdiff.analyzer.report.perf import PerfData, PerfSettings, build_table
+    from layerdiff.analyzer.report.perf_timeline import timeline
 
     recs = [PerfRecord("a", start_us=0.0, dur_us=10.0, stream="s0"), PerfRecord("b", start_us=5.0, dur_us=10.0,
                                                                                  stream="s0"),

@@ -13,14 +13,8 @@ from hypothesis import strategies as st
 
 from layerdiff.analyzer.align.names import normalize
 from layerdiff.collector.dumps.convert import convert
-from layerdiff.collector.dumps.directory import (
-    DumpDirectory,
-    read_npy,
-    read_npz,
-    read_raw,
-    read_tensor_proto,
-    write_dump,
-)
+from layerdiff.collector.dumps.directory import DumpDirectory, write_dump
+from layerdiff.collector.dumps.readers import read_npy, read_npz, read_raw, read_tensor_proto
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.collector.service import CollectorClient, CollectorServer
 from layerdiff.common.errors import LayerdiffError

@@ -53,7 +53,7 @@ def build_summary(out: Path) -> dict:
     failing = [n for n in nodes if not n["passed"]]
     assert failing and failing[0]["node"] == "conv2"
     verdicts = []
-    for i, n in enumerate(nodes):
+    for n in nodes:
         if n["passed"]:
             n.update(verdict=None, evidence=[], cause="")
             continue
@@ -61,7 +61,7 @@ def build_summary(out: Path) -> dict:
             n["isolated"] = {"errors": n["errors"], "total": n["total"], "cosine": n["cosine"],
                              "mean_rel_err": n["mean_rel_err"], "max_abs_diff": n["max_abs_diff"]}
             n.update(verdict="computation error", cause="weight",
-                     evidence=["mean relative error 0.0 on the inputs, %.3g on the output" % n["max_rel_err"],
+                     evidence=[f"mean relative error 0.0 on the inputs, {n['max_rel_err']:.3g} on the output",
                                "re-running conv2 alone on the device's inputs reproduces the error"])
         elif n["node"] == "fc":
             n.update(verdict="accumulated precision error", cause="nan",
@@ -300,15 +300,15 @@ def test_listing_in_the_debug_script_layout(report):
     text = listing.format_listing(summary)
     lines = text.splitlines()
     assert len(lines) == len(summary["nodes"])
-    conv1 = next(l for l in lines if l.startswith("0.conv1 "))
+    conv1 = next(line for line in lines if line.startswith("0.conv1 "))
     n = summary["nodes"][0]
     assert "OP_TYPE:Conv" in conv1
     assert f"MSE:{n['mse']:.6f}" in conv1 and f"COS:{n['cosine']:.6f}" in conv1 and f"RMSE:{n['rmse']:.6f}" in conv1
-    first = next(l for l in lines if "<- first failing node" in l)
+    first = next(line for line in lines if "<- first failing node" in line)
     assert first.startswith("2.conv2 ") and "FAIL computation error (weight)" in first
     # columns line up
-    assert len({l.index("OP_TYPE:") for l in lines}) == 1
-    assert len({l.index(" MSE:") for l in lines}) == 1 and len({l.index(" COS:") for l in lines}) == 1
+    assert len({line.index("OP_TYPE:") for line in lines}) == 1
+    assert len({line.index(" MSE:") for line in lines}) == 1 and len({line.index(" COS:") for line in lines}) == 1
     evil = listing.format_listing({"nodes": [{"node": "a\x1b[31mb\nc", "op_type": "Relu", "order": 0,
                                               "mse": None, "cosine": "inf", "rmse": 1.0, "passed": True}]})
     assert "\x1b" not in evil and "\n" not in evil and "MSE:nan" in evil and "COS:inf" in evil

@@ -22,13 +22,14 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from layerdiff import CUR_NPU_NODENAME_FILENAME, onnx_dump_fmap, tf_dump_fmap  # noqa: E402
-from layerdiff.client.api import AnalyzerClient, run  # noqa: E402
+from layerdiff.client.analyzer_client import AnalyzerClient  # noqa: E402
+from layerdiff.client.api import run  # noqa: E402
 from layerdiff.client.cli import main as cli_main  # noqa: E402
 from layerdiff.collector.dumps.directory import DumpDirectory, write_dump  # noqa: E402
 from layerdiff.collector.live.tf import TFLiveRunner  # noqa: E402
 from layerdiff.collector.service import CollectorClient  # noqa: E402
 from layerdiff.common.errors import LayerdiffError  # noqa: E402
-from layerdiff.common.tfgraph import pack_directory, unpack_archive  # noqa: E402
+from layerdiff.common.tfarchive import pack_directory, unpack_archive  # noqa: E402
 from layerdiff.v1 import layerdiff_pb2 as pb  # noqa: E402
 
 BUGGY_LAYER = "branch_b"

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layerdiff.client.api import run
-from layerdiff.collector.dumps.directory import DumpDirectory, concat_axis, read_hex, write_tiled_dump
+from layerdiff.collector.dumps.directory import DumpDirectory
+from layerdiff.collector.dumps.tiled import concat_axis, read_hex, write_tiled_dump
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.schema import NodeRecord

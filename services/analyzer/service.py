@@ -70,8 +70,7 @@ class AnalyzerService(pbg.AnalyzerServicer):
                 batch = job.events[max(0, sent - job.dropped):]
                 sent = job.dropped + len(job.events)
                 finished = job.done
-            for ev in batch:
-                yield ev
+            yield from batch
             if finished:
                 return
 

@@ -1,4 +1,8 @@
-"""The ``layerdiff`` command."""
+"""The ``layerdiff`` command: its parser, ``main`` (exit statuses, Ctrl-C,
+one-line errors) and the job subcommands ``run``, ``compare``, ``watch`` and
+``fetch``. The subcommands that run or probe the services are in
+``cli_services``, those that work on local files in ``cli_tools``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +12,13 @@ import signal
 import sys
 import threading
 
+from layerdiff.client.cli_services import add_health, add_service, add_worker
+from layerdiff.client.cli_tools import add_convert, add_dump, add_histogram, add_overflow, add_perf_diff
+
 # gRPC's own log lines (a failed TLS handshake, a refused connection) are not
 # for the user: the command says in one line what went wrong. Set before the
-# first import of grpc.
+# first import of grpc (the subcommand modules above import it only when a
+# subcommand runs).
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 
@@ -193,7 +201,7 @@ def _job_line(a):
 
     def on_job(job_id: str) -> None:
         # a job on running services outlives this process: say how to find it again
-        from layerdiff.client.api import reattach_command
+        from layerdiff.client.follow import reattach_command
 
         if a.analyzer and a.collector:
             line = f"job {job_id} on analyzer {a.analyzer} (reattach: {reattach_command(job_id, a.analyzer)})"
@@ -232,7 +240,7 @@ def _cmd_compare(a) -> int:
 
 def _show(result, listing: bool) -> int:
     """The summary `run`, `watch` and `fetch` print, and their exit status."""
-    from layerdiff.client.api import format_summary
+    from layerdiff.client.summary_text import format_summary
 
     print(format_summary(result.summary, result.out))
     if listing:
@@ -255,227 +263,6 @@ def _cmd_fetch(a) -> int:
     return _show(fetch(a.job_id, analyzer=a.analyzer, out=a.out), a.listing)
 
 
-def _serve(server_cls, a, **kw) -> int:
-    server = server_cls(host=a.host, port=a.port, workdir=a.workdir, **kw)
-    print(f"{a.service} listening on {server.address}", flush=True)
-    stop = lambda *_: server.stop(grace=2.0)  # noqa: E731
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    server.wait()
-    return 0
-
-
-def _add_service(sub, name: str) -> None:
-    p = sub.add_parser(name, help=f"the {name} service")
-    s = p.add_subparsers(dest="action", required=True)
-    serve = s.add_parser("serve", help=f"run the {name} gRPC service")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    serve.add_argument("--workdir", help="private working directory (default: a temporary one)")
-    serve.add_argument("--token-file", help="accepted tokens, one a line (default: LAYERDIFF_TOKEN_FILE)")
-    serve.add_argument("--tls-cert", help="server certificate, PEM (default: LAYERDIFF_TLS_CERT)")
-    serve.add_argument("--tls-key", help="its private key, PEM (default: LAYERDIFF_TLS_KEY)")
-    serve.add_argument("--tls-ca", help="CA client certificates must chain to: mutual TLS (default: LAYERDIFF_TLS_CA)")
-    if name == "collector":
-        serve.add_argument("--dump-roots", help="':'-separated directories dumps may be read from "
-                                                "(default: LAYERDIFF_DUMP_ROOTS)")
-        serve.add_argument("--health-port", type=int, default=None,
-                           help="also serve grpc.health.v1 on this port (default: LAYERDIFF_HEALTH_PORT; none)")
-    if name == "analyzer":
-        serve.add_argument("--broker", help="Redis URL: fan comparisons out to Celery workers "
-                                            "(default: LAYERDIFF_BROKER_URL; none = local pool)")
-    serve.set_defaults(func=_cmd_serve, service=name)
-
-
-def _cmd_serve(a) -> int:
-    from layerdiff.common.security import ServerSecurity
-
-    security = ServerSecurity.from_env(token_file=a.token_file, cert=a.tls_cert, key=a.tls_key, ca=a.tls_ca)
-    if a.service == "collector":
-        from layerdiff.collector.service import CollectorServer
-
-        return _serve(CollectorServer, a, security=security, dump_roots=a.dump_roots, health_port=a.health_port)
-    from layerdiff.analyzer.service import AnalyzerServer
-
-    return _serve(AnalyzerServer, a, broker_url=a.broker, security=security)
-
-
-def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="convert a dump to .npy (and .txt) files with shape and dtype sidecars")
-    p.add_argument("dump", help="dump directory")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--txt", action="store_true", help="also write each tensor flattened as text")
-    p.add_argument("--dump-format", "--dump_format", default="",
-                   choices=["", "npy", "npz", "onnx", "bin", "h5", "ascend"])
-    p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
-                   help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1")
-    p.set_defaults(func=_cmd_convert)
-
-
-def _cmd_convert(a) -> int:
-    from layerdiff.collector.dumps.convert import convert
-
-    res = convert(a.dump, a.out, txt=a.txt, fmt=a.dump_format, default_concat_dim=a.default_concat_dim)
-    print(f"converted {res['converted']} tensors, skipped {res['skipped']} (see convert_skip.log) into {res['out']}")
-    return 0
-
-
-def _add_dump(sub) -> None:
-    p = sub.add_parser("dump", help="run a model on the device and write a dump as an acl.json-style file asks",
-                       description="Run MODEL on the device the way the collector does and write the dump that "
-                                   "the configuration (the runtime's acl.json: dump_path, dump_list, dump_mode, "
-                                   "dump_op_switch, dump_debug) asks for.")
-    p.add_argument("model", help="ONNX model")
-    p.add_argument("--inputs", required=True, help=".npz of named model inputs")
-    p.add_argument("--config", required=True, help="dump configuration (acl.json)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"])
-    p.add_argument("--device-model", help="run this export as the device instead")
-    p.add_argument("--format", default="ascend", choices=["ascend", "npy", "npz", "onnx", "bin", "h5"],
-                   help="dump format (default ascend: vendor-named files under {time}/{device}/{model}/{index})")
-    p.set_defaults(func=_cmd_dump)
-
-
-def _cmd_dump(a) -> int:
-    from layerdiff.collector.dumps.config import dump_live_run
-
-    res = dump_live_run(a.model, a.inputs, a.config, precision=a.precision, device=a.device,
-                        device_model=a.device_model, fmt=a.format)
-    print(f"wrote {res['records']} tensors ({res['mode']}, {res['format']}) into {res['dump_path']}")
-    if res["overflowing_nodes"]:
-        print(f"overflowing nodes: {', '.join(res['overflowing_nodes'])}")
-    return 0
-
-
-def _add_overflow(sub) -> None:
-    p = sub.add_parser("overflow", help="decode overflow records (Opdebug.Node_OpDebug.*) into their causes",
-                       description="Decode every overflow record in FILE or under DIR: the vendor's JSON "
-                                   "(model_id, stream_id, task_id, task_type, pc_start, para_base, kernel_code, "
-                                   "block_idx, status), then the causes behind each status, and the operator "
-                                   "dump files of the flagged tasks.")
-    p.add_argument("path", help="an overflow record file, or a dump directory")
-    p.add_argument("--json", action="store_true", help="one JSON document for all records, causes included")
-    p.set_defaults(func=_cmd_overflow)
-
-
-def _cmd_overflow(a) -> int:
-    import json
-
-    from layerdiff.collector.dumps.overflow import scan
-
-    found = scan(a.path)
-    if a.json:
-        print(json.dumps(found, indent=1))
-        return 0 if found["records"] else 1
-    for rec in found["records"]:
-        print(f"== {rec['file']}")
-        print(json.dumps(rec["record"], indent=1))
-        for flag in rec["flagged"]:
-            print(f"{flag['unit']}: stream {flag['stream_id']} task {flag['task_id']} status {flag['status']} "
-                  f"= 0x{flag['status']:08x}")
-            for c in flag["causes"]:
-                print(f"  {c}")
-            for op in flag["operators"]:
-                print(f"  operator dump: {op}")
-    for shown, reason in found["unreadable"]:
-        print(f"unreadable: {shown}: {reason}")
-    if not found["records"]:
-        print(f"no overflow records in {a.path}")
-        return 1
-    return 0
-
-
-def _add_histogram(sub) -> None:
-    p = sub.add_parser("histogram", help="one histogram per dumped tensor, min/max as red dashed lines",
-                       description="Draw the value histogram of every tensor in DUMP (any dump format layerdiff "
-                                   "reads) with the layer's min and max as red dashed lines: from --min-max "
-                                   "(a tensor_min_max.txt range file, lines 'name min max') where it names the "
-                                   "tensor, else the tensor's own. An existing output directory that holds files "
-                                   "is left as it is: the histograms then go to a fresh Histograms_N beside it.")
-    p.add_argument("dump", help="dump directory")
-    p.add_argument("--min-max", "--min_max", help="range file (tensor_min_max.txt): 'name min max' per line")
-    p.add_argument("--out", default="Histograms", help="output directory (default ./Histograms)")
-    p.add_argument("--max-bins", "--max_bins", type=int, help="most bins per histogram (default 128)")
-    p.add_argument("--min-bins", "--min_bins", type=int, help="fewest bins per histogram, 1..max-bins (default 1)")
-    p.add_argument("--dump-format", "--dump_format", default="",
-                   choices=["", "npy", "npz", "onnx", "bin", "h5", "ascend"])
-    p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
-                   help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_histogram)
-
-
-def _cmd_histogram(a) -> int:
-    from layerdiff.client.histogram import WIDE_RANGE, write_histograms
-
-    res = write_histograms(a.dump, a.out, min_max=a.min_max, max_bins=a.max_bins, min_bins=a.min_bins,
-                           fmt=a.dump_format, default_concat_dim=a.default_concat_dim, progress=not a.no_progress)
-    if res["note"]:
-        print(f"note: {res['note']}")
-    print(f"wrote {len(res['written'])} histograms into {res['out']}, skipped {len(res['skipped'])} tensors "
-          f"and {len(res['range_lines_skipped'])} range-file lines (see histogram_skip.log)")
-    if res["wide"]:
-        print(f"min-max range above {WIDE_RANGE:g} (consider INT16 for the convolution reading them): "
-              + ", ".join(res["wide"]))
-    return 0
-
-
-def _add_worker(sub) -> None:
-    p = sub.add_parser("worker", help="a Celery worker for the analyzer's per-node comparisons",
-                       description="Start a Celery worker that compares nodes for any analyzer using the same "
-                                   "broker. It needs nothing but the broker address.")
-    p.add_argument("--broker", help="Redis URL (default: LAYERDIFF_BROKER_URL)")
-    p.add_argument("--max-cores", "--max_cores", type=int, help="worker processes (default: CPU count)")
-    p.add_argument("--loglevel", default="WARNING")
-    p.set_defaults(func=_cmd_worker)
-
-
-def _cmd_worker(a) -> int:
-    import os
-
-    from layerdiff.analyzer.execute.local import default_cores
-    from layerdiff.common.errors import LayerdiffError
-
-    broker = a.broker or os.environ.get("LAYERDIFF_BROKER_URL")
-    if not broker:
-        raise LayerdiffError("no broker: give --broker or set LAYERDIFF_BROKER_URL", field="broker")
-    os.environ["LAYERDIFF_BROKER_URL"] = broker
-    from layerdiff.analyzer.execute.celery_app import QUEUE, make_app
-
-    app = make_app(broker)
-    app.worker_main(["worker", f"--loglevel={a.loglevel}", f"--concurrency={a.max_cores or default_cores()}",
-                     "-Q", QUEUE, "--pool=prefork", "-n", f"layerdiff-{os.getpid()}@%h", "--without-gossip",
-                     "--without-mingle"])
-    return 0
-
-
-def _add_perf_diff(sub) -> None:
-    p = sub.add_parser("perf-diff", help="compare the performance of two runs against a baseline",
-                       description="List the nodes whose time or counters changed between BASE and NEW beyond "
-                                   "--threshold, flag more pld bytes (repeated moves) and more L1/IMB conflict "
-                                   "cycles (bank conflicts), and show NEW's top nodes by mcu_cycle (or time) with "
-                                   "a data-bound / compute-bound hint. Exit status 1 when a time or a counter grew.")
-    p.add_argument("base", help="baseline: a report directory, a dump directory or an op_perf.csv")
-    p.add_argument("new", help="the run to check, same kinds")
-    p.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")
-    p.add_argument("--min-us", type=float, default=1.0, help="time changes smaller than this are noise (default 1)")
-    p.add_argument("--top", type=int, default=5, help="top nodes of NEW to show (default 5)")
-    p.add_argument("--json", help="also write the result as JSON to this file")
-    p.set_defaults(func=_cmd_perf_diff)
-
-
-def _cmd_perf_diff(a) -> int:
-    import json
-
-    from layerdiff.analyzer.report.perfdiff import format_diff, perf_diff
-
-    d = perf_diff(a.base, a.new, threshold=a.threshold, min_us=a.min_us, top=a.top)
-    print(format_diff(d))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(d, f, indent=1)
-    return 1 if d["regressed"] else 0
-
 
 def build_parser() -> argparse.ArgumentParser:
     from layerdiff import __version__
@@ -488,32 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_compare(sub)
     _add_watch_fetch(sub)
-    _add_service(sub, "collector")
-    _add_service(sub, "analyzer")
-    _add_worker(sub)
-    _add_convert(sub)
-    _add_dump(sub)
-    _add_overflow(sub)
-    _add_perf_diff(sub)
-    _add_histogram(sub)
-    _add_health(sub)
+    add_service(sub, "collector")
+    add_service(sub, "analyzer")
+    add_worker(sub)
+    add_convert(sub)
+    add_dump(sub)
+    add_overflow(sub)
+    add_perf_diff(sub)
+    add_histogram(sub)
+    add_health(sub)
     return parser
 
-
-def _add_health(sub) -> None:
-    p = sub.add_parser("health", help="probe a service's health (grpc.health.v1): exit 0 when SERVING, "
-                                      "1 when not ready, 3 when it does not answer")
-    p.add_argument("address", help="HOST:PORT of an analyzer, or of a collector (its Flight or health port)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
-    p.set_defaults(func=_cmd_health)
-
-
-def _cmd_health(a) -> int:
-    from layerdiff.client.health import probe
-
-    status, line = probe(a.address, a.timeout)
-    print(line, flush=True)
-    return status
 
 
 def _on_sigint(signum, frame) -> None:
@@ -579,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"layerdiff: error: {e}", file=sys.stderr)
             return 2
     except KeyboardInterrupt as e:
-        # layerdiff.client.api.Interrupted says what became of the job
+        # layerdiff.client.analyzer_client.Interrupted says what became of the job
         print(f"layerdiff: {getattr(e, 'message', None) or 'interrupted'}", file=sys.stderr)
         return 130
     except Exception as e:

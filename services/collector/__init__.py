@@ -1,1 +1,2 @@
-"""The collector: read the device's tensors (dump directories or live runs), splice them, stream them to the analyzer."""
+"""The collector: read the device's tensors (dump directories or live runs), splice them, stream them to the
+analyzer."""

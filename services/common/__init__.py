@@ -1,1 +1,2 @@
-"""What the collector, the analyzer and the client share: the wire schema, errors, artifacts, network, security, limits, model handling."""
+"""What the collector, the analyzer and the client share: the wire schema, errors, artifacts, network, security,
+limits, model handling."""

@@ -18,6 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 from layerdiff.common.errors import LayerdiffError, LimitError, NotFoundError
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES
@@ -32,6 +33,20 @@ def quota_bytes() -> int:
     from layerdiff.common.settings import env_limit
 
     return env_limit("LAYERDIFF_ARTIFACT_QUOTA_BYTES", DEFAULT_QUOTA_BYTES, size=True)
+
+
+class Chunk(Protocol):
+    """What an upload's chunk is read for: a pb.ArtifactChunk from the wire,
+    or a _Piece of bytes handed over in this process."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def total_size(self) -> int: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def data(self) -> bytes | memoryview: ...
 
 
 class ArtifactStore:
@@ -59,7 +74,7 @@ class ArtifactStore:
                     pass
         return total
 
-    def receive(self, chunks: Iterable[pb.ArtifactChunk]) -> pb.ArtifactRef:
+    def receive(self, chunks: Iterable[Chunk]) -> pb.ArtifactRef:
         try:
             return self._receive(chunks)
         except OSError as e:
@@ -68,7 +83,7 @@ class ArtifactStore:
                                  "and upload again") from None
             raise
 
-    def _receive(self, chunks: Iterable[pb.ArtifactChunk]) -> pb.ArtifactRef:
+    def _receive(self, chunks: Iterable[Chunk]) -> pb.ArtifactRef:
         h = hashlib.sha256()
         name, expected, declared_sha = "", -1, ""
         size = 0

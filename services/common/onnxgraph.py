@@ -13,7 +13,7 @@ from onnx import shape_inference
 from layerdiff.common.errors import LayerdiffError, LimitError
 
 # onnx TensorProto element type -> numpy dtype name
-ONNX_TO_NUMPY = {
+ONNX_TO_NUMPY: dict[int, str] = {
     onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.DOUBLE: "float64",
     onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT16: "int16",
     onnx.TensorProto.UINT16: "uint16", onnx.TensorProto.INT32: "int32", onnx.TensorProto.UINT32: "uint32",
@@ -25,7 +25,7 @@ ONNX_TO_NUMPY = {
 class GraphInput:
     name: str
     dtype: str            # numpy dtype name, "" if unknown
-    shape: tuple          # ints for fixed dims, None for symbolic ones; () for scalars
+    shape: tuple | None   # ints for fixed dims, None for symbolic ones; () for scalars; None: unknown rank
 
 
 # Ops whose output is a parameter (a weight), not a computation.

@@ -174,7 +174,7 @@ class RecordEncoder:
                 b.add(NodeRecord.error(rec.name, f"dtype {dtype} cannot be sent", rec.op_type, rec.order, rec.node,
                                        role=rec.role, slot=rec.slot), "", (), 0, 0, None)
             else:
-                raw = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+                raw = memoryview(arr.reshape(-1).view(np.uint8).data) if arr.size else memoryview(b"")
                 total = arr.nbytes
                 off = 0
                 while True:

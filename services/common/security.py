@@ -31,6 +31,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from layerdiff.common.errors import LayerdiffError, Unauthenticated
 
@@ -64,7 +65,7 @@ def is_loopback(host: str) -> bool:
     except ValueError:
         pass
     try:
-        addrs = {a[4][0] for a in socket.getaddrinfo(h, None)}
+        addrs = {str(a[4][0]) for a in socket.getaddrinfo(h, None)}   # IP families: already a str
     except OSError:
         return False
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
@@ -91,7 +92,8 @@ class Tokens:
 
     @classmethod
     def parse(cls, text: str, source: str) -> Tokens:
-        users, admins = [], []
+        users: list[str] = []
+        admins: list[str] = []
         for n, line in enumerate(text.splitlines(), start=1):
             line = line.split("#", 1)[0].strip()
             if not line:
@@ -198,7 +200,7 @@ class ServerSecurity:
             return {}
         import pyarrow.flight as flight
 
-        kw = {"tls_certificates": [flight.CertKeyPair(self.cert, self.key)]}
+        kw: dict[str, Any] = {"tls_certificates": [flight.CertKeyPair(self.cert, self.key)]}
         if self.client_ca is not None:
             kw.update(verify_client=True, root_certificates=self.client_ca)
         return kw
@@ -229,10 +231,12 @@ class ClientSecurity:
                         break
         ca = _setting(ca, "LAYERDIFF_TLS_CA")
         cert, key = _setting(None, "LAYERDIFF_TLS_CERT"), _setting(None, "LAYERDIFF_TLS_KEY")
-        mtls = ca is not None and cert is not None and key is not None
-        return cls(token, _read(ca, "LAYERDIFF_TLS_CA") if ca else None,
-                   _read(cert, "LAYERDIFF_TLS_CERT") if mtls else None,
-                   _read(key, "LAYERDIFF_TLS_KEY") if mtls else None)
+        ca_pem = _read(ca, "LAYERDIFF_TLS_CA") if ca else None
+        cert_pem: bytes | None = None
+        key_pem: bytes | None = None
+        if ca is not None and cert is not None and key is not None:    # mutual TLS
+            cert_pem, key_pem = _read(cert, "LAYERDIFF_TLS_CERT"), _read(key, "LAYERDIFF_TLS_KEY")
+        return cls(token, ca_pem, cert_pem, key_pem)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else ()

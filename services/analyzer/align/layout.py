@@ -11,7 +11,7 @@ the shape not tell, and there the dump's *dominant layout* decides: the
 permutation that most of the job's tensors of the same rank with a telling
 shape needed (``LayoutVote``, fed by the job's stream consumer). A swap of H
 and W is never chosen from shapes; the diagnosis names it when the data
-prove it (``diagnose.layout_match``).
+prove it (``diagnose.evidence.layout_match``).
 
 Permutations are given the numpy way: ``dev.transpose(p)`` has the
 reference's shape, ``dev.shape[p[k]] == ref.shape[k]``.
@@ -159,6 +159,7 @@ def resolve(ref_shape: tuple, dev_shape: tuple, vote: LayoutVote | None = None) 
     if dom is not None and fits(dom, dev_shape, ref_shape):
         others = [p for p in std if effect(p, ref_shape) != effect(dom, ref_shape)]
         if others and dom != identity(n):
+            assert vote is not None     # dom came from it
             return dom, (f"layout: device axes {dom} transposed to the reference: the shape fits several layouts, "
                          f"the dump's dominant layout decided ({vote.describe(n)})"), False
         return dom, note_for(dom, ref_shape), False

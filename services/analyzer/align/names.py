@@ -147,6 +147,7 @@ def _shape(key: str) -> tuple[tuple, tuple]:
     """(non-numeric tokens with the ``:k`` tail, numeric gaps): the form
     Keras/TF scope instances share."""
     m = _TAIL.match(key)
+    assert m is not None     # _TAIL matches any one-line name
     stem, tail = m.group(1), m.group(2)
     words: list[str] = []
     gaps: list[list[str]] = [[]]
@@ -282,7 +283,7 @@ class Aligner:
         if c in self._canon or c in self._shown:
             return True
         m = _COLON0.match(c)
-        return bool(m) and (m.group(1) in self._canon or m.group(1) in self._shown)
+        return m is not None and (m.group(1) in self._canon or m.group(1) in self._shown)
 
     def _lookup_reference(self, name: str) -> TensorSite | None:
         """A reference name as a user writes it (map_node_dict): exact, else
@@ -425,8 +426,8 @@ class Aligner:
                 return self._accept(found, device_name, learn)
             self._hint = (cand.site, f"would be {cand.site.tensor!r} without the suffix {suffix!r}, which no "
                                      f"converter is known to add: taken once {LEARN_AFTER} names carry it")
-        # 3. Keras / TF scope instances
-        found = {}
+        # 3. Keras / TF scope instances (None: ambiguous by the reference's own numbering)
+        scoped: dict[str, _Cand | None] = {}
         for f, conf, notes in forms:
             words, gaps = _shape(f)
             group = self._shapes.get(words, [])
@@ -437,14 +438,14 @@ class Aligner:
                 # where the reference itself numbers its names (conv_in, conv_in_1), a number
                 # there tells layers apart, not instances: no guess
                 if any(o is not s and relaxed & _differ(o_gaps, ref_gaps) for o, o_gaps in group):
-                    found[s.tensor] = None
+                    scoped[s.tensor] = None
                     continue
-                found.setdefault(s.tensor, _Cand(s, conf * _C_SCOPE, notes + (
+                scoped.setdefault(s.tensor, _Cand(s, conf * _C_SCOPE, notes + (
                     "scope instance suffixes ignored (numbered '_k' of a Keras/TF scope or layer)",)))
-        if any(v is None for v in found.values()):
-            return None, [self._tensor[t] for t in found]
-        if found:
-            return self._one(found, device_name)
+        if any(v is None for v in scoped.values()):
+            return None, [self._tensor[t] for t in scoped]
+        if scoped:
+            return self._one({t: v for t, v in scoped.items() if v is not None}, device_name)
         return None, []
 
     def _gather(self, variants) -> dict[str, _Cand]:
@@ -475,6 +476,7 @@ class Aligner:
 
     def _accept(self, found: dict[str, _Cand], device_name: str, learn: bool):
         cand, _ = self._one(found, device_name)
+        assert cand is not None     # called with one candidate found
         if learn:
             for a in cand.affixes:
                 self._learned[a] += 1
@@ -496,6 +498,7 @@ class Aligner:
     def _affix_variants(self, forms, raw: str, c: str, generic: bool = False):
         for n_form, (f, conf, notes) in enumerate(forms):
             m = _TAIL.match(f)
+            assert m is not None     # _TAIL matches any one-line name
             stem, tail = m.group(1), m.group(2)
             seps = list(_TOKEN_SEP.finditer(stem))
             starts = [0] + [s.end() for s in seps]
@@ -518,6 +521,7 @@ class Aligner:
     def _learned_variants(self, forms, prefixes: list[str], suffixes: list[str], raw: str, c: str):
         for n_form, (f, conf, notes) in enumerate(forms):
             m = _TAIL.match(f)
+            assert m is not None     # _TAIL matches any one-line name
             stem, tail = m.group(1), m.group(2)
             for p in [""] + prefixes:
                 if p and not stem.startswith(p):

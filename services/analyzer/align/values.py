@@ -59,10 +59,14 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from layerdiff.analyzer.align import layout as L
+
+if TYPE_CHECKING:
+    from layerdiff.common.schema import BufferLease
 
 SAMPLE = 512
 EXACT = 0.05
@@ -185,6 +189,15 @@ class _Group:
     """Reference fingerprints of one shape, as arrays: a device tensor is
     scored against all of them at once."""
 
+    # one entry per reference tensor, set from the fingerprints in __init__
+    mean: np.ndarray
+    std: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    zeros: np.ndarray
+    nonfinite: np.ndarray
+    rms: np.ndarray
+
     def __init__(self, shape: tuple, tensors: list[str], fps: list[Fingerprint]) -> None:
         self.shape = shape
         self.tensors = tensors
@@ -220,7 +233,7 @@ class _Group:
             den = np.sqrt((a * a).sum(axis=1) * (b * b).sum(axis=1))
             rho = np.where((cnt >= MIN_CORR_SAMPLES) & (den > 0), (a * b).sum(axis=1) / np.where(den > 0, den, 1.0),
                            np.nan)
-        same = ((dev.zeros > ZERO_KIND) == (self.zeros[rows] > ZERO_KIND)) & ((dev.lo >= 0) == (self.lo[rows] >= 0))
+        same = ((self.zeros[rows] > ZERO_KIND) == (dev.zeros > ZERO_KIND)) & ((self.lo[rows] >= 0) == (dev.lo >= 0))
         return [Score(self.tensors[r], perm, float(dist[j]), float(rho[j]), bool(same[j]), float(err[j]))
                 for j, r in enumerate(rows)]
 
@@ -284,7 +297,7 @@ def decide(scores: list[Score], elimination: bool = False) -> Verdict:
 class _Held:
     name: str
     keep: object
-    lease: object
+    lease: BufferLease | None
     arr: np.ndarray
 
 
@@ -364,7 +377,7 @@ class ValueMatcher:
     # ------------------------------------------------------------- deciding
 
     def offer(self, name: str, arr: np.ndarray, claimed: set, keep: object = None,
-              lease=None) -> list[tuple[object, Verdict, object]]:
+              lease: BufferLease | None = None) -> list[tuple[object, Verdict, BufferLease | None]]:
         """Take a device tensor no name settled. It is held (``keep``, a
         retained ``lease`` and the array) until ``settle``: the names come
         first, and a device-only tensor with the values of a tensor the
@@ -401,7 +414,7 @@ class ValueMatcher:
         return Verdict("unmatched", note=f"{v.note}; decided before the stream ended, the undecided device "
                                          f"tensors held having reached {self.cap >> 20} MiB")
 
-    def settle(self, claimed: set) -> list[tuple[object, Verdict, object]]:
+    def settle(self, claimed: set) -> list[tuple[object, Verdict, BufferLease | None]]:
         """The stream has ended: decide every held tensor. First against
         every candidate (a clear winner pairs unless a name or another
         device tensor took it: its values are then a copy); then, in rounds,
@@ -413,7 +426,7 @@ class ValueMatcher:
         scores = [self.scores(h.arr) for h in held]
         verdicts: dict[int, Verdict] = {}
         wins: dict[str, list[tuple[int, Verdict]]] = {}
-        for i, h in enumerate(held):
+        for i in range(len(held)):
             v = decide(scores[i])
             if v.kind == "match":
                 wins.setdefault(v.tensor, []).append((i, v))

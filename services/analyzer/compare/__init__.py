@@ -1,1 +1,2 @@
-"""Comparing one node: the metric definitions and their fused kernel, tolerances, coverage of the answer."""
+"""Comparing one node: the metric definitions, their fused kernel and the
+worst-element search, tolerances, coverage of the answer."""

@@ -56,9 +56,10 @@ def permute(ref_shape: tuple, dev: np.ndarray, layout=None) -> tuple[np.ndarray,
                            f"reference's {ref_shape}")
         note = L.note_for(p, ref_shape)
     else:
-        p, note, _ = L.resolve(ref_shape, tuple(dev.shape), layout)
-        if p is None:
+        resolved, note, _ = L.resolve(ref_shape, tuple(dev.shape), layout)
+        if resolved is None:
             return None
+        p = resolved
     if p == L.identity(dev.ndim):
         return dev, note
     if L.keeps_order(p, ref_shape):

@@ -39,7 +39,7 @@ class Tolerances:
             name = (row.get("op_name") or "").strip()
             if not name:
                 continue
-            vals = []
+            vals: list[float | None] = []
             for field in ("atol", "rtol"):
                 raw = (row.get(field) or "NA").strip()
                 if raw.upper() in ("NA", ""):

@@ -95,7 +95,8 @@ class _Item:
 
 class CeleryPool:
     def __init__(self, broker_url: str, job_id: str, max_cores: int | None = None, *,
-                 deadline_s: float = DEFAULT_DEADLINE_S, task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S, batch_bytes: int = 32 * 1024**2, linger_s: float = 0.05,
+                 deadline_s: float = DEFAULT_DEADLINE_S, task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
+                 batch_bytes: int = 32 * 1024**2, linger_s: float = 0.05,
                  max_inflight_bytes: int = 512 * 1024**2, max_attempts: int = MAX_ATTEMPTS,
                  retry_delay_s: float = RETRY_DELAY_S, store_grace_s: float = STORE_GRACE_S,
                  worker_silence_s: float = DEFAULT_WORKER_SILENCE_S) -> None:
@@ -290,7 +291,7 @@ class CeleryPool:
         if not self.store.job_alive(self.job_id):
             raise self._lost()
         with self._cv:
-            for res, (ids, items, _, timeout) in overdue:
+            for res, (_ids, items, _, timeout) in overdue:
                 if self._tasks.pop(res, None) is None:
                     continue
                 live = [it for it in items if it["id"] in self._items]
@@ -447,7 +448,8 @@ class CeleryPool:
         if not self._retries:
             return
         now = time.monotonic()
-        due, later = [], []
+        due: list[tuple[float, dict]] = []
+        later: list[tuple[float, dict]] = []
         for t, m in self._retries:
             if m["id"] in self._items:
                 (due if t <= now else later).append((t, m))

@@ -14,6 +14,7 @@ import os
 import re
 import ssl
 import threading
+from typing import cast
 from urllib.parse import parse_qsl, urlencode
 
 import numpy as np
@@ -215,7 +216,7 @@ class TensorStore:
         if not arr.flags.c_contiguous:   # (ascontiguousarray would also turn a scalar into shape (1,))
             arr = np.ascontiguousarray(arr)
         key = f"{_job_key(job_id)}:{name}"
-        raw = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+        raw = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")   # .data: the array's memoryview
         parts = max(1, -(-arr.nbytes // PART_BYTES))
         pipe = self.r.pipeline(transaction=False)
         for i in range(parts):
@@ -243,11 +244,13 @@ class TensorStore:
             raise PayloadError(f"payload missing from the store (part {missing[0]} of {parts}; expired, deleted "
                                "or the store restarted)", source="store", at=self.url, key=key,
                                cause="payload missing (expired, deleted or the store restarted)")
-        got = sum(len(v) for v in values)
+        # every part is there (checked above), as bytes: the client does not decode responses
+        chunks = cast("list[bytes]", values)
+        got = sum(len(v) for v in chunks)
         if got != nbytes:
             raise PayloadError(f"payload truncated: {got} of {nbytes} bytes", source="store", at=self.url, key=key,
                                cause=f"payload truncated ({got} of {nbytes} bytes)")
-        buf = values[0] if parts == 1 else b"".join(values)
+        buf = chunks[0] if parts == 1 else b"".join(chunks)
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
@@ -413,7 +416,7 @@ def _endpoint_client(location: str) -> flight.FlightClient:
     return client
 
 
-def fetch_flight(ref: dict, nbytes: int) -> bytes | np.ndarray:
+def fetch_flight(ref: dict, nbytes: int) -> np.ndarray:
     location = ref["flight"]
     client = _endpoint_client(location)
     reader = None

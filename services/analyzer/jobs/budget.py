@@ -46,3 +46,7 @@ class MemoryBudget:
     def impact(self) -> int:
         """Device values kept for the impact re-runs."""
         return max(DIAGNOSIS_FLOOR, self.total // 4)
+
+
+# The budget when none is given (LAYERDIFF_MEMORY_BUDGET's default); immutable, so one is shared.
+DEFAULT_BUDGET = MemoryBudget()

@@ -35,11 +35,11 @@ import numpy as np
 from layerdiff.analyzer.align import layout as L
 from layerdiff.analyzer.align.values import ValueMatcher
 from layerdiff.analyzer.compare.node import SkipNode
-from layerdiff.analyzer.diagnose.verdicts import NodeExaminer
-from layerdiff.analyzer.jobs.budget import MemoryBudget
+from layerdiff.analyzer.diagnose.examiner import NodeExaminer
+from layerdiff.analyzer.jobs.budget import DEFAULT_BUDGET, MemoryBudget
 from layerdiff.analyzer.report.files import JobReport, Row
 from layerdiff.common.onnxgraph import TensorSite
-from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, NodeRecord
+from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, BufferLease, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ class _Pending:
     rec: NodeRecord
     ref: np.ndarray
     tol: object
-    lease: object    # this comparison's own hold on the device buffer
-    dev: object = None   # the device tensor in the reference's layout (a view of rec.array)
+    lease: BufferLease | None    # this comparison's own hold on the device buffer
+    dev: np.ndarray | None = None   # the device tensor in the reference's layout (a view of rec.array)
     note: str = ""       # how the layout was undone, for the row
 
     @property
@@ -67,7 +67,14 @@ class _LayoutWait:
     rec: NodeRecord
     ref: np.ndarray
     keep: Callable        # keeps the aligned device value for the examination
-    lease: object
+    lease: BufferLease | None
+
+
+def _array(rec: NodeRecord) -> np.ndarray:
+    """The tensor of a record whose status is OK: the assembler hands a
+    record on with its array complete, or as an error."""
+    assert rec.array is not None
+    return rec.array
 
 
 # Comparisons held for the layout vote at most (device and reference bytes);
@@ -86,7 +93,7 @@ class StreamConsumer:
 
     def __init__(self, prepared, executor, references: Callable[[], object], report: JobReport,
                  report_dir: Path, progress: Callable[[int, str, bool], None] | None = None,
-                 dump_mode: str = "output", injected=None, budget: MemoryBudget = MemoryBudget()) -> None:
+                 dump_mode: str = "output", injected=None, budget: MemoryBudget = DEFAULT_BUDGET) -> None:
         """``injected``: where the examiner keeps the device values of nodes
         with an error of their own (layerdiff.analyzer.diagnose.impact); ``budget``:
         what the examiner may keep."""
@@ -212,7 +219,7 @@ class StreamConsumer:
     def _take_by_value(self, rec: NodeRecord) -> None:
         """Held by the matcher until the stream ends (names come first; the
         oldest is decided earlier when the held ones pass its cap)."""
-        self._value_verdicts(self._value_matcher().offer(rec.name, rec.array, self.seen, keep=rec,
+        self._value_verdicts(self._value_matcher().offer(rec.name, _array(rec), self.seen, keep=rec,
                                                          lease=rec.lease))
 
     def _value_verdicts(self, decided) -> None:
@@ -253,7 +260,7 @@ class StreamConsumer:
         shape tells, the dump's dominant one where it does not (held until
         the vote decides), or ``perm`` (chosen by the graphs or the values,
         where it fits the shapes)."""
-        dev = rec.array
+        dev = _array(rec)
         ndim = dev.ndim
         was = self.layout.decided(ndim)
         self.layout.note(ref.shape, dev.shape)
@@ -277,16 +284,17 @@ class StreamConsumer:
             self._flush_layout()
 
     def _dispatch(self, site: TensorSite, rec: NodeRecord, ref: np.ndarray, keep: Callable, p, note: str) -> None:
-        dev = rec.array
+        dev = _array(rec)
         if p is not None and p != L.identity(dev.ndim):
             dev = dev.reshape(ref.shape) if L.keeps_order(p, ref.shape) else dev.transpose(p)
         keep(dev)
         self._submit(site, rec, ref, dev, note)
 
     def _release_wait(self, w: _LayoutWait, early: bool = False) -> None:
-        self._layout_wait_bytes -= w.ref.nbytes + w.rec.array.nbytes
+        dev = _array(w.rec)
+        self._layout_wait_bytes -= w.ref.nbytes + dev.nbytes
         try:
-            p, note, _ = L.resolve(w.ref.shape, w.rec.array.shape, self.layout)
+            p, note, _ = L.resolve(w.ref.shape, dev.shape, self.layout)
             if early:
                 note += (f"; compared before the dump showed its layout (the tensors held for it reached "
                          f"{LAYOUT_WAIT_BYTES >> 20} MiB)")
@@ -302,7 +310,7 @@ class StreamConsumer:
             self.layout.close()
         held, self._layout_wait = self._layout_wait, []
         for i, w in enumerate(held):
-            if final or self.layout.decided(w.rec.array.ndim) is not None:
+            if final or self.layout.decided(_array(w.rec).ndim) is not None:
                 try:
                     self._release_wait(w)
                 except BaseException:
@@ -405,7 +413,7 @@ class StreamConsumer:
 
     def _record(self, item: _Pending, fut: Future) -> None:
         site, rec, p = item.site, item.rec, self.p
-        dev = rec.array if item.dev is None else item.dev
+        dev = _array(rec) if item.dev is None else item.dev
         try:
             outcome = fut.result()
             if item.note and not outcome.note:

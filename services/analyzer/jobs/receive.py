@@ -63,7 +63,7 @@ class CollectorStream:
         self.request = pb.CaptureRequest()
         self.request.CopyFrom(request)
         self.request.heartbeat_ms = max(50, int(self.liveness_s * 1000 / 4))
-        self._reader = None
+        self._reader: flight.FlightStreamReader | None = None
         self._lock = threading.Lock()
         self._waiting_since: float | None = None
         self._closed = threading.Event()

@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +42,7 @@ _ID = re.compile(r"^[0-9a-f]{8,64}$")
 _REMEMBER_FORGOTTEN = 10000   # ids deleted by retention, kept to say why a job is gone
 
 
-def _number(env: dict, name: str, default: float, parse=float) -> float:
+def _number(env: Mapping[str, str], name: str, default: float, parse=float) -> float:
     text = env.get(name, "").strip()
     if not text:
         return default
@@ -72,7 +72,7 @@ class Retention:
     grace_s: float = 300.0            # LAYERDIFF_RETAIN_GRACE_S: never deleted for size when younger
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> Retention:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Retention:
         env = os.environ if env is None else env
         d = cls()
         return cls(days=_number(env, "LAYERDIFF_RETAIN_DAYS", d.days),

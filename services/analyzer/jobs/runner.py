@@ -5,6 +5,9 @@ producing; flow control holds the device stream back whenever the analyzer
 is busy, at most two comparisons per core are in flight, and every tensor is
 dropped once compared, so memory stays near one reference segment plus a
 handful of device tensors whatever the size of the network.
+
+The job itself (state, events, record) is ``job.py``; what a Submit checks
+before the job starts is ``prepare.py``.
 """
 from __future__ import annotations
 
@@ -16,244 +19,44 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 
-from layerdiff.analyzer.align.names import Aligner
 from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.compare.coverage import MIN_COVERAGE_DEFAULT
-from layerdiff.analyzer.compare.tolerances import Tolerances
 from layerdiff.analyzer.diagnose.impact import ImpactRunner, InjectedValues
-from layerdiff.analyzer.diagnose.minmax import parse_min_max
 from layerdiff.analyzer.execute.local import LocalPool
-from layerdiff.analyzer.jobs.budget import MemoryBudget
+from layerdiff.analyzer.jobs.budget import DEFAULT_BUDGET, MemoryBudget
 from layerdiff.analyzer.jobs.consumer import StreamConsumer
+from layerdiff.analyzer.jobs.job import Job, failure_exit_status
+from layerdiff.analyzer.jobs.prepare import (
+    Prepared,
+    dump_graph_alignment,
+    fp16_build_weights,
+    is_fp16_build,
+    make_aligner,
+    prepare,
+)
 from layerdiff.analyzer.jobs.receive import CollectorStream, upload_timeout
 from layerdiff.analyzer.jobs.records import JobRecords, Retention, drop_broker_keys, is_disk_full
 from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
-from layerdiff.analyzer.reference.tf import TFReference, open_reference
 from layerdiff.analyzer.report.files import JobReport, write_report
-from layerdiff.analyzer.report.perf import PerfSettings, check_perf_options
 from layerdiff.collector.service import CollectorClient
 from layerdiff.common.artifacts import ArtifactStore
-from layerdiff.common.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_NO_ANSWER,
-    LayerdiffError,
-    LimitError,
-    NotFoundError,
-    UnavailableError,
-)
-from layerdiff.common.onnxgraph import load_inputs
+from layerdiff.common.errors import EXIT_NO_ANSWER, LayerdiffError, LimitError, NotFoundError
 from layerdiff.common.schema import BufferPool, TensorAssembler, check_dump_mode
-from layerdiff.common.security import check_collector_allowed
 from layerdiff.common.settings import env_limit
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
-TERMINAL = {pb.DONE, pb.FAILED, pb.CANCELLED}
-DIFF_CNT_DEFAULT = 128
-PRECISIONS = ("fp32", "fp16", "int8")
 # Finished jobs that keep their whole event history in memory; older ones keep
 # their final event, as after a restart. Finished jobs and their reports are
 # deleted by retention (jobrecords: LAYERDIFF_RETAIN_*), not by count here.
 KEEP_EVENT_HISTORY = 64
-# What a job's record keeps of its final event.
-RECORDED_EVENT_FIELDS = ("nodes_done", "nodes_total", "message", "first_failing_node", "outcome", "exit_status")
-
-
-@dataclass
-class Job:
-    id: str
-    spec: pb.JobSpec
-    report_dir: Path
-    state: int = pb.QUEUED
-    events: list = field(default_factory=list)
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    call: object = None        # the collector stream being read (CollectorStream), for Cancel
-    executor: object = None    # the comparisons' pool, for Cancel
-    error: str = ""
-    created_at: float = field(default_factory=time.time)
-    finished_at: float | None = None
-    dropped: int = 0    # events let go from the front of ``events`` (a finished job's history)
-    owner: str = ""     # digest of the token that submitted it ("" on a service without tokens)
-    thread: threading.Thread | None = None    # the job's own thread, while it runs here
-
-    def emit(self, state: int | None = None, **kw) -> None:
-        with self.cond:
-            if state is not None:
-                self.state = state
-            self.events.append(pb.JobEvent(job_id=self.id, state=self.state, **kw))
-            self.cond.notify_all()
-
-    @property
-    def done(self) -> bool:
-        return self.state in TERMINAL
-
-    @property
-    def artifacts(self) -> list[str]:
-        s = self.spec
-        return [a for a in (s.model_artifact, s.inputs_artifact, s.device_model_artifact) if a]
-
-    def record(self, event: pb.JobEvent | None = None) -> dict:
-        """What the analyzer keeps of this job across restarts (jobrecords):
-        enough for Watch and FetchReport, and a few words for an operator."""
-        if event is None:
-            event = self.events[-1] if self.events else pb.JobEvent(state=self.state)
-        s = self.spec
-        return {"id": self.id, "state": pb.JobState.Name(event.state), "created_at": self.created_at,
-                "finished_at": self.finished_at, "error": self.error,
-                "event": {f: getattr(event, f) for f in RECORDED_EVENT_FIELDS},
-                "artifacts": self.artifacts, "model": s.model_name, "collector": s.collector,
-                "precision": s.precision, "device": s.device, "dump_path": s.dump_path, "owner": self.owner}
-
-    @classmethod
-    def from_record(cls, rec: dict, report_dir: Path) -> Job:
-        """A job read back from its record: finished, with its final event."""
-        state = pb.JobState.Value(rec["state"])
-        spec = pb.JobSpec(model_name=str(rec.get("model") or ""), collector=str(rec.get("collector") or ""),
-                          precision=str(rec.get("precision") or ""), device=str(rec.get("device") or ""),
-                          dump_path=str(rec.get("dump_path") or ""))
-        job = cls(id=rec["id"], spec=spec, report_dir=report_dir, state=state, error=str(rec.get("error") or ""),
-                  created_at=float(rec.get("created_at") or 0.0), finished_at=rec.get("finished_at"),
-                  owner=str(rec.get("owner") or ""))
-        event = rec.get("event") or {}
-        job.events.append(pb.JobEvent(job_id=job.id, state=state,
-                                      **{f: event[f] for f in RECORDED_EVENT_FIELDS if f in event}))
-        return job
-
-
-@dataclass
-class Prepared:
-    """Everything checked at submit time, so bad input fails the Submit call."""
-    reference: OnnxReference | TFReference | DumpReference
-    feeds: dict
-    aligner: Aligner
-    tolerances: Tolerances
-    diff_cnt: int = DIFF_CNT_DEFAULT
-    max_cores: int = 0
-    force_compare: bool = False
-    quantized: bool = False
-    show_graph: bool = False
-    max_bins: int = 128
-    min_bins: int = 1
-    given_ranges: dict = field(default_factory=dict)     # from a tensor_min_max.txt
-    range_skips: list = field(default_factory=list)      # its lines that did not parse
-    perf: PerfSettings = field(default_factory=PerfSettings)
-    min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
-    weights: list | None = None         # weights.csv rows where both models are at hand
-    weights_aside: Future | None = None  # those rows being made for an FP16 build (started at submit)
-    golden: bool = False                # the reference is a golden dump, streamed first (DumpReference)
-
-
-def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
-    MemoryBudget.from_env()     # a malformed LAYERDIFF_MEMORY_BUDGET fails the Submit, naming it
-    if spec.HasField("reference_dump"):
-        return _prepare_dump_reference(spec, store)
-    if not spec.collector:
-        raise LayerdiffError("no collector address given", field="collector")
-    check_collector_allowed(spec.collector)
-    if spec.precision and spec.precision not in PRECISIONS and not spec.device_model_artifact:
-        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
-                             field="precision")
-    model_name = spec.model_name or store.name(spec.model_artifact)
-    reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature)
-    inputs_name = store.name(spec.inputs_artifact) if spec.inputs_artifact else "inputs"
-    feeds = reference.check_inputs(load_inputs(store.read(spec.inputs_artifact, "inputs_artifact"), inputs_name),
-                                   inputs_name)
-    if spec.device_model_artifact:
-        store.path(spec.device_model_artifact, "device_model_artifact")
-    elif isinstance(reference, TFReference) and not spec.dump_path:
-        reference.check_device_precision(spec.precision)
-    graph = _graph_alignment(spec, store, reference)
-    aligner = _aligner(reference, spec.options, graph)
-    options = _checked_options(spec)
-    options["quantized"] = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
-        store.read(spec.device_model_artifact, "device_model_artifact")))
-    perf = options["perf"]
-    if perf.enabled and not spec.dump_path:
-        _check_live_perf(spec, store)
-    if perf.only and spec.watch:
-        raise LayerdiffError("watch streams tensors while the runtime writes them; a performance-only job reads "
-                             "the counter files once: run it when the runtime has finished", field="watch")
-    return Prepared(reference, feeds, aligner, weights=_weights(graph), **options)
-
-
-def _checked_options(spec: pb.JobSpec) -> dict:
-    """The comparison options of a job, checked: Prepared's fields."""
-    o = spec.options
-    tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
-                            o.op_config_csv)
-    if o.diff_cnt < 0:
-        raise LayerdiffError("must be >= 0", field="diff_cnt")
-    if o.max_cores < 0:
-        raise LayerdiffError("must be >= 0", field="max_cores")
-    check_dump_mode(spec.dump_mode)
-    max_bins = o.max_bins or 128
-    min_bins = o.min_bins or 1
-    if max_bins < 1 or max_bins > 4096:
-        raise LayerdiffError(f"must be in [1, 4096], got {max_bins}", field="max_bins")
-    if not 1 <= min_bins <= max_bins:
-        raise LayerdiffError(f"must be in [1, max_bins={max_bins}], got {min_bins}", field="min_bins")
-    given_ranges, range_skips = parse_min_max(o.min_max_text) if o.min_max_text.strip() else ({}, [])
-    min_coverage = o.min_coverage if o.has_min_coverage or o.min_coverage else None
-    if min_coverage is not None and not 0.0 <= min_coverage <= 1.0:
-        raise LayerdiffError(f"must be in [0, 1], got {min_coverage:g}", field="min_coverage")
-    return dict(tolerances=tolerances, diff_cnt=o.diff_cnt or DIFF_CNT_DEFAULT, max_cores=o.max_cores,
-                force_compare=o.force_compare, show_graph=o.show_graph, max_bins=max_bins, min_bins=min_bins,
-                given_ranges=given_ranges, range_skips=range_skips, perf=check_perf_options(spec.perf),
-                min_coverage=min_coverage)
-
-
-def _prepare_dump_reference(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
-    """Two dumps: the golden one (read by its collector first, in the job)
-    is the reference; an ONNX model, if given, lends its graph."""
-    golden = spec.reference_dump
-    if not golden.collector:
-        raise LayerdiffError("no collector address given for the reference dump", field="reference_dump.collector")
-    if not golden.dump.path:
-        raise LayerdiffError("no reference dump path given", field="reference_dump.dump.path")
-    if golden.dump.watch:
-        raise LayerdiffError("the reference dump is read once, whole: it cannot be watched",
-                             field="reference_dump.dump.watch")
-    if not spec.collector:
-        raise LayerdiffError("no collector address given for the device dump", field="collector")
-    if not spec.dump_path:
-        raise LayerdiffError("a reference dump is compared with a device dump: give the device dump's path",
-                             field="dump_path")
-    if spec.device_model_artifact:
-        raise LayerdiffError("two dumps are compared without running a device model", field="device_model_artifact")
-    if spec.precision and spec.precision not in PRECISIONS:
-        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
-                             field="precision")
-    for address in (golden.collector, spec.collector):
-        check_collector_allowed(address)
-    model = None
-    if spec.model_artifact:
-        from layerdiff.common.onnxgraph import load_model
-        from layerdiff.common.tfgraph import is_tensorflow
-
-        name = store.name(spec.model_artifact)
-        data = store.read(spec.model_artifact, "model_artifact")
-        if is_tensorflow(name, data):
-            raise LayerdiffError("only an ONNX model lends its graph to a comparison of two dumps", file=name,
-                                 field="model")
-        model = load_model(data, name)
-    options = _checked_options(spec)
-    if options["perf"].enabled:
-        raise LayerdiffError("a comparison of two dumps is of accuracy only", field="perf")
-    provenance = {"collector": golden.collector, "dump_path": golden.dump.path,
-                  "format": golden.dump.format or "detected"}
-    reference = DumpReference(spec.model_name or f"reference dump {golden.dump.path}", model=model,
-                              provenance=provenance)
-    # the aligner needs the golden dump's tensors: built once it has streamed (JobRunner._receive_golden)
-    return Prepared(reference, {}, Aligner([]), quantized=spec.precision == "int8", golden=True, **options)
 
 
 MAX_JOBS_PER_CLIENT_DEFAULT = 4
@@ -279,123 +82,6 @@ def _check_report_quota(report_dir: Path) -> None:
 def max_jobs_per_client() -> int:
     """LAYERDIFF_MAX_JOBS_PER_CLIENT: jobs one token may have running at once (4)."""
     return env_limit("LAYERDIFF_MAX_JOBS_PER_CLIENT", MAX_JOBS_PER_CLIENT_DEFAULT)
-
-
-def _aligner(reference, o: pb.CompareOptions, graph) -> Aligner:
-    """The job's aligner: the user's mapping, then the graphs' pairs, then names."""
-    return Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
-                   exclude_node_list=list(o.exclude_node_list), pairs=graph.pairs if graph else None,
-                   fused=graph.fused if graph else None, groups=graph.groups if graph else None,
-                   unpaired=graph.lost if graph else None, folded=graph.folded if graph else None,
-                   attributed=graph.attributed if graph else None)
-
-
-def _weights(graph) -> list | None:
-    """The device model's weights against the reference's (weights.csv rows),
-    from the graph alignment of a device model."""
-    from layerdiff.analyzer.diagnose import weights
-
-    if graph is None or not getattr(graph, "weights", None):
-        return None
-    return weights.compare(graph.weights)
-
-
-def _is_fp16_build(spec: pb.JobSpec, reference) -> bool:
-    """Does the collector run an FP16 build it makes of an ONNX reference?"""
-    return isinstance(reference, OnnxReference) and not spec.device_model_artifact and not spec.dump_path \
-        and spec.precision == "fp16"
-
-
-def _fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
-    """For a live FP16 build of an ONNX reference, its weights against the
-    reference's, from the same conversion the collector makes (beside the
-    job, not in the Submit call: it costs a conversion of the model)."""
-    if not _is_fp16_build(spec, reference):
-        return None
-    from layerdiff.analyzer.align.graph import weights_by_name
-    from layerdiff.collector.live.onnxrt import to_fp16
-
-    try:   # the build keeps every node's name: nodes pair by name
-        return _weights(weights_by_name(reference.model, to_fp16(reference.model, spec.model_artifact,
-                                                                 split=reference.split)))
-    except Exception as e:    # the collector's conversion reports its own failure
-        log.warning("comparing the FP16 build's weights failed (%s: %s)", type(e).__name__, e)
-        return None
-
-
-def _dump_graph_alignment(spec: pb.JobSpec, reference, collector: CollectorClient):
-    """A dump whose manifest describes its graph (op types and inputs) pairs
-    with an ONNX reference by structure, as a device model does; None where
-    it describes none (names decide)."""
-    if not spec.dump_path or spec.device_model_artifact or spec.watch or not isinstance(reference, OnnxReference):
-        return None
-    from layerdiff.analyzer.align.graph import align_graphs
-    from layerdiff.analyzer.align.manifest import skeleton
-
-    try:
-        graph = collector.dump_graph(pb.DumpSource(path=spec.dump_path, format=spec.dump_format,
-                                                   default_concat_dim=spec.default_concat_dim))
-        return align_graphs(reference.model, skeleton(graph, reference.model)) if graph.nodes else None
-    except LayerdiffError as e:    # the stream says what is wrong with the dump; names pair what they can
-        log.warning("the dump's graph could not be read (%s); pairing by names", e)
-    except Exception as e:
-        log.warning("aligning the dump's graph failed (%s: %s); pairing by names", type(e).__name__, e)
-    return None
-
-
-def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
-    """The device model's tensors paired with the reference's by the two
-    graphs: by structure when both are ONNX (renamed, fused, folded builds),
-    layer by layer when both are Keras models; None otherwise, and names
-    decide."""
-    if not spec.device_model_artifact:
-        return None
-    from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
-    from layerdiff.common.tfgraph import FORMAT_KERAS, is_tensorflow, load_tf_model
-
-    name = store.name(spec.device_model_artifact)
-    data = store.read(spec.device_model_artifact, "device_model_artifact")
-    try:
-        if isinstance(reference, OnnxReference) and not is_tensorflow(name, data):
-            from layerdiff.common.onnxgraph import load_model
-
-            return align_graphs(reference.model, load_model(data, name))
-        if isinstance(reference, TFReference) and reference.format == FORMAT_KERAS and is_tensorflow(name, data):
-            from layerdiff.analyzer.align.keras import keras_pairs
-
-            device = load_tf_model(data, name)
-            if device.format == FORMAT_KERAS:
-                return GraphAlignment(pairs=keras_pairs(reference.graph, device))
-    except LayerdiffError:
-        raise
-    except Exception as e:   # the names still pair what they can: say so, never fail the job on it
-        log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
-    return None
-
-
-def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
-    """Live performance data is onnxruntime's profiler: the file that runs as
-    the device must be ONNX."""
-    from layerdiff.common.tfgraph import is_tensorflow
-
-    artifact = spec.device_model_artifact or spec.model_artifact
-    name = store.name(artifact)
-    if is_tensorflow(name, store.read(artifact)):
-        raise LayerdiffError("performance data of a live run comes from onnxruntime's profiler, and this is a "
-                             "TensorFlow model; give the runtime's counter files as a dump, or an ONNX device model",
-                             file=name, field="perf")
-
-
-def _is_quantized(model_bytes: bytes) -> bool:
-    """A fixed-point build: the device model quantizes somewhere."""
-    import onnx
-
-    try:
-        model = onnx.load_model_from_string(model_bytes)
-    except Exception:
-        return False
-    return any(n.op_type in ("QuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
-               for n in model.graph.node)
 
 
 class JobRunner:
@@ -486,10 +172,10 @@ class JobRunner:
             self.records.save(job.record())   # before the job can end and record that
         except Exception:
             log.exception("job %s: its record was not written", job.id)
-        if prepared.weights is None and _is_fp16_build(spec, prepared.reference):
+        if prepared.weights is None and is_fp16_build(spec, prepared.reference):
             # made beside the job (the FP16 build is shared with an embedded collector's run)
             aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
-            prepared.weights_aside = aside.submit(_fp16_build_weights, spec, prepared.reference)
+            prepared.weights_aside = aside.submit(fp16_build_weights, spec, prepared.reference)
             aside.shutdown(wait=False)
         job.thread = threading.Thread(target=self._run, args=(job, prepared), name=f"job-{job.id}", daemon=True)
         job.thread.start()
@@ -548,6 +234,7 @@ class JobRunner:
             self.cancel(job.id)
         end = time.monotonic() + timeout
         for job in running:
+            assert job.thread is not None    # running: the jobs with a thread
             job.thread.join(max(0.0, end - time.monotonic()))
 
     # ------------------------------------------------------------------ run
@@ -586,7 +273,7 @@ class JobRunner:
                 p.reference.close()
         self._enforce_retention()
 
-    def _finish(self, job: Job, state: int, end: dict) -> None:
+    def _finish(self, job: Job, state: pb.JobState.ValueType, end: dict) -> None:
         """Record the job's end, then tell its watchers: a client that has
         seen the end finds it recorded, whatever happens to the analyzer."""
         job.finished_at = time.time()
@@ -628,9 +315,10 @@ class JobRunner:
         # counter files are read once the runtime has finished writing it.
         perf = self._capture_perf(job, p) if p.perf.enabled and not spec.watch else None
         if p.perf.only:
-            from layerdiff.analyzer.report.perf import write_perf_only
+            from layerdiff.analyzer.report.perf_report import write_perf_only
 
             job.emit(pb.REPORTING, nodes_total=total)
+            assert perf is not None    # captured above: a performance-only job is never watched (prepare)
             return write_perf_only(job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
                                    job=self._job_info(job, p, started), parameters=self._parameters(job, p))
         job.emit(pb.REFERENCE, nodes_total=total)
@@ -660,11 +348,11 @@ class JobRunner:
         injected = InjectedValues(cap_bytes=budget.impact) if isinstance(p.reference, OnnxReference) else None
 
         def on_ready(collector: CollectorClient) -> None:
-            if p.golden and p.reference.model is None:
+            if p.golden and isinstance(p.reference, DumpReference) and p.reference.model is None:
                 return      # the golden dump's names and values pair the device's
-            graph = _dump_graph_alignment(spec, p.reference, collector)
+            graph = dump_graph_alignment(spec, p.reference, collector)
             if graph is not None:
-                p.aligner = _aligner(p.reference, spec.options, graph)
+                p.aligner = make_aligner(p.reference, spec.options, graph)
 
         try:
             with self._stream(job, collector_request=None, on_ready=on_ready) as stream:
@@ -688,12 +376,13 @@ class JobRunner:
         job_info["memory"] = reference.memory()
         sections = None
         if perf is not None:
-            from layerdiff.analyzer.report.perf import write_perf_sections
+            from layerdiff.analyzer.report.perf_report import write_perf_sections
 
             sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
                                rep, job_info)
-        impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default,
-                              baseline=baseline, split=p.reference.split) if injected else None
+        # device values are kept for the impact re-runs of an ONNX reference only
+        impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default, baseline=baseline,
+                              split=p.reference.split) if injected and isinstance(p.reference, OnnxReference) else None
         if p.weights_aside is not None:
             p.weights = p.weights_aside.result()
         try:
@@ -737,6 +426,7 @@ class JobRunner:
         """Where the reference came from: the golden dump, its collector,
         what it held; the device dump's is the job's dump_path/collector."""
         g = p.reference
+        assert isinstance(g, DumpReference)    # p.golden: prepared with a DumpReference
         return {**g.provenance, "records": g.records, "tensors": g.tensors, "bytes": g.bytes,
                 "duplicates": len(g.duplicates), "model": p.reference.name if g.model is not None else None,
                 "structure": "model" if g.model is not None else "dump"}
@@ -805,7 +495,8 @@ class JobRunner:
     def _receive_golden(self, job: Job, p: Prepared) -> None:
         """Stream the golden dump into the job's spill directory, then fix
         the reference's sites and the aligner the device stream pairs by."""
-        golden: DumpReference = p.reference
+        golden = p.reference
+        assert isinstance(golden, DumpReference)    # p.golden: prepared with a DumpReference
         spec = job.spec
         where = f"reference dump {spec.reference_dump.dump.path!r} on collector {spec.reference_dump.collector}"
         job.emit(pb.REFERENCE, message=f"reading the {where}")
@@ -833,7 +524,7 @@ class JobRunner:
             raise LayerdiffError(f"the {where} holds no readable tensor ({golden.records} records): check the "
                                  "path on that collector's host and the reference dump's format",
                                  field="reference_dump")
-        p.aligner = _aligner(golden, spec.options, None)
+        p.aligner = make_aligner(golden, spec.options, None)
         job.emit(pb.REFERENCE, nodes_total=len(golden.sites),
                  message=f"{golden.tensors} reference tensors read from the {where}")
 
@@ -849,7 +540,7 @@ class JobRunner:
                 rec.lease.release()
 
     def _consume(self, job: Job, p: Prepared, stream, ref_future: Future, executor, rep: JobReport,
-                 total: int, injected=None, budget: MemoryBudget = MemoryBudget()) -> None:
+                 total: int, injected=None, budget: MemoryBudget = DEFAULT_BUDGET) -> None:
         assembler = TensorAssembler(pool=BufferPool())
 
         def progress(done: int, node: str, passed: bool) -> None:
@@ -902,11 +593,3 @@ def _about_golden(e: LayerdiffError, where: str) -> LayerdiffError:
     out = LayerdiffError.__new__(type(e))
     LayerdiffError.__init__(out, f"{where}: {text}", field="reference_dump")
     return out
-
-
-def failure_exit_status(e: BaseException) -> int:
-    """2 for bad input or usage; 3 when a component failed and the job
-    could not answer."""
-    if isinstance(e, LayerdiffError) and not isinstance(e, UnavailableError):
-        return EXIT_BAD_INPUT
-    return EXIT_NO_ANSWER

@@ -254,7 +254,8 @@ class DumpReference:
     def _digest(self, key: str) -> tuple:
         arr = np.load(self._spilled[key], mmap_mode="r")
         h = hashlib.blake2b(digest_size=16)
-        h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
+        # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+        h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))  # type: ignore[arg-type]
         return arr.dtype.str, arr.shape, h.digest()
 
     # ------------------------------------------------------------ answering
@@ -319,7 +320,7 @@ class DumpReference:
     def run_isolated(self, site: TensorSite, inputs: dict[int, np.ndarray], feeds: dict) -> list[np.ndarray]:
         """The node re-run alone on the device's inputs: only with a model,
         for the model's own nodes."""
-        from layerdiff.analyzer.diagnose.verdicts import IsolationUnavailable, run_isolated
+        from layerdiff.analyzer.diagnose.isolation import IsolationUnavailable, run_isolated
 
         if self.model is None:
             raise IsolationUnavailable("the reference is a dump: no model to re-run the node alone (give the "

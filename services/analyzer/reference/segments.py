@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -263,6 +264,7 @@ class SegmentedReference:
             over -= v.nbytes
 
     def _spill(self, v: np.ndarray) -> np.ndarray:
+        assert self._spill_dir is not None     # _bound spills only where there is a spill directory
         self._spill_dir.mkdir(parents=True, exist_ok=True)
         path = self._spill_dir / f"{self._spilled}.npy"
         self._spilled += 1
@@ -290,7 +292,7 @@ class SegmentedReference:
         const = self.reference.constant(tensor)
         return const if const is not None else self.pop(tensor)
 
-    def replay(self):
+    def replay(self) -> Iterator[dict[str, np.ndarray]]:
         """Every segment's values once more, one segment at a time, from a
         computation of its own (value pairing fingerprints them so)."""
         carried: dict[str, np.ndarray] = {}

@@ -11,7 +11,9 @@ import numpy as np
 
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import TensorSite, plan_segments
-from layerdiff.common.tfgraph import FORMAT_GRAPHDEF, FORMAT_KERAS, FORMAT_ONNX, TFGraph, load_tf_model, model_format
+from layerdiff.common.tfformat import FORMAT_GRAPHDEF, FORMAT_KERAS, FORMAT_ONNX, model_format
+from layerdiff.common.tfgraph import TFGraph
+from layerdiff.common.tfload import load_tf_model
 
 
 class TFReference:
@@ -49,10 +51,10 @@ class TFReference:
     def run_isolated(self, site: TensorSite, device_inputs: dict[int, np.ndarray],
                      feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The op re-run alone on the device's own inputs (see
-        layerdiff.analyzer.diagnose.verdicts): TensorFlow feeds the device values in
+        layerdiff.analyzer.diagnose.isolation): TensorFlow feeds the device values in
         place of the activations the op reads, its weights stay the
         reference's."""
-        from layerdiff.analyzer.diagnose.verdicts import IsolationUnavailable
+        from layerdiff.analyzer.diagnose.isolation import IsolationUnavailable
 
         try:
             return self.graph.run_isolated(site.node, device_inputs, feeds)

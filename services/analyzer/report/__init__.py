@@ -1,1 +1,2 @@
-"""What a job writes: tables, the HTML page, plots, the graph-viewer export, the listing, performance tables, perf-diff."""
+"""What a job writes: tables, the HTML page, plots, the graph-viewer export,
+the listing, performance tables, perf-diff."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,7 @@ class Row:
     uneven: str = ""
     constants_read: frozenset = frozenset()    # the weights the node reads
     reads: tuple = ()                          # the tensors it reads from other nodes and weights
-    finding: object = None           # diagnose.Finding, set when the report is written
+    finding: diagnose.Finding | None = None     # set when the report is written
 
     @property
     def failed(self) -> bool:
@@ -256,6 +257,7 @@ def _measure_impact(rows: list[Row], impact) -> None:
 
 def _why_absorbed(r: Row) -> str:
     """What the data say about why a computation error does not reach the outputs."""
+    assert r.finding is not None        # only a row with a finding has an impact to explain
     if r.isolated_core is not None:
         return f"its differences lie in mask-like values ({r.core_note}), which what follows saturates"
     if any("clamped" in e for e in r.finding.evidence):
@@ -279,7 +281,8 @@ def _read_rows(rows: list[Row], node_inputs: dict[str, list[str]]) -> dict[str, 
 
 def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node_runtime: list[dict],
                  consumers: dict[str, list[str]], all_sites: list[TensorSite], aligner,
-                 node_inputs: dict[str, list[str]] | None = None, sections: dict | None = None,
+                 node_inputs: dict[str, list[str]] | None = None,
+                 sections: dict | Callable[[], dict | None] | None = None,
                  min_coverage: float | None = None, impact=None, weights: list | None = None,
                  presumed: dict[str, str] | None = None) -> dict:
     """``sections``: further top-level parts of summary.json (the performance

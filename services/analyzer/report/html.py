@@ -30,6 +30,11 @@ The table sorts on a click on a column header (again: the other direction);
 ``report.html#sort=cosine`` (or ``#sort=-cosine``, descending) opens it
 sorted, through the same click handler, and ``#failing`` shows only the
 failing rows.
+
+The page's static CSS and script are in ``html_assets``. The rest stays in
+this one module: every section is a small function over the same summary
+dict with the same escaping and number formatting (``esc``, ``fmt``), and
+``render`` puts them together in page order.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from urllib.parse import quote
 
 from layerdiff import __version__
 from layerdiff.analyzer.report.files import summary_number as num
+from layerdiff.analyzer.report.html_assets import CSS, SCRIPT
 
 MAX_PLOT_BYTES = 16 << 20
 # The plots of the first failing nodes (in execution order) are embedded; a
@@ -124,9 +130,19 @@ def embed_png(out_dir: Path, name: object) -> tuple[str | None, str]:
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii"), ""
 
 
+def _mapping(v: object) -> dict:
+    """A summary field that should be an object: itself, or {} if it is not one."""
+    return v if isinstance(v, dict) else {}
+
+
+def _items(v: object) -> list:
+    """A summary field that should be a list: itself, or [] if it is not one."""
+    return v if isinstance(v, list) else []
+
+
 def headline(summary: dict) -> str:
     """The verdict sentence: the diagnosis' headline, else one from the counts."""
-    diag = summary.get("diagnosis") if isinstance(summary.get("diagnosis"), dict) else {}
+    diag = _mapping(summary.get("diagnosis"))
     if diag.get("headline"):
         return str(diag["headline"])
     first = summary.get("first_failing_node")
@@ -140,7 +156,7 @@ def headline(summary: dict) -> str:
 
 
 def _verdict_class(summary: dict, failed: bool) -> str:
-    outcome = summary.get("outcome") if isinstance(summary.get("outcome"), dict) else {}
+    outcome = _mapping(summary.get("outcome"))
     if outcome.get("status") == "no_answer":
         return "noanswer"
     return "fail" if failed else "pass"
@@ -195,7 +211,7 @@ def _node_card(title: str, n: object, row_of: dict, plots_of: dict, empty: str) 
 
 
 def _diagnosis(summary: dict) -> str:
-    diag = summary.get("diagnosis") if isinstance(summary.get("diagnosis"), dict) else {}
+    diag = _mapping(summary.get("diagnosis"))
     parts = []
     nan = diag.get("nan")
     if isinstance(nan, dict):
@@ -256,9 +272,9 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
            f'viewBox="0 0 {width} {height}" role="img" aria-label="error along the graph">',
            f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="#fff" stroke="#999"/>']
     every = max(1, math.ceil((hi_dec - lo_dec) / 10))  # at most ~10 labelled decades
-    for d in range(lo_dec, hi_dec + 1):
-        y = Y(10.0 ** d) if d > lo_dec else Y(0.0)
-        tick = "0" if d == lo_dec else f"1e{d}" if (d - lo_dec) % every == 0 or d == hi_dec else ""
+    for dec in range(lo_dec, hi_dec + 1):
+        y = Y(10.0 ** dec) if dec > lo_dec else Y(0.0)
+        tick = "0" if dec == lo_dec else f"1e{dec}" if (dec - lo_dec) % every == 0 or dec == hi_dec else ""
         out.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
                    f'<text x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end" class="ax">{tick}</text>')
     step = max(1, round((x1 - x0) / 10))
@@ -275,8 +291,8 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
             fx = X(fo)
             out.append(f'<line id="first-failing-mark" x1="{fx:.1f}" x2="{fx:.1f}" y1="{mt}" y2="{mt + ph}" '
                        f'stroke="#d00" stroke-width="1.5" stroke-dasharray="6 4"/>'
-                       f'<text x="{fx + 4:.1f}" y="{mt + 12}" fill="#d00" class="ax" paint-order="stroke" stroke="#fff" '
-                       f'stroke-width="3">first failing: '
+                       f'<text x="{fx + 4:.1f}" y="{mt + 12}" fill="#d00" class="ax" paint-order="stroke" '
+                       f'stroke="#fff" stroke-width="3">first failing: '
                        f'{esc(first.get("node"))}</text>')
     seg: list[str] = []
     for o, d in zip(orders, dist):
@@ -384,8 +400,9 @@ def _verdicts(summary: dict, row_of: dict, detail_files: dict) -> str:
         node_cell = esc(v.get("node"))
         if key in row_of:
             node_cell = f'<a href="#row-{row_of[key]}">{node_cell}</a>'
-        ev = v.get("evidence") if isinstance(v.get("evidence"), list) else []
-        detail = _plain_file(detail_files.get(str(v.get("tensor")))) or _plain_file(detail_files.get(str(v.get("node"))))
+        ev = _items(v.get("evidence"))
+        detail = (_plain_file(detail_files.get(str(v.get("tensor"))))
+                  or _plain_file(detail_files.get(str(v.get("node")))))
         link = f'<a href="{esc(quote(detail))}">{esc(detail)}</a>' if detail else ""
         cls = "comp" if v.get("verdict") == "computation error" else "acc"
         rows.append(f'<tr><td>{esc(v.get("order"))}</td><td>{node_cell}</td><td>{esc(v.get("op_type"))}</td>'
@@ -480,90 +497,6 @@ def _others(summary: dict) -> str:
     return '<section id="job"><h2>Job</h2>' + "".join(parts) + "</section>" if parts else ""
 
 
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:1400px;
-padding:16px 24px;color:#222;background:#fafafa}
-h1{margin:0 0 4px;font-size:22px}h2{margin:28px 0 8px;font-size:18px;border-bottom:1px solid #ddd}
-.muted{color:#777}.meta{color:#555;margin:0 0 12px}
-.verdict{padding:14px 18px;border-radius:6px;font-size:17px;font-weight:600}
-.verdict.fail{background:#fdecea;border-left:6px solid #d32f2f}.verdict.pass{background:#e8f5e9;border-left:6px solid #2e7d32}
-.verdict.noanswer{background:#fff8e1;border-left:6px solid #ef6c00}.coverage{margin:6px 0 0;font-weight:400;font-size:14px}
-.cards{display:flex;gap:16px;flex-wrap:wrap}.card{flex:1 1 420px;background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px 14px}
-.card h3{margin:0 0 4px;font-size:15px}.card .name{font-family:ui-monospace,monospace;font-size:15px;word-break:break-all;margin:0 0 6px}
-table.kv th{text-align:left;font-weight:normal;color:#555;padding-right:12px;vertical-align:top}
-table.kv td{word-break:break-all}
-.diag{background:#fff8e1;border-left:5px solid #f9a825;padding:8px 14px;margin:8px 0}
-.scroll{overflow-x:auto}
-table.grid{border-collapse:collapse;background:#fff;font-size:13px}
-table.grid th,table.grid td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
-#nodes td{white-space:nowrap}#nodes td.wrap{white-space:normal;min-width:160px;max-width:420px;overflow-wrap:anywhere}
-#verdicts td{max-width:520px;overflow-wrap:anywhere}
-#nodes th{cursor:pointer;user-select:none;background:#f0f0f0;position:sticky;top:0;white-space:nowrap}
-#nodes th[aria-sort=ascending]::after{content:" ▲"}#nodes th[aria-sort=descending]::after{content:" ▼"}
-#nodes tr.fail td{background:#fff0f0}#nodes tr.first td{background:#ffd6d6;font-weight:600}
-#nodes tr.input td{font-style:italic}
-body.only-failing #nodes tr.pass{display:none}
-.badge{padding:1px 6px;border-radius:3px;color:#fff;white-space:nowrap}.badge.comp{background:#c62828}.badge.acc{background:#ef6c00}
-.plots .row{display:flex;flex-wrap:wrap;gap:10px}
-figure{margin:0;flex:1 1 300px;max-width:460px}figcaption{font-size:12px;color:#555;overflow-wrap:anywhere}
-figure img{width:100%;height:auto;border:1px solid #ddd;background:#fff;cursor:zoom-in}
-figure.big{flex-basis:100%}figure.big img{width:auto;max-width:100%;cursor:zoom-out}
-svg .ax{font-size:11px;fill:#444}svg .ax.rel{fill:#d62728}svg .ax.cos{fill:#1f77b4}
-.legend .sw{display:inline-block;width:18px;height:3px;vertical-align:middle;margin:0 4px 0 12px}
-.sw.rel{background:#d62728}.sw.cos{background:#1f77b4}.sw.first{border-top:2px dashed #d00;height:0}
-code{font-family:ui-monospace,monospace;word-break:break-all}
-footer{margin:32px 0 8px;color:#888;font-size:12px}
-"""
-
-# No summary string ever enters this script: it reads the table it sorts.
-_JS = r"""
-(function(){
-  var table=document.getElementById('nodes');
-  function apply(th,dir){
-    var key=th.getAttribute('data-key'),num=th.getAttribute('data-type')==='num';
-    var col=Array.prototype.indexOf.call(th.parentNode.children,th);
-    var body=table.tBodies[0],rows=Array.prototype.slice.call(body.rows);
-    rows.sort(function(a,b){
-      var x=a.cells[col].getAttribute('data-v'),y=b.cells[col].getAttribute('data-v'),c;
-      if(num){
-        var ex=(x===''),ey=(y==='');
-        if(ex||ey){return ex===ey?(+a.getAttribute('data-i'))-(+b.getAttribute('data-i')):(ex?1:-1);}
-        x=parseFloat(x);y=parseFloat(y);c=x<y?-1:(x>y?1:0);
-      }else{c=x.localeCompare(y);}
-      return c*dir||(+a.getAttribute('data-i'))-(+b.getAttribute('data-i'));
-    });
-    rows.forEach(function(r){body.appendChild(r);});
-    Array.prototype.forEach.call(th.parentNode.children,function(h){h.setAttribute('aria-sort','none');});
-    th.setAttribute('aria-sort',dir>0?'ascending':'descending');
-    document.body.setAttribute('data-sorted',(dir>0?'':'-')+key);
-  }
-  if(table){
-    Array.prototype.forEach.call(table.tHead.rows[0].cells,function(th){
-      function go(){apply(th,th.getAttribute('aria-sort')==='ascending'?-1:1);}
-      th.addEventListener('click',go);
-      th.addEventListener('keydown',function(e){if(e.key==='Enter'||e.key===' '){e.preventDefault();go();}});
-    });
-  }
-  Array.prototype.forEach.call(document.querySelectorAll('.plots figure img'),function(img){
-    img.addEventListener('click',function(){img.parentNode.classList.toggle('big');});
-  });
-  var box=document.getElementById('only-failing');
-  function filt(){document.body.classList.toggle('only-failing',!!(box&&box.checked));}
-  if(box){box.addEventListener('change',filt);}
-  var h=decodeURIComponent(location.hash.replace(/^#/,''));
-  h.split('&').forEach(function(part){
-    if(part==='failing'&&box){box.checked=true;filt();}
-    var m=/^sort=(-?)([a-z_]+)$/.exec(part);
-    if(m&&table){
-      var th=table.querySelector('th[data-key="'+m[2]+'"]');
-      if(th){th.click();if(m[1]){th.click();}}
-    }
-  });
-  document.documentElement.setAttribute('data-ready','1');
-})();
-"""
-
-
 def _join_time(nodes: list[dict], summary: dict) -> None:
     """Time per node (a job with performance data) beside its accuracy."""
     view = summary.get("node_view")
@@ -601,7 +534,7 @@ def render(out_dir: Path, summary: dict) -> str:
     first_key = (first.get("node"), first.get("tensor"), first.get("role", "output")) \
         if isinstance(first, dict) else None
     row_of = {(n.get("node"), n.get("tensor"), n.get("role", "output")): i for i, n in enumerate(nodes)}
-    detail_files = summary.get("detail_files") if isinstance(summary.get("detail_files"), dict) else {}
+    detail_files = _mapping(summary.get("detail_files"))
     plots_html, plots_of = _plots(out_dir, summary, nodes)
     nonce = secrets.token_urlsafe(18)
     failed = _failed(summary)
@@ -642,9 +575,9 @@ def render(out_dir: Path, summary: dict) -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f'<meta http-equiv="Content-Security-Policy" content="{esc(csp)}">'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{esc(title)}</title><style>{_CSS}</style></head>\n<body>\n"
+            f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
             + "\n".join(b for b in body if b)
-            + f'\n<script nonce="{nonce}">{_JS}</script>\n</body></html>\n')
+            + f'\n<script nonce="{nonce}">{SCRIPT}</script>\n</body></html>\n')
 
 
 def write_html(out_dir: Path, summary: dict) -> Path:

@@ -15,7 +15,7 @@ output tensor as ``{order}.{node}:{tensor}``.  Failing tensors carry
 ``FAIL`` with the diagnosis' verdict and cause where the summary has them.
 Names are printed with control characters escaped, so a hostile node name
 cannot move the cursor or recolour the terminal.
-"""
+"""  # noqa: E501 - the example lines above are as wide as the listing itself
 from __future__ import annotations
 
 import math

@@ -23,6 +23,7 @@ import csv
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from layerdiff.analyzer.report.perf import bound_hint
 from layerdiff.common.errors import LayerdiffError
@@ -154,7 +155,7 @@ def perf_diff(base_path, new_path, *, threshold: float = 0.10, min_us: float = 1
     if not (threshold >= 0 and math.isfinite(threshold)):
         raise LayerdiffError("must be a non-negative fraction (0.1 = 10%)", field="threshold")
     base, new = load_side(base_path), load_side(new_path)
-    changed = []
+    changed: list[dict[str, Any]] = []
     for name, b in base.nodes.items():
         n = new.nodes.get(name)
         if n is None:
@@ -178,13 +179,14 @@ def perf_diff(base_path, new_path, *, threshold: float = 0.10, min_us: float = 1
                             "changes": changes, "flags": flags})
     changed.sort(key=lambda c: (c["order"], c["node"]))
     by = "mcu_cycle" if any(s.get("mcu_cycle") is not None for s in new.nodes.values()) else TIME
-    ranked = sorted((s for s in new.nodes.values() if s.get(by) is not None), key=lambda s: -s.get(by))
-    total = sum(s.get(by) for s in ranked)
+    valued = [(s, v) for s in new.nodes.values() if (v := s.get(by)) is not None]
+    ranked = sorted(valued, key=lambda sv: -sv[1])
+    total = sum(v for _, v in ranked)
     tops = []
-    for s in ranked[:max(0, top)]:
+    for s, value in ranked[:max(0, top)]:
         hint = bound_hint(s.get)
-        tops.append({"node": s.name, "op_type": s.op_type, "metric": by, "value": s.get(by),
-                     "share_pct": round(100.0 * s.get(by) / total, 3) if total > 0 else None,
+        tops.append({"node": s.name, "op_type": s.op_type, "metric": by, "value": value,
+                     "share_pct": round(100.0 * value / total, 3) if total > 0 else None,
                      "bound": hint["bound"] if hint else None, "why": hint["why"] if hint else
                      "no unit counters: time only"})
     return {

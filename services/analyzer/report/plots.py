@@ -73,6 +73,7 @@ def check_bins(max_bins: object = DEFAULT_MAX_BINS, min_bins: object = DEFAULT_M
     for name, v in (("max_bins", max_bins), ("min_bins", min_bins)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise LayerdiffError(f"must be a whole number, got {v!r}", field=name)
+    assert isinstance(max_bins, (int, np.integer)) and isinstance(min_bins, (int, np.integer))    # checked above
     if not 1 <= max_bins <= BINS_LIMIT:
         raise LayerdiffError(f"must be between 1 and {BINS_LIMIT}, got {max_bins}", field="max_bins")
     if not 1 <= min_bins <= max_bins:

@@ -163,7 +163,7 @@ def _restore_layout(flat: np.ndarray, fmt: int, dims: list[int], original: list[
     from layerdiff.vendor import ascend_dump_pb2
 
     try:
-        label = ascend_dump_pb2.OutputFormat.Name(fmt)
+        label = ascend_dump_pb2.OutputFormat.Name(ascend_dump_pb2.OutputFormat.ValueType(fmt))
     except ValueError:
         label = str(fmt)
     raise LayerdiffError(f"device layout {label} is not restored to the original shape; dump this node in ND/NCHW",
@@ -182,7 +182,7 @@ def read_dump_file(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, shown:
     if offset + declared > size:
         raise LayerdiffError(f"header declares {declared} bytes of data, the file holds {size - offset}",
                              file=shown, field="size")
-    out = []
+    out: list[tuple[str, int, np.ndarray | LayerdiffError]] = []
     for role, slot, t in parts:
         try:
             out.append((role, slot, _tensor(path, t, offset, f"{shown}:{role}.{slot}", max_bytes)))
@@ -198,13 +198,18 @@ def dump_files(root: Path, max_depth: int = 6) -> list[Path]:
     order (timestamp, then task id)."""
     found: list[Path] = []
 
+    def execution_order(p: Path) -> tuple[int, int, str]:
+        n = parse_name(p.name)
+        assert n is not None    # only files whose names parse are listed
+        return n.timestamp, n.task_id, p.name
+
     def walk(d: Path, depth: int) -> None:
         try:
             children = sorted(d.iterdir())
         except OSError:
             return
         files = [c for c in children if c.is_file() and not c.is_symlink() and parse_name(c.name)]
-        files.sort(key=lambda p: (parse_name(p.name).timestamp, parse_name(p.name).task_id, p.name))
+        files.sort(key=execution_order)
         found.extend(files)
         if depth < max_depth:
             for c in children:

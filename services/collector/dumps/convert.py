@@ -10,12 +10,14 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.collector.dumps.directory import MANIFEST, DumpDirectory, placement
+from layerdiff.collector.dumps.directory import DumpDirectory
+from layerdiff.collector.dumps.manifest import MANIFEST, placement
 from layerdiff.common.names import safe_filename
 from layerdiff.common.schema import ROLE_INPUT, STATUS_OK
 
 
-def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = "", default_concat_dim: int = 0) -> dict:
+def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = "",
+            default_concat_dim: int = 0) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     taken: set[str] = set()

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.collector.dumps.directory import MANIFEST, DumpDirectory, check_node_name, resolve_inside
+from layerdiff.collector.dumps.directory import DumpDirectory
+from layerdiff.collector.dumps.manifest import MANIFEST, check_node_name, resolve_inside
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.net import MAX_MESSAGE_BYTES
 from layerdiff.common.schema import ROLE_INPUT
@@ -48,7 +49,7 @@ def dump_graph(source: pb.DumpSource) -> pb.DeviceGraph:
         return pb.DeviceGraph()
     nodes: dict[str, pb.DeviceNode] = {}
     outputs: dict[str, dict[int, pb.DeviceTensor]] = {}
-    for i, entry in sorted(entries, key=lambda ie: _order(ie[1], ie[0])):
+    for _, entry in sorted(entries, key=lambda ie: _order(ie[1], ie[0])):
         try:
             _add_entry(d, entry, nodes, outputs)
         except LayerdiffError as e:    # this node drops out of the graph; its tensor still streams

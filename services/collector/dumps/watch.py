@@ -14,7 +14,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from layerdiff.collector.dumps.directory import MANIFEST, DumpDirectory
+from layerdiff.collector.dumps.directory import DumpDirectory
+from layerdiff.collector.dumps.manifest import MANIFEST
 from layerdiff.common.errors import LayerdiffError, NotFoundError
 from layerdiff.common.schema import NodeRecord
 

@@ -123,7 +123,7 @@ def _events(text: str) -> tuple[list, str]:
             return events, "broken after the event list"
         try:
             ev, i = dec.raw_decode(text, i)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             return events, f"cut short after {len(events)} events at byte {i}: {e.msg}"
         events.append(ev)
 
@@ -206,7 +206,8 @@ def parse_profile(path: Path | str, shown: str, *, skip_runs: int = 0) -> Iterat
     order: dict[str, int] = {}
     for k, ev, ts, dur, run in sorted(assigned, key=lambda a: (a[4], a[2])):
         name = _node_name(ev["name"])
-        args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+        raw_args = ev.get("args")
+        args = raw_args if isinstance(raw_args, dict) else {}
         order.setdefault(name, len(order))
         tid = ev.get("tid")
         yield PerfRecord(

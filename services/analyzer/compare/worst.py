@@ -1,0 +1,88 @@
+"""The worst mismatching elements of a node, worst first (the rows of
+the per-node detail tables).  The compiled search (a bounded heap per
+piece) is ``kernel._worst`` / ``kernel._worst_int``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from layerdiff.analyzer.compare.kernel import (
+    _PIECE,
+    ATOL_DEFAULT,
+    REL_EPS,
+    RTOL_DEFAULT,
+    _as_i64,
+    _flat,
+    _into_f64,
+    _kind,
+    _worst,
+    _worst_int,
+)
+
+__all__ = ["worst_elements", "worst_row_key"]
+
+
+def worst_row_key(row) -> tuple:
+    """Sort key of ``worst_elements`` rows, also for rows of several chunks
+    merged: non-finite pairs first by index, then finite pairs by abs_diff
+    descending, then index."""
+    i, rv, dv, ad = row[:4]
+    if not (math.isfinite(rv) and math.isfinite(dv)):
+        return (0, 0.0, i)
+    return (1, -ad, i)
+
+
+def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
+                   rtol: float = RTOL_DEFAULT, count: int = 128) -> list:
+    """Up to ``count`` mismatching elements, worst first.
+
+    Rows are ``(flat index, ref value, dev value, abs_diff, relative_diff)``
+    with the raw values (NaN and Inf as they are), abs_diff = |d - r| and
+    relative_diff = abs_diff / |r| (REL_EPS for r == 0) in IEEE float64, so
+    NaN or inf for a non-finite pair; for two integer tensors abs_diff is
+    the exact difference rounded once.  Pairs with NaN or Inf come first (by
+    index), then the rest by abs_diff descending then index
+    (``worst_row_key``).
+    """
+    r = _flat(ref)
+    d = _flat(dev)
+    if r.size != d.size:
+        raise ValueError(
+            f"element count mismatch: reference has {r.size} elements, device has {d.size}")
+    kr, kd = _kind(r), _kind(d)
+    count = int(count)
+    if count <= 0 or r.size == 0:
+        return []
+    hidx = np.empty(count, np.int64)
+    hdiff = np.empty(count, np.float64)
+    hcls = np.empty(count, np.int64)
+    k = 0
+    integer = kr == "int" and kd == "int"
+    ru, du = r.dtype == np.uint64, d.dtype == np.uint64
+    # one float64 scratch piece per side for the whole tensor: a fresh one per
+    # piece is a fresh mapping (memory.MMAP_THRESHOLD_BYTES), faulted in anew
+    scratch = None if integer else (np.empty(min(_PIECE, r.size)), np.empty(min(_PIECE, r.size)))
+    for s in range(0, r.size, _PIECE):
+        if integer:
+            k = _worst_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, s, k,
+                           hidx, hdiff, hcls)
+        else:
+            assert scratch is not None    # made above for every tensor that is not integer on both sides
+            rp, dp = r[s:s + _PIECE], d[s:s + _PIECE]
+            k = _worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
+                       float(rtol), s, k, hidx, hdiff, hcls)
+    rows = []
+    for j in range(k):
+        i = int(hidx[j])
+        x, y = float(r[i]), float(d[i])
+        if integer:
+            ae = float(abs(int(d[i]) - int(r[i])))
+        else:
+            ae = abs(y - x)
+        den = abs(x) if x != 0.0 else REL_EPS
+        rows.append((i, x, y, ae, ae / den))
+    rows.sort(key=worst_row_key)
+    return rows

@@ -1,0 +1,145 @@
+"""What a failing node's own tensors show: an error concentrated on part of
+an axis, an output that is the expected one in another layout, mask-like
+sentinel values to leave out, a device output on a quantization grid; and
+how numbers are written in the evidence sentences."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from layerdiff.analyzer.compare import metrics as M
+
+
+def fmt(v: float | None) -> str:
+    """A number in an evidence sentence: three significant digits, "nan" for none."""
+    return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
+
+
+def _finite_pairs(ref: np.ndarray, dev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both tensors in float64 with every pair that is not finite on both
+    sides set to zero on both: the evidence below is about the values the
+    two sides share (non-finite values have their own reasoning), and
+    float64 keeps sums of FP16-range values from overflowing."""
+    r = ref.astype(np.float64)
+    d = dev.astype(np.float64)
+    bad = ~(np.isfinite(r) & np.isfinite(d))
+    if bad.any():
+        r[bad] = 0.0
+        d[bad] = 0.0
+    return r, d
+
+
+def _rel_mean_err(r: np.ndarray, d: np.ndarray) -> float:
+    """Mean |d - r| over the reference's RMS, of a pair from _finite_pairs."""
+    scale = float(np.sqrt(np.mean(r * r))) or 1.0
+    return float(np.mean(np.abs(d - r))) / scale
+
+
+# the share of the reference's RMS a half of an axis must be off by, on
+# average, for uneven_axis to name it (layout_match asks as much of the whole)
+UNEVEN_MIN_REL = 0.05
+
+
+def may_be_uneven(m: M.NodeMetrics) -> bool:
+    """Whether uneven_axis or layout_match can find anything, from the
+    node's metrics alone (they cost passes over the tensors, on the thread
+    that receives the stream). With every value finite the metrics' mean
+    |d - r| and RMS are exactly theirs; a half at least a third of the axis
+    off by UNEVEN_MIN_REL puts the whole at UNEVEN_MIN_REL / 3 at least."""
+    if m.ref_nan + m.ref_inf + m.dev_nan + m.dev_inf:
+        return True
+    scale = m.ref_rms if m.ref_rms > 0 else 1.0
+    return not m.mean_abs_diff / scale < UNEVEN_MIN_REL / 3
+
+
+def uneven_axis(ref: np.ndarray, dev: np.ndarray, names: str = "") -> str:
+    """A sentence when the error sits on one part of an axis (the vendor's
+    example: only the second half of H is wrong), else ''."""
+    if ref.shape != dev.shape or ref.ndim == 0 or ref.size < 8:
+        return ""
+    r, d = _finite_pairs(ref, dev)
+    err = np.abs(d - r)
+    scale = float(np.sqrt(np.mean(r * r))) or 1.0
+    labels = names if len(names) == ref.ndim else ""
+    best = ""
+    best_ratio = 0.0
+    for ax, size in enumerate(ref.shape):
+        if size < 2:
+            continue
+        half = size // 2
+        a = float(np.take(err, range(half), axis=ax).mean()) / scale
+        b = float(np.take(err, range(half, size), axis=ax).mean()) / scale
+        hi, lo = max(a, b), min(a, b)
+        if hi < UNEVEN_MIN_REL:
+            continue
+        ratio = hi / max(lo, 1e-12)
+        if ratio >= 10 and ratio > best_ratio:
+            where = "second" if b > a else "first"
+            name = f" ({labels[ax]})" if labels else ""
+            best = (f"error concentrated in the {where} half of axis {ax}{name}: mean |d-r|/rms "
+                    f"{hi:.3g} there against {lo:.3g} in the other half")
+            best_ratio = ratio
+    return best
+
+
+def layout_match(ref: np.ndarray, dev: np.ndarray) -> str:
+    """A sentence when the device tensor is the reference in another layout
+    (two axes swapped, or NHWC data read as NCHW), else ''."""
+    if ref.shape != dev.shape or ref.ndim < 2 or ref.size < 4:
+        return ""
+    r, d = _finite_pairs(ref, dev)
+    if _rel_mean_err(r, d) < UNEVEN_MIN_REL:
+        return ""
+    candidates = []
+    for i in range(ref.ndim):
+        for j in range(i + 1, ref.ndim):
+            if ref.shape[i] == ref.shape[j] and ref.shape[i] > 1:
+                candidates.append((f"axes {i} and {j} swapped", np.swapaxes(r, i, j)))
+    if ref.ndim == 4:
+        n, c, h, w = ref.shape
+        candidates.append(("NHWC data read as NCHW", r.transpose(0, 2, 3, 1).reshape(ref.shape)))
+        candidates.append(("NCHW data read as NHWC", r.reshape(n, h, w, c).transpose(0, 3, 1, 2)
+                           .reshape(ref.shape) if c and h and w else r))
+    for label, cand in candidates:
+        if _rel_mean_err(cand, d) < 0.01:
+            return f"layout: the device output is the expected output with {label}"
+    return ""
+
+
+def core_mask(ref: np.ndarray) -> tuple[np.ndarray | None, float]:
+    """The elements that are not mask-like sentinels (|x| above 1000 times
+    the median magnitude: the -3.4e38 or -1e4 of an additive attention mask),
+    and the threshold; (None, nan) where there are none."""
+    a = np.abs(np.asarray(ref, np.float64)).ravel()
+    finite = a[np.isfinite(a)]
+    if not finite.size:
+        return None, math.nan
+    med = float(np.median(finite))
+    if med <= 0:
+        return None, math.nan
+    thr = 1e3 * med
+    keep = np.isfinite(a) & (a <= thr)
+    if keep.all() or not keep.any():
+        return None, math.nan
+    return keep, thr
+
+
+def quant_grid(dev: np.ndarray, max_levels: int = 256) -> tuple[float, int] | None:
+    """(step, levels) where the device values lie on a grid of at most
+    ``max_levels`` values (a dequantized INT8 tensor); None otherwise."""
+    a = np.asarray(dev).ravel()
+    if a.size > 1 << 22:
+        a = a[:: a.size // (1 << 22) + 1]
+    a = a[np.isfinite(a)]
+    if a.size < 2:
+        return None
+    u = np.unique(a)
+    if len(u) > max_levels or len(u) < 2:
+        return None
+    steps = np.diff(u.astype(np.float64))
+    step = float(steps.min())
+    # every gap a whole number of steps: one scale, not just few values
+    if step <= 0 or not np.allclose(steps / step, np.round(steps / step), atol=1e-3):
+        return None
+    return step, int(len(u))

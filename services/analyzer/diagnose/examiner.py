@@ -1,0 +1,337 @@
+"""What a job gathers about failing nodes while tensors stream in: device
+values for isolated re-runs, and for each failing node, once what it reads
+is settled, its isolated error, layout and axis evidence; the input ranges
+of quantized ops (layerdiff.analyzer.diagnose.verdicts decides from them)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from layerdiff.analyzer.diagnose.evidence import core_mask, fmt, layout_match, may_be_uneven, quant_grid, uneven_axis
+from layerdiff.analyzer.diagnose.isolation import DeviceValues, IsolationUnavailable, run_group_isolated, run_isolated
+from layerdiff.analyzer.diagnose.verdicts import QUANT_OPS
+
+if TYPE_CHECKING:
+    from layerdiff.analyzer.report.files import Row
+    from layerdiff.common.schema import BufferLease
+
+
+@dataclass
+class _Waiting:
+    """A failing node output whose examination waits for what it reads."""
+    row: Row
+    ref: np.ndarray
+    dev: np.ndarray
+    lease: BufferLease | None
+    tol: object
+    force_compare: bool
+    missing: set
+
+
+class NodeExaminer:
+    """What a job gathers while nodes stream in: device values for isolated
+    re-runs, and for each failing node its isolated error, layout and axis
+    evidence; input ranges of quantized ops.
+
+    A failing node is examined once everything it reads has been settled
+    (compared, or known not to come), whatever order the device stream and
+    the executor deliver tensors in: a node that arrives before its
+    producers waits for them, holding its tensors, and the end of the
+    stream settles everything. The reports then do not depend on the order,
+    as long as the waiting nodes fit in ``wait_cap_bytes``; past it the
+    longest-waiting node is examined with what has arrived."""
+
+    def __init__(self, reference, feeds: dict[str, np.ndarray], quantized: bool,
+                 cap_bytes: int = 1 << 30, given_ranges: dict[str, tuple[float, float]] | None = None,
+                 dump_mode: str = "output", wait_cap_bytes: int = 512 << 20,
+                 groups: dict[str, list[str]] | None = None, injected=None) -> None:
+        """``groups``: reference tensor -> the reference nodes a fused device
+        node computes as one kernel (graph alignment); such a tensor's node
+        is examined, and re-run alone, as that group. ``injected``
+        (impact.InjectedValues): keeps the device value of every examined
+        node whose error is not plainly inherited, for the impact re-runs."""
+        self.reference = reference
+        self.injected = injected
+        self._constant_nodes: dict | None = None
+        self.groups = dict(groups or {})
+        self.feeds = feeds
+        self.quantized = quantized
+        self.values = DeviceValues(reference.node_inputs, cap_bytes)
+        self.outputs_left: dict[str, int] = {}
+        self._op: dict[str, str] = {}
+        self._index: dict[str, int] = {}     # node -> its index in execution order
+        for s in reference.sites:
+            self.outputs_left[s.node] = self.outputs_left.get(s.node, 0) + 1
+            self._op.setdefault(s.node, s.op_type)
+            self._index.setdefault(s.node, s.order)
+        self._computed = {s.tensor for s in reference.sites}
+        self._with_inputs = dump_mode == "all"
+        self.quant_inputs = {ins[0] for node, ins in reference.node_inputs.items()
+                             if ins and self._op.get(node) in QUANT_OPS} if quantized else set()
+        # ranges a calibrator recorded win over the reference's own values
+        self.input_ranges: dict[str, tuple[float, float]] = dict(given_ranges or {})
+        self.metrics_of: dict = {}     # tensor, or (node, input index), -> metrics
+        self._settled: set = set()     # tensors and (node, input index) compared or known not to come
+        self._waiting: dict[int, _Waiting] = {}    # in the order they started waiting
+        self._waiting_bytes = 0
+        self.wait_cap = wait_cap_bytes
+        for t in self.quant_inputs & set(feeds):
+            self.note_range(t, feeds[t])
+
+    def note_range(self, tensor: str, ref: np.ndarray) -> None:
+        if tensor in self.quant_inputs and tensor not in self.input_ranges and ref.size:
+            r = ref.astype(np.float64, copy=False)
+            finite = r[np.isfinite(r)]
+            if finite.size:
+                self.input_ranges[tensor] = (float(finite.min()), float(finite.max()))
+
+    def keep_output(self, tensor: str, arr: np.ndarray, lease: BufferLease | None = None) -> bool:
+        return self.values.keep_output(tensor, arr, lease)
+
+    def keep_input(self, node: str, slot: int, arr: np.ndarray, lease: BufferLease | None = None) -> bool:
+        return self.values.keep_input(node, slot, arr, lease)
+
+    # ------------------------------------------------------------ settling
+
+    def unit(self, site) -> list[str]:
+        """The reference nodes examined together for a tensor: the fused
+        group that computes it on the device, else its own node."""
+        return self.groups.get(site.tensor) or [site.node]
+
+    def _external_reads(self, nodes: list[str]) -> list[tuple[str, int, str]]:
+        """(node, input index, tensor) of the computed tensors the unit reads
+        from outside itself."""
+        produced = {s.tensor for s in self.reference.sites if s.node in nodes} if len(nodes) > 1 else set()
+        out = []
+        for node in nodes:
+            consts = self.reference.constants_read(node)
+            for k, t in enumerate(self.reference.node_inputs.get(node, [])):
+                if not t or t in consts or t in self.feeds or t not in self._computed or t in produced:
+                    continue
+                out.append((node, k, t))
+        return out
+
+    def _reads(self, nodes: list[str]) -> set:
+        """What the unit's examination looks at: the computed tensors it
+        reads, and with dump_mode all the device's own records of its inputs."""
+        keys: set = set()
+        for node, k, t in self._external_reads(nodes):
+            keys.add(t)
+            if self._with_inputs:
+                keys.add((node, k))
+        return keys
+
+    def settle(self, key) -> None:
+        """A tensor (or a node's input k) is settled: compared, or its record
+        refused or skipped. The nodes waiting for it are examined once it
+        was the last thing they lacked."""
+        if key in self._settled:
+            return
+        self._settled.add(key)
+        ready = []
+        for wid, w in self._waiting.items():
+            w.missing.discard(key)
+            if not w.missing:
+                ready.append(wid)
+        for wid in ready:
+            self._run_waiting(wid)
+
+    def row_done(self, row, ref: np.ndarray, dev: np.ndarray, lease, tol, force_compare: bool) -> None:
+        """A comparison is finished: note its metrics, examine the node if it
+        fails (now, or once what it reads is settled), and settle it for the
+        nodes that read it."""
+        key = (row.site.node, row.site.output_index) if row.is_input else row.site.tensor
+        self.metrics_of[key] = row.outcome.metrics
+        if not row.is_input:
+            if row.failed and not row.is_constant:
+                missing = self._reads(self.unit(row.site)) - self._settled
+                if missing:
+                    self._wait(_Waiting(row, ref, dev, lease.retain() if lease is not None else None, tol,
+                                        force_compare, missing))
+                else:
+                    self.examine(row, ref, dev, tol, force_compare)
+                    self._unit_done(row.site)
+            else:
+                self._unit_done(row.site)
+        self.settle(key)
+
+    def _wait(self, w: _Waiting) -> None:
+        self._waiting[id(w)] = w
+        self._waiting_bytes += w.ref.nbytes + w.dev.nbytes
+        while self._waiting_bytes > self.wait_cap and self._waiting:
+            self._run_waiting(next(iter(self._waiting)))
+
+    def _run_waiting(self, wid: int) -> None:
+        w = self._waiting.pop(wid)
+        self._waiting_bytes -= w.ref.nbytes + w.dev.nbytes
+        try:
+            self.examine(w.row, w.ref, w.dev, w.tol, w.force_compare)
+        finally:
+            if w.lease is not None:
+                w.lease.release()
+        self._unit_done(w.row.site)
+
+    def finish(self) -> None:
+        """The stream has ended: whatever a waiting node still lacks will not
+        come; examine it with what there is, then forget every kept value."""
+        try:
+            while self._waiting:
+                self._run_waiting(next(iter(self._waiting)))
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """The job stops early: forget everything without examining it."""
+        for w in self._waiting.values():
+            if w.lease is not None:
+                w.lease.release()
+        self._waiting.clear()
+        self._waiting_bytes = 0
+        self.values.release()
+
+    def _unit_done(self, site) -> None:
+        """The tensor's row is finished: its node's output, and for a fused
+        group the nodes inside it (whose outputs never come)."""
+        for node in self.unit(site)[:-1]:
+            self.values.node_done(node)
+        self._output_done(site.node)
+
+    def _output_done(self, node: str) -> None:
+        """One output row of the node is finished; once all are, what it
+        read is forgotten."""
+        left = self.outputs_left.get(node, 1) - 1
+        self.outputs_left[node] = left
+        if left <= 0:
+            self.values.node_done(node)
+
+    def inherited(self, row) -> str:
+        """A sentence when the node's error is plainly what it read (no
+        larger than its inputs' errors), so it needs no closer look; ''
+        when it does (its error grew, or what it read is unknown)."""
+        m = row.outcome.metrics
+        read = []
+        for node, k, t in self._external_reads(self.unit(row.site)):
+            x = self.metrics_of.get((node, k)) or self.metrics_of.get(t)
+            if x is None:
+                return ""
+            read.append(x)
+        if not read or m.dev_nan + m.dev_inf > max(x.dev_nan + x.dev_inf for x in read):
+            return ""
+        worst_cos = min((x.cosine for x in read if not math.isnan(x.cosine)), default=1.0)
+        worst_ratio = max(x.errors / x.total if x.total else 0.0 for x in read)
+        ratio = m.errors / m.total if m.total else 0.0
+        cos = 1.0 if math.isnan(m.cosine) else m.cosine
+        if 1 - cos > 2 * (1 - worst_cos) + 1e-6 or ratio > 2 * worst_ratio + 1e-3:
+            return ""
+        # a scale error leaves the cosine alone: the relative distance shows it
+        worst_dist = max((x.rel_euclidean for x in read if math.isfinite(x.rel_euclidean)), default=0.0)
+        if math.isfinite(m.rel_euclidean) and m.rel_euclidean > 2 * worst_dist + 0.05:
+            return ""
+        return (f"its error is no larger than what it read (cosine {fmt(cos)} against {fmt(worst_cos)}, "
+                f"{ratio:.3g} of elements outside tolerance against {worst_ratio:.3g})")
+
+    def _weight(self, tensor: str) -> np.ndarray | None:
+        """A weight of the reference: an initializer or a Constant node's value."""
+        w = self.reference.constant(tensor) if hasattr(self.reference, "constant") else None
+        if w is not None or getattr(self.reference, "model", None) is None:   # a golden dump has no model
+            return w
+        if self._constant_nodes is None:
+            self._constant_nodes = {n.output[0]: n for n in self.reference.model.graph.node
+                                    if n.op_type == "Constant" and n.output and n.attribute}
+        n = self._constant_nodes.get(tensor)
+        if n is None or n.attribute[0].name != "value":
+            return None
+        from onnx import numpy_helper
+
+        return numpy_helper.to_array(n.attribute[0].t)
+
+    def _int8_bound(self, site) -> tuple[float, str] | None:
+        """The RMSE a Conv/Gemm/MatMul's own INT8 rounding is expected to give:
+        sqrt(K) * sqrt((s_w^2/12) rms_x^2 + (s_x^2/12) rms_w^2), with K the
+        reduction length (from the weight's shape), s_w = max|w|/127 the
+        weight step of symmetric INT8 (per channel is finer), s_x the input's
+        step over its calibrated range (255 steps), rms_x and rms_w the
+        reference's. None where something of it is unknown."""
+        if site.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+            return None
+        ins = self.reference.node_inputs.get(site.node, [])
+        if len(ins) < 2 or ins[0] not in self.input_ranges:
+            return None
+        w = self._weight(ins[1])
+        if w is None or w.ndim < 2 or not w.size:
+            return None
+        w = w.astype(np.float64)
+        if site.op_type.startswith("Conv"):
+            k = int(np.prod(w.shape[1:]))
+        elif site.op_type == "Gemm" and any(a.name == "transB" and a.i for a in
+                                            self.reference.model.graph.node[site.order].attribute):
+            k = w.shape[1]
+        else:
+            k = w.shape[0]
+        lo, hi = self.input_ranges[ins[0]]
+        s_x, s_w = (hi - lo) / 255.0, float(np.max(np.abs(w))) / 127.0
+        xm = self.metrics_of.get(ins[0])
+        rms_x = xm.ref_rms if xm is not None and math.isfinite(xm.ref_rms) else (hi - lo) / (2 * math.sqrt(3))
+        rms_w = float(np.sqrt(np.mean(w * w)))
+        e = math.sqrt(k) * math.sqrt((s_w ** 2 / 12) * rms_x ** 2 + (s_x ** 2 / 12) * rms_w ** 2)
+        if not math.isfinite(e) or e <= 0:
+            return None
+        return e, (f"the RMSE INT8 rounding gives over its reduction of {k} (weight step {fmt(s_w)}, input step "
+                   f"{fmt(s_x)}): {fmt(e)}")
+
+    def examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool) -> None:
+        """Fill the row's evidence (a failing output row). A node whose error
+        is plainly inherited is not re-run: the closer look costs a pass over
+        its tensors and a session of its own."""
+        with np.errstate(all="ignore"):
+            self._examine(row, ref, dev, tol, force_compare)
+
+    def _examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool) -> None:
+        from layerdiff.analyzer.compare.node import SkipNode, compare_node, reconcile
+
+        site = row.site
+        row.inherited = self.inherited(row)
+        if row.inherited:
+            return
+        try:
+            dev_aligned, _ = reconcile(ref, dev, force_compare)
+        except SkipNode:
+            return
+        if self.injected is not None and dev_aligned.shape == ref.shape:
+            self.injected.keep(site.tensor, dev_aligned)
+        axes = getattr(self.reference, "layout", "NCHW")   # TensorFlow references are NHWC
+        if may_be_uneven(row.outcome.metrics):
+            row.uneven = uneven_axis(ref, dev_aligned, axes if ref.ndim == 4 else "")
+            row.layout = layout_match(ref, dev_aligned)
+        try:
+            # A reference that is not ONNX (TensorFlow) re-runs its own op.
+            isolate = getattr(self.reference, "run_isolated", None)
+            group = self.groups.get(site.tensor)
+            if group and not isolate:
+                device = {t: self.values.outputs[t][0] for _, _, t in self._external_reads(group)
+                          if t in self.values.outputs}
+                iso = run_group_isolated(self.reference.model, [self._index[n] for n in group], device,
+                                         self.feeds)[site.tensor]
+            else:
+                outs = isolate(site, self.values.inputs_of(site.node), self.feeds) if isolate else \
+                    run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
+                iso = outs[site.output_index]
+            row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
+            keep, thr = core_mask(ref)
+            if keep is not None and iso.shape == dev_aligned.shape:
+                row.isolated_core = compare_node(np.asarray(iso).reshape(-1)[keep],
+                                                 np.asarray(dev_aligned).reshape(-1)[keep], tol, 0).metrics
+                row.core_note = (f"{int((~keep).sum())} mask-like values (|x| > {thr:.3g}) left out, "
+                                 f"{int(keep.sum())} compared")
+            if self.quantized:
+                grid = quant_grid(dev_aligned)
+                if grid is not None:
+                    row.quant_step, row.quant_levels = grid
+                row.int8_bound = self._int8_bound(site)
+            if not row.layout:
+                row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
+        except (IsolationUnavailable, SkipNode, IndexError, KeyError) as e:
+            row.isolation_note = str(e) or type(e).__name__

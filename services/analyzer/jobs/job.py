@@ -1,0 +1,92 @@
+"""A job as the analyzer holds it: its spec, state and events (what Watch
+streams), what Cancel reaches, the record kept of it across restarts
+(jobs/records.py), and the exit status a failure ends it with."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, LayerdiffError, UnavailableError
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    from layerdiff.analyzer.execute.fanout import CeleryPool
+    from layerdiff.analyzer.execute.local import LocalPool
+    from layerdiff.analyzer.jobs.receive import CollectorStream
+
+TERMINAL = {pb.DONE, pb.FAILED, pb.CANCELLED}
+# What a job's record keeps of its final event.
+RECORDED_EVENT_FIELDS = ("nodes_done", "nodes_total", "message", "first_failing_node", "outcome", "exit_status")
+
+
+@dataclass
+class Job:
+    id: str
+    spec: pb.JobSpec
+    report_dir: Path
+    state: pb.JobState.ValueType = pb.QUEUED
+    events: list = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    call: CollectorStream | None = None                 # the collector stream being read, for Cancel
+    executor: LocalPool | CeleryPool | None = None     # the comparisons' pool, for Cancel
+    error: str = ""
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    dropped: int = 0    # events let go from the front of ``events`` (a finished job's history)
+    owner: str = ""     # digest of the token that submitted it ("" on a service without tokens)
+    thread: threading.Thread | None = None    # the job's own thread, while it runs here
+
+    def emit(self, state: pb.JobState.ValueType | None = None, **kw) -> None:
+        with self.cond:
+            if state is not None:
+                self.state = state
+            self.events.append(pb.JobEvent(job_id=self.id, state=self.state, **kw))
+            self.cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def artifacts(self) -> list[str]:
+        s = self.spec
+        return [a for a in (s.model_artifact, s.inputs_artifact, s.device_model_artifact) if a]
+
+    def record(self, event: pb.JobEvent | None = None) -> dict:
+        """What the analyzer keeps of this job across restarts (jobrecords):
+        enough for Watch and FetchReport, and a few words for an operator."""
+        if event is None:
+            event = self.events[-1] if self.events else pb.JobEvent(state=self.state)
+        s = self.spec
+        return {"id": self.id, "state": pb.JobState.Name(event.state), "created_at": self.created_at,
+                "finished_at": self.finished_at, "error": self.error,
+                "event": {f: getattr(event, f) for f in RECORDED_EVENT_FIELDS},
+                "artifacts": self.artifacts, "model": s.model_name, "collector": s.collector,
+                "precision": s.precision, "device": s.device, "dump_path": s.dump_path, "owner": self.owner}
+
+    @classmethod
+    def from_record(cls, rec: dict, report_dir: Path) -> Job:
+        """A job read back from its record: finished, with its final event."""
+        state = pb.JobState.Value(rec["state"])
+        spec = pb.JobSpec(model_name=str(rec.get("model") or ""), collector=str(rec.get("collector") or ""),
+                          precision=str(rec.get("precision") or ""), device=str(rec.get("device") or ""),
+                          dump_path=str(rec.get("dump_path") or ""))
+        job = cls(id=rec["id"], spec=spec, report_dir=report_dir, state=state, error=str(rec.get("error") or ""),
+                  created_at=float(rec.get("created_at") or 0.0), finished_at=rec.get("finished_at"),
+                  owner=str(rec.get("owner") or ""))
+        event = rec.get("event") or {}
+        job.events.append(pb.JobEvent(job_id=job.id, state=state,
+                                      **{f: event[f] for f in RECORDED_EVENT_FIELDS if f in event}))
+        return job
+
+
+def failure_exit_status(e: BaseException) -> int:
+    """2 for bad input or usage; 3 when a component failed and the job
+    could not answer."""
+    if isinstance(e, LayerdiffError) and not isinstance(e, UnavailableError):
+        return EXIT_BAD_INPUT
+    return EXIT_NO_ANSWER

@@ -1,0 +1,275 @@
+"""A job prepared at submit time: its spec checked, its reference opened,
+its inputs read, its graphs aligned and its comparison options parsed, so
+that bad input fails the Submit call itself (``prepare``); and the
+aligner a job pairs device tensors with reference tensors by
+(``make_aligner``), also rebuilt while the job runs."""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from layerdiff.analyzer.align.names import Aligner
+from layerdiff.analyzer.compare.tolerances import Tolerances
+from layerdiff.analyzer.diagnose.minmax import parse_min_max
+from layerdiff.analyzer.jobs.budget import MemoryBudget
+from layerdiff.analyzer.reference.dump import DumpReference
+from layerdiff.analyzer.reference.onnxrt import OnnxReference
+from layerdiff.analyzer.reference.tf import TFReference, open_reference
+from layerdiff.analyzer.report.perf import PerfSettings, check_perf_options
+from layerdiff.collector.service import CollectorClient
+from layerdiff.common.artifacts import ArtifactStore
+from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.onnxgraph import load_inputs
+from layerdiff.common.schema import check_dump_mode
+from layerdiff.common.security import check_collector_allowed
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+log = logging.getLogger(__name__)
+DIFF_CNT_DEFAULT = 128
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
+@dataclass
+class Prepared:
+    """Everything checked at submit time, so bad input fails the Submit call."""
+    reference: OnnxReference | TFReference | DumpReference
+    feeds: dict
+    aligner: Aligner
+    tolerances: Tolerances
+    diff_cnt: int = DIFF_CNT_DEFAULT
+    max_cores: int = 0
+    force_compare: bool = False
+    quantized: bool = False
+    show_graph: bool = False
+    max_bins: int = 128
+    min_bins: int = 1
+    given_ranges: dict = field(default_factory=dict)     # from a tensor_min_max.txt
+    range_skips: list = field(default_factory=list)      # its lines that did not parse
+    perf: PerfSettings = field(default_factory=PerfSettings)
+    min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
+    weights: list | None = None         # weights.csv rows where both models are at hand
+    weights_aside: Future | None = None  # those rows being made for an FP16 build (started at submit)
+    golden: bool = False                # the reference is a golden dump, streamed first (DumpReference)
+
+
+def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
+    MemoryBudget.from_env()     # a malformed LAYERDIFF_MEMORY_BUDGET fails the Submit, naming it
+    if spec.HasField("reference_dump"):
+        return _prepare_dump_reference(spec, store)
+    if not spec.collector:
+        raise LayerdiffError("no collector address given", field="collector")
+    check_collector_allowed(spec.collector)
+    if spec.precision and spec.precision not in PRECISIONS and not spec.device_model_artifact:
+        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
+                             field="precision")
+    model_name = spec.model_name or store.name(spec.model_artifact)
+    reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature)
+    inputs_name = store.name(spec.inputs_artifact) if spec.inputs_artifact else "inputs"
+    feeds = reference.check_inputs(load_inputs(store.read(spec.inputs_artifact, "inputs_artifact"), inputs_name),
+                                   inputs_name)
+    if spec.device_model_artifact:
+        store.path(spec.device_model_artifact, "device_model_artifact")
+    elif isinstance(reference, TFReference) and not spec.dump_path:
+        reference.check_device_precision(spec.precision)
+    graph = _graph_alignment(spec, store, reference)
+    aligner = make_aligner(reference, spec.options, graph)
+    options = _checked_options(spec)
+    options["quantized"] = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
+        store.read(spec.device_model_artifact, "device_model_artifact")))
+    perf = options["perf"]
+    if perf.enabled and not spec.dump_path:
+        _check_live_perf(spec, store)
+    if perf.only and spec.watch:
+        raise LayerdiffError("watch streams tensors while the runtime writes them; a performance-only job reads "
+                             "the counter files once: run it when the runtime has finished", field="watch")
+    return Prepared(reference, feeds, aligner, weights=_weights(graph), **options)
+
+
+def _checked_options(spec: pb.JobSpec) -> dict:
+    """The comparison options of a job, checked: Prepared's fields."""
+    o = spec.options
+    tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
+                            o.op_config_csv)
+    if o.diff_cnt < 0:
+        raise LayerdiffError("must be >= 0", field="diff_cnt")
+    if o.max_cores < 0:
+        raise LayerdiffError("must be >= 0", field="max_cores")
+    check_dump_mode(spec.dump_mode)
+    max_bins = o.max_bins or 128
+    min_bins = o.min_bins or 1
+    if max_bins < 1 or max_bins > 4096:
+        raise LayerdiffError(f"must be in [1, 4096], got {max_bins}", field="max_bins")
+    if not 1 <= min_bins <= max_bins:
+        raise LayerdiffError(f"must be in [1, max_bins={max_bins}], got {min_bins}", field="min_bins")
+    given_ranges, range_skips = parse_min_max(o.min_max_text) if o.min_max_text.strip() else ({}, [])
+    min_coverage = o.min_coverage if o.has_min_coverage or o.min_coverage else None
+    if min_coverage is not None and not 0.0 <= min_coverage <= 1.0:
+        raise LayerdiffError(f"must be in [0, 1], got {min_coverage:g}", field="min_coverage")
+    return dict(tolerances=tolerances, diff_cnt=o.diff_cnt or DIFF_CNT_DEFAULT, max_cores=o.max_cores,
+                force_compare=o.force_compare, show_graph=o.show_graph, max_bins=max_bins, min_bins=min_bins,
+                given_ranges=given_ranges, range_skips=range_skips, perf=check_perf_options(spec.perf),
+                min_coverage=min_coverage)
+
+
+def _prepare_dump_reference(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
+    """Two dumps: the golden one (read by its collector first, in the job)
+    is the reference; an ONNX model, if given, lends its graph."""
+    golden = spec.reference_dump
+    if not golden.collector:
+        raise LayerdiffError("no collector address given for the reference dump", field="reference_dump.collector")
+    if not golden.dump.path:
+        raise LayerdiffError("no reference dump path given", field="reference_dump.dump.path")
+    if golden.dump.watch:
+        raise LayerdiffError("the reference dump is read once, whole: it cannot be watched",
+                             field="reference_dump.dump.watch")
+    if not spec.collector:
+        raise LayerdiffError("no collector address given for the device dump", field="collector")
+    if not spec.dump_path:
+        raise LayerdiffError("a reference dump is compared with a device dump: give the device dump's path",
+                             field="dump_path")
+    if spec.device_model_artifact:
+        raise LayerdiffError("two dumps are compared without running a device model", field="device_model_artifact")
+    if spec.precision and spec.precision not in PRECISIONS:
+        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
+                             field="precision")
+    for address in (golden.collector, spec.collector):
+        check_collector_allowed(address)
+    model = None
+    if spec.model_artifact:
+        from layerdiff.common.onnxgraph import load_model
+        from layerdiff.common.tfformat import is_tensorflow
+
+        name = store.name(spec.model_artifact)
+        data = store.read(spec.model_artifact, "model_artifact")
+        if is_tensorflow(name, data):
+            raise LayerdiffError("only an ONNX model lends its graph to a comparison of two dumps", file=name,
+                                 field="model")
+        model = load_model(data, name)
+    options = _checked_options(spec)
+    if options["perf"].enabled:
+        raise LayerdiffError("a comparison of two dumps is of accuracy only", field="perf")
+    provenance = {"collector": golden.collector, "dump_path": golden.dump.path,
+                  "format": golden.dump.format or "detected"}
+    reference = DumpReference(spec.model_name or f"reference dump {golden.dump.path}", model=model,
+                              provenance=provenance)
+    # the aligner needs the golden dump's tensors: built once it has streamed (JobRunner._receive_golden)
+    return Prepared(reference, {}, Aligner([]), quantized=spec.precision == "int8", golden=True, **options)
+
+
+def make_aligner(reference, o: pb.CompareOptions, graph) -> Aligner:
+    """The job's aligner: the user's mapping, then the graphs' pairs, then names."""
+    return Aligner(reference.sites, map_node_dict=dict(o.map_node_dict), skip_keys=list(o.skip_keys),
+                   exclude_node_list=list(o.exclude_node_list), pairs=graph.pairs if graph else None,
+                   fused=graph.fused if graph else None, groups=graph.groups if graph else None,
+                   unpaired=graph.lost if graph else None, folded=graph.folded if graph else None,
+                   attributed=graph.attributed if graph else None)
+
+
+def _weights(graph) -> list | None:
+    """The device model's weights against the reference's (weights.csv rows),
+    from the graph alignment of a device model."""
+    from layerdiff.analyzer.diagnose import weights
+
+    if graph is None or not getattr(graph, "weights", None):
+        return None
+    return weights.compare(graph.weights)
+
+
+def is_fp16_build(spec: pb.JobSpec, reference) -> bool:
+    """Does the collector run an FP16 build it makes of an ONNX reference?"""
+    return isinstance(reference, OnnxReference) and not spec.device_model_artifact and not spec.dump_path \
+        and spec.precision == "fp16"
+
+
+def fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
+    """For a live FP16 build of an ONNX reference, its weights against the
+    reference's, from the same conversion the collector makes (beside the
+    job, not in the Submit call: it costs a conversion of the model)."""
+    if not is_fp16_build(spec, reference):
+        return None
+    from layerdiff.analyzer.align.graph import weights_by_name
+    from layerdiff.collector.live.onnxrt import to_fp16
+
+    try:   # the build keeps every node's name: nodes pair by name
+        return _weights(weights_by_name(reference.model, to_fp16(reference.model, spec.model_artifact,
+                                                                 split=reference.split)))
+    except Exception as e:    # the collector's conversion reports its own failure
+        log.warning("comparing the FP16 build's weights failed (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def dump_graph_alignment(spec: pb.JobSpec, reference, collector: CollectorClient):
+    """A dump whose manifest describes its graph (op types and inputs) pairs
+    with an ONNX reference by structure, as a device model does; None where
+    it describes none (names decide)."""
+    if not spec.dump_path or spec.device_model_artifact or spec.watch or not isinstance(reference, OnnxReference):
+        return None
+    from layerdiff.analyzer.align.graph import align_graphs
+    from layerdiff.analyzer.align.manifest import skeleton
+
+    try:
+        graph = collector.dump_graph(pb.DumpSource(path=spec.dump_path, format=spec.dump_format,
+                                                   default_concat_dim=spec.default_concat_dim))
+        return align_graphs(reference.model, skeleton(graph, reference.model)) if graph.nodes else None
+    except LayerdiffError as e:    # the stream says what is wrong with the dump; names pair what they can
+        log.warning("the dump's graph could not be read (%s); pairing by names", e)
+    except Exception as e:
+        log.warning("aligning the dump's graph failed (%s: %s); pairing by names", type(e).__name__, e)
+    return None
+
+
+def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
+    """The device model's tensors paired with the reference's by the two
+    graphs: by structure when both are ONNX (renamed, fused, folded builds),
+    layer by layer when both are Keras models; None otherwise, and names
+    decide."""
+    if not spec.device_model_artifact:
+        return None
+    from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
+    from layerdiff.common.tfformat import FORMAT_KERAS, is_tensorflow
+    from layerdiff.common.tfload import load_tf_model
+
+    name = store.name(spec.device_model_artifact)
+    data = store.read(spec.device_model_artifact, "device_model_artifact")
+    try:
+        if isinstance(reference, OnnxReference) and not is_tensorflow(name, data):
+            from layerdiff.common.onnxgraph import load_model
+
+            return align_graphs(reference.model, load_model(data, name))
+        if isinstance(reference, TFReference) and reference.format == FORMAT_KERAS and is_tensorflow(name, data):
+            from layerdiff.analyzer.align.keras import keras_pairs
+
+            device = load_tf_model(data, name)
+            if device.format == FORMAT_KERAS:
+                return GraphAlignment(pairs=keras_pairs(reference.graph, device))
+    except LayerdiffError:
+        raise
+    except Exception as e:   # the names still pair what they can: say so, never fail the job on it
+        log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
+    return None
+
+
+def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
+    """Live performance data is onnxruntime's profiler: the file that runs as
+    the device must be ONNX."""
+    from layerdiff.common.tfformat import is_tensorflow
+
+    artifact = spec.device_model_artifact or spec.model_artifact
+    name = store.name(artifact)
+    if is_tensorflow(name, store.read(artifact)):
+        raise LayerdiffError("performance data of a live run comes from onnxruntime's profiler, and this is a "
+                             "TensorFlow model; give the runtime's counter files as a dump, or an ONNX device model",
+                             file=name, field="perf")
+
+
+def _is_quantized(model_bytes: bytes) -> bool:
+    """A fixed-point build: the device model quantizes somewhere."""
+    import onnx
+
+    try:
+        model = onnx.load_model_from_string(model_bytes)
+    except Exception:
+        return False
+    return any(n.op_type in ("QuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
+               for n in model.graph.node)

@@ -1,0 +1,223 @@
+"""The analyzer's gRPC calls as the client makes them (``AnalyzerClient``):
+uploads (handed over in memory to an analyzer in this process), Submit,
+Watch, FetchReport, Cancel; and what a failed call or a Ctrl-C becomes
+(``rpc_failure``, ``Interrupted``).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+
+from layerdiff.common.artifacts import chunks_of
+from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
+from layerdiff.common.net import channel, connect_timeout, wait_ready
+from layerdiff.common.security import ClientSecurity, with_token
+from layerdiff.v1 import layerdiff_pb2 as pb
+from layerdiff.v1 import layerdiff_pb2_grpc as pbg
+
+CALL_TIMEOUT = 600.0
+# Ctrl-C: the Cancel call (and the wait for a Submit under way) may take this long.
+CANCEL_TIMEOUT = 5.0
+# Closing a channel waits for its calls to drain; a call that Ctrl-C broke off
+# inside grpc may never drain, so the client waits this long and goes on.
+CLOSE_TIMEOUT = 2.0
+# fetch of a job that is not DONE: how long its events are read to learn its state.
+STATE_TIMEOUT = 5.0
+
+
+def rpc_failure(what: str, e: grpc.RpcError) -> LayerdiffError:
+    """A failed call to a service: its refusal of bad input (exit status 2),
+    or the service gone or unreachable (3)."""
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else "") or str(code)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS):
+        return JobFailed(details, EXIT_BAD_INPUT)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):   # usage: the wrong token
+        return JobFailed(f"{what}: {details}", EXIT_BAD_INPUT)
+    return JobFailed(f"{what}: {details}", EXIT_NO_ANSWER)
+
+
+def rpc_details(e: grpc.RpcError) -> str:
+    """One line saying why a call failed."""
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else "") or ""
+    name = code.name if isinstance(code, grpc.StatusCode) else "error"
+    return " ".join(f"{name}: {details}".split()) if details else name
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a job. ``message`` says what became of the job: cancelled
+    on the analyzer, already ended, or why it could not be cancelled. It is a
+    KeyboardInterrupt, so a script stops as it would anyway."""
+
+    def __init__(self, message: str, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.job_id = job_id
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@contextmanager
+def _sigint_held():
+    """Hold off Ctrl-C while a job is being cancelled: a second press must not
+    break off the cancel (it is bounded by CANCEL_TIMEOUT anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: None)
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+
+class AnalyzerClient:
+    """The analyzer's calls. ``submit``, ``watch``, ``fetch`` and ``cancel``
+    raise grpc.RpcError as the service answers; ``run``, ``watch`` and
+    ``fetch`` below turn every failure into a LayerdiffError."""
+
+    def __init__(self, address: str, connect_timeout_s: float | None = None, local=None) -> None:
+        """``local``: (the analyzer's store, the collector's or None) where
+        the analyzer (and the collector) run in this process: uploads are
+        handed to them in memory, in a file each, instead of sent."""
+        self.address = address
+        self.local = local
+        wait = connect_timeout() if connect_timeout_s is None else connect_timeout_s
+        security = ClientSecurity.from_env()
+        self.channel = channel(address, security)
+        try:
+            wait_ready(self.channel, timeout=wait)
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            hint = ("; over TLS: check that LAYERDIFF_TLS_CA signed its certificate and that it accepts this "
+                    "client's (LAYERDIFF_TLS_CERT)") if security.tls else \
+                "; if it serves TLS, give its CA in LAYERDIFF_TLS_CA"
+            raise JobFailed(f"analyzer {address} is not reachable (no answer within {wait:g} s{hint})",
+                            EXIT_NO_ANSWER) from None
+        except BaseException:
+            self.channel.close()
+            raise
+        self.stub = pbg.AnalyzerStub(with_token(self.channel, security))
+
+    def upload(self, data: bytes, name: str) -> str:
+        if self.local is not None:      # the embedded analyzer: handed over, not sent
+            store, beside = self.local
+            artifact = store.put(data, name).id
+            if beside is not None:
+                beside.link_from(store, artifact)
+            return artifact
+        call = self.stub.PutArtifact.future(chunks_of(data, name), timeout=CALL_TIMEOUT)
+        try:
+            return call.result().id
+        except grpc.RpcError as e:
+            raise rpc_failure(f"analyzer {self.address}, upload of {name}", e) from None
+        except BaseException:
+            call.cancel()
+            raise
+
+    def submit(self, spec: pb.JobSpec) -> str:
+        """The job id. Ctrl-C while the analyzer takes the job waits a moment
+        for its id and cancels it (raising Interrupted)."""
+        call = self.stub.Submit.future(spec, timeout=CALL_TIMEOUT)
+        try:
+            return call.result().job_id
+        except KeyboardInterrupt:
+            with _sigint_held():
+                try:
+                    job_id = call.result(timeout=CANCEL_TIMEOUT).job_id
+                except Exception:
+                    call.cancel()
+                    raise Interrupted("interrupted while submitting; no job was started") from None
+            raise self.interrupted(job_id) from None
+
+    def watch(self, job_id: str, timeout: float | None = None):
+        """The job's events from its first, to its end. No deadline by
+        default: a job may run for hours, and the channel's keepalive finds a
+        dead link."""
+        return self.stub.Watch(pb.JobRef(job_id=job_id), timeout=timeout)
+
+    def state(self, job_id: str, timeout: float = STATE_TIMEOUT) -> tuple[pb.JobEvent | None, bool]:
+        """The job's latest event, and whether the job has ended."""
+        stream = self.watch(job_id, timeout=timeout)
+        last = None
+        try:
+            for ev in stream:
+                last = ev
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            return last, False
+        finally:
+            stream.cancel()
+        return last, True
+
+    def fetch(self, job_id: str, out: Path) -> list[Path]:
+        out = Path(out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LayerdiffError(f"cannot create the report directory: {e.strerror}", file=str(out),
+                                 field="out") from None
+        root = out.resolve()
+        written: list[Path] = []
+        handle = None
+        stream = self.stub.FetchReport(pb.ReportRequest(job_id=job_id), timeout=CALL_TIMEOUT)
+        try:
+            for chunk in stream:
+                target = (out / chunk.path).resolve()
+                if root not in target.parents:
+                    raise LayerdiffError(f"report file {chunk.path!r} would land outside {out}", field="path")
+                try:
+                    if chunk.offset == 0:
+                        if handle:
+                            handle.close()
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        handle = open(target, "wb")
+                        written.append(target)
+                    assert handle is not None       # the analyzer sends each file from offset 0
+                    handle.write(chunk.data)
+                    if chunk.last:
+                        handle.close()
+                        handle = None
+                except OSError as e:
+                    raise LayerdiffError(f"cannot write a report: {e.strerror}", file=str(target),
+                                         field="out") from None
+        finally:
+            stream.cancel()
+            if handle:
+                handle.close()
+        return written
+
+    def cancel(self, job_id: str, timeout: float = 30) -> pb.JobEvent:
+        return self.stub.Cancel(pb.JobRef(job_id=job_id), timeout=timeout)
+
+    def interrupted(self, job_id: str) -> Interrupted:
+        """Ctrl-C during job ``job_id``: cancel it (bounded, a second Ctrl-C
+        held off) and say what became of it."""
+        with _sigint_held():
+            try:
+                ev = self.cancel(job_id, timeout=CANCEL_TIMEOUT)
+            except grpc.RpcError as e:
+                return Interrupted(f"interrupted; job {job_id} could not be cancelled on analyzer {self.address} "
+                                   f"({rpc_details(e)}), it may still be running", job_id)
+        if ev.state in (pb.DONE, pb.FAILED):
+            return Interrupted(f"interrupted; job {job_id} had already ended ({pb.JobState.Name(ev.state)})",
+                               job_id)
+        return Interrupted(f"interrupted; job {job_id} cancelled", job_id)
+
+    def close(self) -> None:
+        closing = threading.Thread(target=self.channel.close, name="channel-close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_TIMEOUT)

@@ -1,0 +1,154 @@
+"""The ``layerdiff`` subcommands that work on local files, with no service:
+``convert``, ``dump``, ``overflow``, ``histogram`` and ``perf-diff``. Each
+imports what it needs only when it runs.
+"""
+from __future__ import annotations
+
+
+def add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert a dump to .npy (and .txt) files with shape and dtype sidecars")
+    p.add_argument("dump", help="dump directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--txt", action="store_true", help="also write each tensor flattened as text")
+    p.add_argument("--dump-format", "--dump_format", default="",
+                   choices=["", "npy", "npz", "onnx", "bin", "h5", "ascend"])
+    p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
+                   help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1")
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_convert(a) -> int:
+    from layerdiff.collector.dumps.convert import convert
+
+    res = convert(a.dump, a.out, txt=a.txt, fmt=a.dump_format, default_concat_dim=a.default_concat_dim)
+    print(f"converted {res['converted']} tensors, skipped {res['skipped']} (see convert_skip.log) into {res['out']}")
+    return 0
+
+
+def add_dump(sub) -> None:
+    p = sub.add_parser("dump", help="run a model on the device and write a dump as an acl.json-style file asks",
+                       description="Run MODEL on the device the way the collector does and write the dump that "
+                                   "the configuration (the runtime's acl.json: dump_path, dump_list, dump_mode, "
+                                   "dump_op_switch, dump_debug) asks for.")
+    p.add_argument("model", help="ONNX model")
+    p.add_argument("--inputs", required=True, help=".npz of named model inputs")
+    p.add_argument("--config", required=True, help="dump configuration (acl.json)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"])
+    p.add_argument("--device-model", help="run this export as the device instead")
+    p.add_argument("--format", default="ascend", choices=["ascend", "npy", "npz", "onnx", "bin", "h5"],
+                   help="dump format (default ascend: vendor-named files under {time}/{device}/{model}/{index})")
+    p.set_defaults(func=_cmd_dump)
+
+
+def _cmd_dump(a) -> int:
+    from layerdiff.collector.dumps.config import dump_live_run
+
+    res = dump_live_run(a.model, a.inputs, a.config, precision=a.precision, device=a.device,
+                        device_model=a.device_model, fmt=a.format)
+    print(f"wrote {res['records']} tensors ({res['mode']}, {res['format']}) into {res['dump_path']}")
+    if res["overflowing_nodes"]:
+        print(f"overflowing nodes: {', '.join(res['overflowing_nodes'])}")
+    return 0
+
+
+def add_overflow(sub) -> None:
+    p = sub.add_parser("overflow", help="decode overflow records (Opdebug.Node_OpDebug.*) into their causes",
+                       description="Decode every overflow record in FILE or under DIR: the vendor's JSON "
+                                   "(model_id, stream_id, task_id, task_type, pc_start, para_base, kernel_code, "
+                                   "block_idx, status), then the causes behind each status, and the operator "
+                                   "dump files of the flagged tasks.")
+    p.add_argument("path", help="an overflow record file, or a dump directory")
+    p.add_argument("--json", action="store_true", help="one JSON document for all records, causes included")
+    p.set_defaults(func=_cmd_overflow)
+
+
+def _cmd_overflow(a) -> int:
+    import json
+
+    from layerdiff.collector.dumps.overflow import scan
+
+    found = scan(a.path)
+    if a.json:
+        print(json.dumps(found, indent=1))
+        return 0 if found["records"] else 1
+    for rec in found["records"]:
+        print(f"== {rec['file']}")
+        print(json.dumps(rec["record"], indent=1))
+        for flag in rec["flagged"]:
+            print(f"{flag['unit']}: stream {flag['stream_id']} task {flag['task_id']} status {flag['status']} "
+                  f"= 0x{flag['status']:08x}")
+            for c in flag["causes"]:
+                print(f"  {c}")
+            for op in flag["operators"]:
+                print(f"  operator dump: {op}")
+    for shown, reason in found["unreadable"]:
+        print(f"unreadable: {shown}: {reason}")
+    if not found["records"]:
+        print(f"no overflow records in {a.path}")
+        return 1
+    return 0
+
+
+def add_histogram(sub) -> None:
+    p = sub.add_parser("histogram", help="one histogram per dumped tensor, min/max as red dashed lines",
+                       description="Draw the value histogram of every tensor in DUMP (any dump format layerdiff "
+                                   "reads) with the layer's min and max as red dashed lines: from --min-max "
+                                   "(a tensor_min_max.txt range file, lines 'name min max') where it names the "
+                                   "tensor, else the tensor's own. An existing output directory that holds files "
+                                   "is left as it is: the histograms then go to a fresh Histograms_N beside it.")
+    p.add_argument("dump", help="dump directory")
+    p.add_argument("--min-max", "--min_max", help="range file (tensor_min_max.txt): 'name min max' per line")
+    p.add_argument("--out", default="Histograms", help="output directory (default ./Histograms)")
+    p.add_argument("--max-bins", "--max_bins", type=int, help="most bins per histogram (default 128)")
+    p.add_argument("--min-bins", "--min_bins", type=int, help="fewest bins per histogram, 1..max-bins (default 1)")
+    p.add_argument("--dump-format", "--dump_format", default="",
+                   choices=["", "npy", "npz", "onnx", "bin", "h5", "ascend"])
+    p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
+                   help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_histogram)
+
+
+def _cmd_histogram(a) -> int:
+    from layerdiff.client.histogram import WIDE_RANGE, write_histograms
+
+    res = write_histograms(a.dump, a.out, min_max=a.min_max, max_bins=a.max_bins, min_bins=a.min_bins,
+                           fmt=a.dump_format, default_concat_dim=a.default_concat_dim, progress=not a.no_progress)
+    if res["note"]:
+        print(f"note: {res['note']}")
+    print(f"wrote {len(res['written'])} histograms into {res['out']}, skipped {len(res['skipped'])} tensors "
+          f"and {len(res['range_lines_skipped'])} range-file lines (see histogram_skip.log)")
+    if res["wide"]:
+        print(f"min-max range above {WIDE_RANGE:g} (consider INT16 for the convolution reading them): "
+              + ", ".join(res["wide"]))
+    return 0
+
+
+
+def add_perf_diff(sub) -> None:
+    p = sub.add_parser("perf-diff", help="compare the performance of two runs against a baseline",
+                       description="List the nodes whose time or counters changed between BASE and NEW beyond "
+                                   "--threshold, flag more pld bytes (repeated moves) and more L1/IMB conflict "
+                                   "cycles (bank conflicts), and show NEW's top nodes by mcu_cycle (or time) with "
+                                   "a data-bound / compute-bound hint. Exit status 1 when a time or a counter grew.")
+    p.add_argument("base", help="baseline: a report directory, a dump directory or an op_perf.csv")
+    p.add_argument("new", help="the run to check, same kinds")
+    p.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")
+    p.add_argument("--min-us", type=float, default=1.0, help="time changes smaller than this are noise (default 1)")
+    p.add_argument("--top", type=int, default=5, help="top nodes of NEW to show (default 5)")
+    p.add_argument("--json", help="also write the result as JSON to this file")
+    p.set_defaults(func=_cmd_perf_diff)
+
+
+def _cmd_perf_diff(a) -> int:
+    import json
+
+    from layerdiff.analyzer.report.perfdiff import format_diff, perf_diff
+
+    d = perf_diff(a.base, a.new, threshold=a.threshold, min_us=a.min_us, top=a.top)
+    print(format_diff(d))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(d, f, indent=1)
+    return 1 if d["regressed"] else 0

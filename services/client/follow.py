@@ -1,0 +1,167 @@
+"""Following a job on the analyzer once it exists: its events to its end
+(a progress bar, or a callback per event), whether it answered, its reports
+fetched into a directory and its summary read (``RunResult``). What ``run``,
+``compare``, ``watch`` and ``fetch`` share; every failure is a JobFailed
+with its exit status, naming the analyzer and the job.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from layerdiff.client.analyzer_client import AnalyzerClient, rpc_details
+from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
+
+
+@dataclass
+class RunResult:
+    job_id: str
+    out: Path
+    summary: dict
+
+    @property
+    def first_failing_node(self) -> str | None:
+        f = self.summary.get("first_failing_node")
+        return f["node"] if f else None
+
+    @property
+    def outcome(self) -> str:
+        """``pass``, ``fail`` (failing nodes), ``no_answer`` (too little
+        compared to answer) or ``perf_only``."""
+        return (self.summary.get("outcome") or {}).get("status", "")
+
+    @property
+    def exit_status(self) -> int:
+        """What ``layerdiff run`` exits with: 0 pass, 1 failing nodes, 3 too
+        little compared to answer (2, bad input, is raised as JobFailed or
+        LayerdiffError instead)."""
+        return int((self.summary.get("outcome") or {}).get("exit_status", EXIT_NO_ANSWER))
+
+
+def reattach_command(job_id: str, analyzer: str) -> str:
+    return f"layerdiff watch {job_id} --analyzer {analyzer}"
+
+
+def _progress_bar(enabled):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=0, unit="node", desc="comparing", file=sys.stderr, disable=None, dynamic_ncols=True)
+
+
+def follow(client: AnalyzerClient, job_id: str, out, *, progress: bool | Callable[[pb.JobEvent], None] = True,
+           timeout: float | None = None, reattachable: bool = True) -> RunResult:
+    """What ``run``, ``watch`` and ``fetch`` share once a job exists: follow
+    its events to its end (a progress bar, or ``progress`` called with each
+    event), check it answered, fetch its reports into ``out`` and read its
+    summary. Every failure is a LayerdiffError (JobFailed with the exit
+    status); Ctrl-C propagates as KeyboardInterrupt for the caller to cancel."""
+    out = Path(out)
+    last = _follow_events(client, job_id, progress, timeout, reattachable)
+    _check_ended(job_id, last, client.address, reattachable)
+    return fetch_result(client, job_id, out, reattachable=reattachable)
+
+
+def fetch_result(client: AnalyzerClient, job_id: str, out, *, reattachable: bool = True) -> RunResult:
+    """The reports of a finished job into ``out``, and its summary."""
+    out = Path(out)
+    not_done = False
+    try:
+        client.fetch(job_id, out)
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        # the analyzer has the job, not (yet) its reports: below, say in what state it is
+        not_done = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        if not not_done:
+            raise _job_failure(client.address, job_id, e, "while sending the reports of", reattachable,
+                               retry=f"layerdiff fetch {job_id} --analyzer {client.address}") from None
+    if not_done:
+        _raise_not_done(client, job_id, reattachable)
+    summary_path = out / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise JobFailed(f"job {job_id}: the reports fetched into {out} hold no readable summary.json ({e})",
+                        EXIT_NO_ANSWER) from None
+    return RunResult(job_id, out, summary)
+
+
+def _follow_events(client: AnalyzerClient, job_id: str, progress, timeout, reattachable) -> pb.JobEvent | None:
+    bar = _progress_bar(progress is True)
+    last = None
+    stream = client.watch(job_id, timeout=timeout)
+    try:
+        for ev in stream:
+            last = ev
+            if callable(progress):
+                progress(ev)
+            if bar is not None:
+                if ev.nodes_total and bar.total != ev.nodes_total:
+                    bar.total = ev.nodes_total
+                bar.set_description(pb.JobState.Name(ev.state).lower())
+                bar.n = ev.nodes_done
+                bar.refresh()
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+            hint = f" (follow it: {reattach_command(job_id, client.address)})" if reattachable else ""
+            raise JobFailed(f"job {job_id} did not end within {timeout:g} s; it goes on on analyzer "
+                            f"{client.address}{hint}", EXIT_NO_ANSWER) from None
+        raise _job_failure(client.address, job_id, e, "during", reattachable) from None
+    finally:
+        stream.cancel()
+        if bar is not None:
+            bar.close()
+    return last
+
+
+def _job_failure(analyzer: str, job_id: str, e: grpc.RpcError, when: str, reattachable: bool,
+                 retry: str | None = None) -> JobFailed:
+    """A call about a job that failed: the analyzer does not know the job
+    (exit status 2), or it stopped answering (3)."""
+    code = e.code() if hasattr(e, "code") else None
+    if code == grpc.StatusCode.NOT_FOUND:
+        return JobFailed(f"analyzer {analyzer}: {e.details() or 'no job ' + repr(job_id)}", EXIT_BAD_INPUT)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return JobFailed(f"analyzer {analyzer}: {e.details()}", EXIT_BAD_INPUT)
+    hint = f" (reattach: {retry or reattach_command(job_id, analyzer)})" if reattachable else ""
+    return JobFailed(f"analyzer {analyzer} stopped answering {when} job {job_id}: {rpc_details(e)}{hint}",
+                     EXIT_NO_ANSWER)
+
+
+def _check_ended(job_id: str, last: pb.JobEvent | None, analyzer: str, reattachable: bool) -> None:
+    """A job whose events ended without DONE: JobFailed with its exit status."""
+    if last is not None and last.state == pb.DONE:
+        return
+    if last is None:
+        raise JobFailed(f"job {job_id} lost: analyzer {analyzer} sent no progress", EXIT_NO_ANSWER)
+    status = last.exit_status if last.state == pb.FAILED and last.exit_status else EXIT_NO_ANSWER
+    if last.state not in TERMINAL:
+        # the stream ended while the job runs: the analyzer is going away
+        hint = f" (reattach: {reattach_command(job_id, analyzer)})" if reattachable else ""
+        raise JobFailed(f"analyzer {analyzer} stopped answering during job {job_id}: its events ended while "
+                        f"it was {pb.JobState.Name(last.state)}{hint}", EXIT_NO_ANSWER)
+    raise JobFailed(f"job {job_id} {pb.JobState.Name(last.state)}: {last.message or 'no reason given'}", status)
+
+
+def _raise_not_done(client: AnalyzerClient, job_id: str, reattachable: bool) -> None:
+    """A job without reports: one line with its state and reason."""
+    try:
+        last, ended = client.state(job_id)
+    except grpc.RpcError as e:
+        raise _job_failure(client.address, job_id, e, "about", reattachable) from None
+    if ended:
+        _check_ended(job_id, last, client.address, reattachable)
+    state = pb.JobState.Name(last.state) if last is not None else "QUEUED"
+    done = f", {last.nodes_done}/{last.nodes_total} nodes" if last is not None and last.nodes_total else ""
+    hint = f"; follow it: {reattach_command(job_id, client.address)}" if reattachable else ""
+    raise JobFailed(f"job {job_id} is {state}{done}: reports exist once it is DONE{hint}", EXIT_NO_ANSWER)

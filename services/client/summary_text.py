@@ -1,0 +1,137 @@
+"""The summary ``layerdiff run`` prints: a job's summary.json in a few
+lines a person reads, the first failing node first.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
+    """Human summary; the first failing node comes first."""
+    c = summary["counts"]
+    lines = []
+    perf = summary.get("perf")
+    if perf and perf.get("perf_mode") == "perf":
+        return "\n".join(_perf_lines(summary, top) + [f"reports: {out}"])
+    diagnosis = summary.get("diagnosis") or {}
+    answer = summary.get("outcome") or {}
+    no_answer = answer.get("status") == "no_answer"
+    if no_answer:
+        lines.append(f"NO ANSWER: {answer.get('reason')}")
+    elif diagnosis.get("headline"):
+        lines.append(f"VERDICT: {diagnosis['headline']}")
+    comp = summary.get("first_computation_error")
+    if comp:
+        lines.append(f"FIRST COMPUTATION ERROR: {comp['node']} ({_place(comp)}): "
+                     + "; ".join(comp.get("evidence") or []))
+    for b in (summary.get("benign_computation_errors") or [])[:top]:
+        lines.append(f"BENIGN: {b['node']} ({_place(b)}, cause: {b.get('cause') or '?'}) "
+                     "computes differently, but the outputs absorb it"
+                     + (f": {b['impact']['why']}" if (b.get("impact") or {}).get("why") else ""))
+    for key in ("nan", "overflow"):
+        if diagnosis.get(key):
+            lines.append(f"{key.upper()}: {diagnosis[key]['text']}")
+    lines.extend(_coverage_lines(summary.get("coverage")))
+    first = summary.get("first_failing_node")
+    if first:
+        lines.append(f"FIRST FAILING NODE: {first['node']} ({_place(first)}, "
+                     f"tensor {first['tensor']})")
+        lines.append(f"  errors/total {first['errors']}/{first['total']} outside atol={first['atol']:g} "
+                     f"rtol={first['rtol']:g}; max_abs_err {_f(first['max_abs_err'])}, "
+                     f"mean_rel_err {_f(first['mean_rel_err'])}, cosine {_f(first['cosine'])}, "
+                     f"first mismatch at {tuple(first['first_mismatch_index'])}: "
+                     f"ref {_f(first['ref_value'])} vs device {_f(first['dev_value'])}")
+    elif not no_answer:
+        lines.append("NO FAILING NODE: every compared node is within atol/rtol")
+    golden = summary.get("reference_dump")
+    if golden:
+        lines.append(f"reference: dump {golden.get('dump_path')} on collector {golden.get('collector')} "
+                     f"({golden.get('tensors')} tensors, {golden.get('bytes')} bytes"
+                     + (f", graph from {golden.get('model')}" if golden.get("model") else "") + "); device: dump "
+                     f"{summary.get('dump_path')} on collector {summary.get('collector')}")
+    lines.append(f"{summary.get('model')} on {summary.get('device')} "
+                 f"({summary.get('device_precision') or summary.get('precision')}, "
+                 f"{summary.get('source')}): {c['compared']} compared, {c['failed']} failed, {c['passed']} passed, "
+                 f"{c['skipped']} skipped, {c['not_dumped']} not dumped, {c['invalid_out']} unknown device names")
+    constants = summary.get("failing_constants") or []
+    if constants:
+        k = constants[0]
+        overflow = f", {k['fp16_overflow']} beyond the FP16 range" if k.get("fp16_overflow") else ""
+        lines.append(f"constants (weights) that differ on the device: {len(constants)}, first {k['node']} "
+                     f"(tensor {k['tensor']}): {k['errors']}/{k['total']} outside tolerance{overflow}")
+    if c.get("inputs_compared"):
+        lines.append(f"node inputs: {c['inputs_compared']} compared, {c['inputs_failed']} failed")
+    for o in (summary.get("overflow_nodes") or [])[:top]:
+        side = "the reference dump" if o.get("side") == "reference" else "the device"
+        lines.append(f"OVERFLOW flagged by {side} at {o['node']}: {o['why']}")
+    failing = [n for n in summary.get("nodes", []) if not n["passed"] and not n.get("constant")
+               and n.get("role") != "input"]
+    if failing:
+        lines.append(f"first {min(top, len(failing))} failing nodes in execution order:")
+        lines.append(f"  {'#':>5}  {'node':40.40}  {'op':14.14}  {'errors/total':>16}  {'max_abs_err':>11}  "
+                     f"{'cosine':>9}  verdict")
+        for n in failing[:top]:
+            lines.append(f"  {n['order']:>5}  {n['node']:40.40}  {n['op_type']:14.14}  "
+                         f"{str(n['errors']) + '/' + str(n['total']):>16}  {_f(n['max_abs_err']):>11}  "
+                         f"{_f(n['cosine']):>9}  {n.get('verdict') or ''}")
+    if perf:
+        lines.extend(_perf_lines(summary, top))
+    lines.append(f"reports: {out}")
+    return "\n".join(lines)
+
+
+def _place(node: dict) -> str:
+    """"Conv, execution #2"; a dump without op types gives only the order."""
+    op = node.get("op_type")
+    return f"{op}, execution #{node.get('order')}" if op else f"execution #{node.get('order')}"
+
+
+def _coverage_lines(cov) -> list[str]:
+    if not isinstance(cov, dict):
+        return []
+    lines = [f"COVERAGE: {cov.get('text')}"]
+    for e in (cov.get("unmatched_examples") or []) if not cov.get("adequate") else []:
+        if e.get("closest"):
+            lines.append(f"  device name {e['device']!r} matches nothing; did you mean "
+                         + " or ".join(repr(c) for c in e["closest"]) + "?")
+    unused = cov.get("map_node_dict_unused") or []
+    if unused:
+        lines.append(f"NOTE: {len(unused)} map_node_dict entries matched no device tensor: "
+                     + ", ".join(f"{u['reference']!r} -> {u['device']!r}" for u in unused[:5])
+                     + (" ..." if len(unused) > 5 else ""))
+    unknown = cov.get("exclude_node_list_unknown") or []
+    if unknown:
+        lines.append("NOTE: exclude_node_list names no node of the reference: "
+                     + ", ".join(repr(n) for n in unknown[:5]) + (" ..." if len(unknown) > 5 else ""))
+    keys = cov.get("skip_keys_unused") or []
+    if keys:
+        lines.append("NOTE: skip_keys found in no reference name: " + ", ".join(repr(k) for k in keys))
+    return lines
+
+
+def _perf_lines(summary: dict, top: int) -> list[str]:
+    p = summary["perf"]
+    lines = [f"performance ({p['perf_mode']}): {p['nodes']} nodes, {p['records']} node runs, node time per run "
+             f"{_f(p['node_time_us'])} us (time from {p['time_from']}); {p['skipped_rows']} rows skipped, "
+             f"{p['hidden_nodes']} nodes left out (perf_skip.log)"]
+    wrong = p.get("slow_and_wrong") or []
+    if wrong:
+        lines.append(f"SLOW AND WRONG: {', '.join(wrong)} (among the slowest nodes and failing)")
+    if p["slowest"]:
+        lines.append(f"slowest {min(top, len(p['slowest']))} nodes:")
+        lines.append(f"  {'node':40.40}  {'op':14.14}  {'mean_us':>10}  {'share':>7}  {'accuracy':8}  bound")
+        for n in p["slowest"][:top]:
+            acc = n.get("accuracy")
+            verdict = "" if acc is None else ("pass" if acc["passed"] else "FAIL")
+            share = f"{n['share_pct']:.1f}%" if n["share_pct"] is not None else "-"
+            lines.append(f"  {n['name']:40.40}  {n['op_type']:14.14}  {_f(n['mean_us']):>10}  {share:>7}  "
+                         f"{verdict:8}  {n['bound'] or ''}")
+    return lines
+
+
+def _f(v) -> str:
+    if v is None:
+        return "nan"
+    if isinstance(v, str):
+        return v
+    return f"{v:.6g}"
