@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from procs import serve  # noqa: E402
 
 from layerdiff.analyzer.jobs.receive import CollectorStream  # noqa: E402
-from layerdiff.analyzer.report.perf import PerfSettings, build_table, receive  # noqa: E402
+from layerdiff.analyzer.report.perf.table import PerfSettings, build_table, receive  # noqa: E402
 from layerdiff.collector.service import CollectorClient  # noqa: E402
 from layerdiff.common.perfschema import COUNTER_COLUMNS  # noqa: E402
 from layerdiff.v1 import layerdiff_pb2 as pb  # noqa: E402

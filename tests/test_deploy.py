@@ -841,10 +841,11 @@ def test_wheel_builds_from_the_build_context(tmp_path):
     (wheel,) = (tmp_path / "wheels").glob("layerdiff-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    for package, source in package_dir.items():
-        for module in (ROOT / source).glob("*.py"):
-            if not REGENERATED_OR_CACHE.search(module.name):
-                assert f"{package.replace('.', '/')}/{module.name}" in names, f"{module} is not in the wheel"
+    for package, source in package_dir.items():     # every module of every folder, subpackages included
+        for module in (ROOT / source).rglob("*.py"):
+            inside = module.relative_to(ROOT / source).as_posix()
+            if not REGENERATED_OR_CACHE.search(inside):
+                assert f"{package.replace('.', '/')}/{inside}" in names, f"{module} is not in the wheel"
     assert {"layerdiff/v1/layerdiff_pb2.py", "layerdiff/v1/layerdiff_pb2_grpc.py",
             "layerdiff/vendor/ascend_dump_pb2.py"} <= names
     entry_points = next(zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith("entry_points.txt"))

@@ -463,7 +463,7 @@ def test_perf_diff_flags_the_planted_regressions_and_nothing_else(services, cnn_
 
 
 def test_perf_diff_faster_is_listed_but_not_a_regression(tmp_path):
-    from layerdiff.analyzer.report.perfdiff import perf_diff
+    from layerdiff.analyzer.report.perf.diff import perf_diff
 
     _write_counter_csv(tmp_path / "a.csv", [{"name": "n", "mcu_cycle": 1000, "dur_us": 10}],
                        ["name", "mcu_cycle", "dur_us"])
@@ -512,8 +512,8 @@ def test_watched_dump_counters_are_read_when_the_runtime_is_done(services, cnn_f
 def test_timeline_keeps_overlapping_slices_apart():
     """A source whose start times overlap on one stream: the slice that would
     partly overlap goes to a second lane, never moved, never mis-nested."""
-    from layerdiff.analyzer.report.perf import PerfData, PerfSettings, build_table
-    from layerdiff.analyzer.report.perf_timeline import timeline
+    from layerdiff.analyzer.report.perf.table import PerfData, PerfSettings, build_table
+    from layerdiff.analyzer.report.perf.timeline import timeline
 
     recs = [PerfRecord("a", start_us=0.0, dur_us=10.0, stream="s0"), PerfRecord("b", start_us=5.0, dur_us=10.0,
                                                                                  stream="s0"),

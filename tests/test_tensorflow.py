@@ -29,7 +29,7 @@ from layerdiff.collector.dumps.directory import DumpDirectory, write_dump  # noq
 from layerdiff.collector.live.tf import TFLiveRunner  # noqa: E402
 from layerdiff.collector.service import CollectorClient  # noqa: E402
 from layerdiff.common.errors import LayerdiffError  # noqa: E402
-from layerdiff.common.tfarchive import pack_directory, unpack_archive  # noqa: E402
+from layerdiff.common.tf.archive import pack_directory, unpack_archive  # noqa: E402
 from layerdiff.v1 import layerdiff_pb2 as pb  # noqa: E402
 
 BUGGY_LAYER = "branch_b"
@@ -375,7 +375,7 @@ def test_onnx_dump_fmap_with_the_seed_parameters(tmp_path, cnn_files):
 
 def test_tensorflow_is_imported_only_for_tensorflow_models():
     code = ("import sys\n"
-            "import layerdiff, layerdiff.client.api, layerdiff.client.fmap, layerdiff.common.tfgraph\n"
+            "import layerdiff, layerdiff.client.api, layerdiff.client.fmap, layerdiff.common.tf.graph\n"
             "import layerdiff.collector.service, layerdiff.collector.live.tf\n"
             "import layerdiff.analyzer.jobs.runner, layerdiff.analyzer.reference.tf\n"
             "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules, 'imported'\n")

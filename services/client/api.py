@@ -46,7 +46,7 @@ def read_artifact(path_or_bytes, field: str) -> tuple[bytes, str]:
     p = Path(path_or_bytes)
     if p.is_dir():
         # A SavedModel is a directory: it travels as one tar archive.
-        from layerdiff.common.tfarchive import pack_directory
+        from layerdiff.common.tf.archive import pack_directory
 
         return pack_directory(p), f"{p.resolve().name}.tar"
     try:
@@ -152,7 +152,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     analyzer that stops answering raises JobFailed (exit status 3) naming it
     and the job.
     """
-    from layerdiff.analyzer.report.perf import parse_mode
+    from layerdiff.analyzer.report.perf.table import parse_mode
 
     perf = pb.PerfOptions(mode=parse_mode(perf_mode), hide_span_nodes=not perf_all_nodes, runs=perf_runs or 0,
                           clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")

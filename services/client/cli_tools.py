@@ -144,7 +144,7 @@ def add_perf_diff(sub) -> None:
 def _cmd_perf_diff(a) -> int:
     import json
 
-    from layerdiff.analyzer.report.perfdiff import format_diff, perf_diff
+    from layerdiff.analyzer.report.perf.diff import format_diff, perf_diff
 
     d = perf_diff(a.base, a.new, threshold=a.threshold, min_us=a.min_us, top=a.top)
     print(format_diff(d))

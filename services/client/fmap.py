@@ -47,8 +47,8 @@ def tf_dump_fmap(model_path, input_map: dict, feed_dict: dict, npu_nodename_file
     ``graph_def``: a GraphDef to use instead of reading ``model_path``.
     Returns the dump directory."""
     from layerdiff.analyzer.reference.tf import TFReference
-    from layerdiff.common.tfformat import FORMAT_GRAPHDEF
-    from layerdiff.common.tfload import load_tf_model
+    from layerdiff.common.tf.format import FORMAT_GRAPHDEF
+    from layerdiff.common.tf.load import load_tf_model
 
     name = Path(model_path).name if model_path else "graph_def"
     if graph_def is not None:

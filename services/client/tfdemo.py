@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")   # as layerdiff.common.tfgraph: no start-up chatter
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")   # as layerdiff.common.tf.graph: no start-up chatter
 
 DAMAGED_LAYER = "branch_wide"
 

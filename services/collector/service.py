@@ -203,7 +203,7 @@ def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, devi
     TensorFlow (imported only then), ONNX ones on onnxruntime. A device model
     is run whatever the reference is (a TensorFlow network converted to ONNX,
     say)."""
-    from layerdiff.common.tfformat import is_tensorflow
+    from layerdiff.common.tf.format import is_tensorflow
 
     precision, device = live.precision or "fp32", live.device or "cpu"
     runs_tf = is_tensorflow(device_model_name, device_model) if device_model else is_tensorflow(model_name, model)

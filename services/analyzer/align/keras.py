@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from layerdiff.analyzer.align.names import Pairing
-from layerdiff.common.tfgraph import TFGraph
+from layerdiff.common.tf.graph import TFGraph
 
 _COUNTERS = re.compile(r"(_\d+)+$")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.analyzer.align.graph_weights import scaled_per_channel
+from layerdiff.analyzer.align.graph.weights import scaled_per_channel
 
 COLUMNS = ["reference_node", "reference_weight", "device_node", "device_weight", "relation", "elements",
            "differing", "max_abs_diff", "note"]

@@ -16,7 +16,7 @@ from layerdiff.analyzer.jobs.budget import MemoryBudget
 from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.tf import TFReference, open_reference
-from layerdiff.analyzer.report.perf import PerfSettings, check_perf_options
+from layerdiff.analyzer.report.perf.table import PerfSettings, check_perf_options
 from layerdiff.collector.service import CollectorClient
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError
@@ -138,7 +138,7 @@ def _prepare_dump_reference(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     model = None
     if spec.model_artifact:
         from layerdiff.common.onnxgraph import load_model
-        from layerdiff.common.tfformat import is_tensorflow
+        from layerdiff.common.tf.format import is_tensorflow
 
         name = store.name(spec.model_artifact)
         data = store.read(spec.model_artifact, "model_artifact")
@@ -227,8 +227,8 @@ def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
     if not spec.device_model_artifact:
         return None
     from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
-    from layerdiff.common.tfformat import FORMAT_KERAS, is_tensorflow
-    from layerdiff.common.tfload import load_tf_model
+    from layerdiff.common.tf.format import FORMAT_KERAS, is_tensorflow
+    from layerdiff.common.tf.load import load_tf_model
 
     name = store.name(spec.device_model_artifact)
     data = store.read(spec.device_model_artifact, "device_model_artifact")
@@ -253,7 +253,7 @@ def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
 def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
     """Live performance data is onnxruntime's profiler: the file that runs as
     the device must be ONNX."""
-    from layerdiff.common.tfformat import is_tensorflow
+    from layerdiff.common.tf.format import is_tensorflow
 
     artifact = spec.device_model_artifact or spec.model_artifact
     name = store.name(artifact)

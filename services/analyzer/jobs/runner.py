@@ -315,7 +315,7 @@ class JobRunner:
         # counter files are read once the runtime has finished writing it.
         perf = self._capture_perf(job, p) if p.perf.enabled and not spec.watch else None
         if p.perf.only:
-            from layerdiff.analyzer.report.perf_report import write_perf_only
+            from layerdiff.analyzer.report.perf.report import write_perf_only
 
             job.emit(pb.REPORTING, nodes_total=total)
             assert perf is not None    # captured above: a performance-only job is never watched (prepare)
@@ -376,7 +376,7 @@ class JobRunner:
         job_info["memory"] = reference.memory()
         sections = None
         if perf is not None:
-            from layerdiff.analyzer.report.perf_report import write_perf_sections
+            from layerdiff.analyzer.report.perf.report import write_perf_sections
 
             sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
                                rep, job_info)
@@ -434,7 +434,7 @@ class JobRunner:
     def _capture_perf(self, job: Job, p: Prepared):
         """The collector's performance stream for this job's source: the
         dump's counter files, or the device model profiled on the collector."""
-        from layerdiff.analyzer.report.perf import receive
+        from layerdiff.analyzer.report.perf.table import receive
 
         job.emit(pb.COMPARING, nodes_total=len(p.reference.sites), message="capturing performance data")
 

@@ -1,6 +1,6 @@
 """The reference for TensorFlow models: a TF1 frozen GraphDef, a SavedModel
 or a Keras file run in FP32 on the CPU with TensorFlow's graph rewrites off,
-every op output that depends on the inputs fetched (see layerdiff.common.tfgraph).
+every op output that depends on the inputs fetched (see layerdiff.common.tf.graph).
 
 Same interface as OnnxReference, so that segmented computation, alignment,
 comparison and the reports treat both alike. ``open_reference`` picks the
@@ -11,9 +11,9 @@ import numpy as np
 
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import TensorSite, plan_segments
-from layerdiff.common.tfformat import FORMAT_GRAPHDEF, FORMAT_KERAS, FORMAT_ONNX, model_format
-from layerdiff.common.tfgraph import TFGraph
-from layerdiff.common.tfload import load_tf_model
+from layerdiff.common.tf.format import FORMAT_GRAPHDEF, FORMAT_KERAS, FORMAT_ONNX, model_format
+from layerdiff.common.tf.graph import TFGraph
+from layerdiff.common.tf.load import load_tf_model
 
 
 class TFReference:

@@ -20,8 +20,8 @@ from layerdiff.collector.live.onnxrt import node_records
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import plan_segments
 from layerdiff.common.schema import NodeRecord
-from layerdiff.common.tfload import load_tf_model
-from layerdiff.common.tfruntime import import_tf, on_tf_thread
+from layerdiff.common.tf.load import load_tf_model
+from layerdiff.common.tf.runtime import import_tf, on_tf_thread
 
 PRECISIONS = ("fp32", "fp16")
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from layerdiff.analyzer.align.graph_alignment import GraphAlignment
-from layerdiff.analyzer.align.graph_bindings import Alt, Binding, Cell
-from layerdiff.analyzer.align.graph_index import shape_fit, shapes_agree
-from layerdiff.analyzer.align.graph_ops import CHAIN_HEADS, RESHAPES, layout_perm, norm_name
-from layerdiff.analyzer.align.graph_rewrites import RewriteFollower
-from layerdiff.analyzer.align.graph_weights import RELATION_SCORE, weights_relation
+from layerdiff.analyzer.align.graph.alignment import GraphAlignment
+from layerdiff.analyzer.align.graph.bindings import Alt, Binding, Cell
+from layerdiff.analyzer.align.graph.index import shape_fit, shapes_agree
+from layerdiff.analyzer.align.graph.ops import CHAIN_HEADS, RESHAPES, layout_perm, norm_name
+from layerdiff.analyzer.align.graph.rewrites import RewriteFollower
+from layerdiff.analyzer.align.graph.weights import RELATION_SCORE, weights_relation
 from layerdiff.analyzer.align.names import Pairing
 
 

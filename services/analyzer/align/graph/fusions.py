@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from layerdiff.analyzer.align.graph_index import IndexedGraph
-from layerdiff.analyzer.align.graph_weights import weights_relation
+from layerdiff.analyzer.align.graph.index import IndexedGraph
+from layerdiff.analyzer.align.graph.weights import weights_relation
 
 
 @dataclass(frozen=True)

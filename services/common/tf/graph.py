@@ -6,12 +6,12 @@ alone on device values.
 TensorFlow model handling is a small set of modules, shared by the analyzer
 (reference runs) and the collector (device runs):
 
-- layerdiff.common.tfformat: which kind of model file a model is (no TensorFlow);
-- layerdiff.common.tfarchive: SavedModel archives packed and unpacked safely;
-- layerdiff.common.tfruntime: TensorFlow imported lazily, on its one thread;
-- layerdiff.common.tfload: the three file kinds loaded, checked and frozen
+- layerdiff.common.tf.format: which kind of model file a model is (no TensorFlow);
+- layerdiff.common.tf.archive: SavedModel archives packed and unpacked safely;
+- layerdiff.common.tf.runtime: TensorFlow imported lazily, on its one thread;
+- layerdiff.common.tf.load: the three file kinds loaded, checked and frozen
   into one GraphDef (load_tf_model);
-- layerdiff.common.tfsites: a frozen GraphDef analysed into a TFGraph (its
+- layerdiff.common.tf.sites: a frozen GraphDef analysed into a TFGraph (its
   inputs, its sites in execution order, consumers, parameters, Keras layers);
 - this module: the TFGraph itself.
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import GraphInput, TensorSite
-from layerdiff.common.tfruntime import import_tf, on_tf_thread, tf_message
+from layerdiff.common.tf.runtime import import_tf, on_tf_thread, tf_message
 
 INPUT_OPS = frozenset({"Placeholder", "PlaceholderWithDefault"})
 _MERGE = frozenset({"Merge", "RefMerge"})

@@ -13,7 +13,7 @@ outputs can all be fetched:
   deserialized) and traced into a graph; ``precision="fp16"`` rebuilds it
   under the ``mixed_float16`` policy first (a real FP16 execution).
 
-The frozen graph is then analysed into sites by layerdiff.common.tfsites.
+The frozen graph is then analysed into sites by layerdiff.common.tf.sites.
 
 Trust: restoring a SavedModel and running any graph executes what the file
 describes, so TensorFlow model files are trusted input. What is checked
@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.tfarchive import check_zip_members, savedmodel_root, unpack_archive
-from layerdiff.common.tfformat import FORMAT_GRAPHDEF, FORMAT_KERAS, FORMAT_SAVEDMODEL, model_format
-from layerdiff.common.tfgraph import TFGraph
-from layerdiff.common.tfruntime import import_tf, on_tf_thread, tf_message
-from layerdiff.common.tfsites import analyse
+from layerdiff.common.tf.archive import check_zip_members, savedmodel_root, unpack_archive
+from layerdiff.common.tf.format import FORMAT_GRAPHDEF, FORMAT_KERAS, FORMAT_SAVEDMODEL, model_format
+from layerdiff.common.tf.graph import TFGraph
+from layerdiff.common.tf.runtime import import_tf, on_tf_thread, tf_message
+from layerdiff.common.tf.sites import analyse
 
 DEFAULT_SIGNATURE = "serving_default"
 

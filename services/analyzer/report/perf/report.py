@@ -4,9 +4,9 @@ of the report directory, and the sections summary.json gains.
 Files written into the report directory:
 
 - ``op_perf.csv``, ``perf/{op}.csv``, ``op_summary.csv``,
-  ``op_statistic.csv``, ``perf_skip.log``: the tables (see ``perf_tables``);
+  ``op_statistic.csv``, ``perf_skip.log``: the tables (see ``files``);
 - ``timeline.json``: one track per stream or thread, one slice per node run
-  (see ``perf_timeline``);
+  (see ``timeline``);
 - with DUMP_OP_PERF 1 (nothing compared), ``summary.json`` itself.
 
 summary.json gains ``perf`` (settings, counts, time source, slowest nodes,
@@ -20,7 +20,14 @@ import math
 from pathlib import Path
 
 from layerdiff.analyzer.align.names import Aligner
-from layerdiff.analyzer.report.perf import (
+from layerdiff.analyzer.report.perf.files import (
+    op_statistic,
+    write_op_statistic,
+    write_op_summary,
+    write_skip_log,
+    write_tables,
+)
+from layerdiff.analyzer.report.perf.table import (
     AccuracyOfNode,
     NodePerf,
     PerfData,
@@ -31,14 +38,7 @@ from layerdiff.analyzer.report.perf import (
     build_table,
     json_num,
 )
-from layerdiff.analyzer.report.perf_tables import (
-    op_statistic,
-    write_op_statistic,
-    write_op_summary,
-    write_skip_log,
-    write_tables,
-)
-from layerdiff.analyzer.report.perf_timeline import timeline
+from layerdiff.analyzer.report.perf.timeline import timeline
 
 SLOW_RANK = 10            # "slow": among the slowest tenth of the nodes, at most this many
 

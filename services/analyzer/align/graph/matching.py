@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import numpy as np
 import onnx
 
-from layerdiff.analyzer.align.graph_bindings import Alt, Binding, Cell, Match
-from layerdiff.analyzer.align.graph_fusions import FAMILIES, const_params, fusion_regions, params_agree
-from layerdiff.analyzer.align.graph_index import shape_fit, shapes_agree
-from layerdiff.analyzer.align.graph_ops import (
+from layerdiff.analyzer.align.graph.bindings import Alt, Binding, Cell, Match
+from layerdiff.analyzer.align.graph.fusions import FAMILIES, const_params, fusion_regions, params_agree
+from layerdiff.analyzer.align.graph.index import shape_fit, shapes_agree
+from layerdiff.analyzer.align.graph.ops import (
     ALIASES,
     CHAIN_HEADS,
     COMMUTATIVE,
@@ -25,7 +25,7 @@ from layerdiff.analyzer.align.graph_ops import (
     VARIADIC,
     norm_name,
 )
-from layerdiff.analyzer.align.graph_weights import RELATION_SCORE, WeightPairing, weights_relation
+from layerdiff.analyzer.align.graph.weights import RELATION_SCORE, WeightPairing, weights_relation
 
 
 class NodeMatcher(WeightPairing):

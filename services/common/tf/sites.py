@@ -15,8 +15,8 @@ import numpy as np
 
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import GraphInput, TensorSite
-from layerdiff.common.tfgraph import INPUT_OPS, TFGraph
-from layerdiff.common.tfruntime import import_tf, tf_message
+from layerdiff.common.tf.graph import INPUT_OPS, TFGraph
+from layerdiff.common.tf.runtime import import_tf, tf_message
 
 # Ops with nothing to compare: no data value, or values that never cross the wire.
 _NO_VALUE_OPS = frozenset({"NoOp", "Const", "Assert", "Print", "PrintV2"})

@@ -88,13 +88,13 @@ nodes) aligns in a fraction of a second.
 
 Modules
 -------
-This module holds the entry points; the parts live beside it:
-``graph_index`` (an ONNX graph indexed for the walk), ``graph_ops`` (the op
-tables), ``graph_matching`` (steps 2, 3 and 7), ``graph_fusions`` (the
-subgraph families), ``graph_rewrites`` (steps 5 and 6), ``graph_aligner``
-(the walk put together, step 4, the outcome), ``graph_weights`` (weights as
-evidence, and the weights of paired nodes), ``graph_bindings`` (what a
-device tensor is bound to) and ``graph_alignment`` (the outcome).
+This package's entry points are here; its modules hold the parts:
+``index`` (an ONNX graph indexed for the walk), ``ops`` (the op
+tables), ``matching`` (steps 2, 3 and 7), ``fusions`` (the
+subgraph families), ``rewrites`` (steps 5 and 6), ``aligner``
+(the walk put together, step 4, the outcome), ``weights`` (weights as
+evidence, and the weights of paired nodes), ``bindings`` (what a
+device tensor is bound to) and ``alignment`` (the outcome).
 
 Limits
 ------
@@ -115,9 +115,9 @@ from __future__ import annotations
 
 import onnx
 
-from layerdiff.analyzer.align.graph_aligner import GraphAligner
-from layerdiff.analyzer.align.graph_alignment import GraphAlignment
-from layerdiff.analyzer.align.graph_weights import WeightPairing
+from layerdiff.analyzer.align.graph.aligner import GraphAligner
+from layerdiff.analyzer.align.graph.alignment import GraphAlignment
+from layerdiff.analyzer.align.graph.weights import WeightPairing
 
 __all__ = ["GraphAlignment", "align_graphs", "weights_by_name"]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from layerdiff.analyzer.align.graph_alignment import GraphAlignment
-from layerdiff.analyzer.align.graph_index import IndexedGraph
-from layerdiff.analyzer.align.graph_ops import CHAIN_HEADS, COMMUTATIVE, FLOAT_TYPES, IGNORED_ATTRS, NCHWC_DOMAIN
+from layerdiff.analyzer.align.graph.alignment import GraphAlignment
+from layerdiff.analyzer.align.graph.index import IndexedGraph
+from layerdiff.analyzer.align.graph.ops import CHAIN_HEADS, COMMUTATIVE, FLOAT_TYPES, IGNORED_ATTRS, NCHWC_DOMAIN
 
 
 def weights_relation(dev: np.ndarray | None, ref: np.ndarray | None) -> str:

@@ -28,7 +28,7 @@ FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.
 NCHWC_DOMAIN = "com.microsoft.nchwc"
 IGNORED_ATTRS = frozenset({"activation", "activation_params", "channels", "channels_last", "auto_pad"})
 
-# ops a transpose optimizer moves a Transpose past (see graph_rewrites.RewriteFollower.commute)
+# ops a transpose optimizer moves a Transpose past (see rewrites.RewriteFollower.commute)
 COMMUTING = frozenset({"Slice", "Squeeze", "Transpose", "ReorderInput"}) | (ELEMENTWISE - COMMUTATIVE
                                                                            - {"Sub", "Div", "Pow"})
 

@@ -1,7 +1,7 @@
 """Which kind of model file a model is, from its name and first bytes,
 without importing TensorFlow: an ONNX model, or one of the TensorFlow files
 (frozen GraphDef, SavedModel archive, Keras file) that
-layerdiff.common.tfload reads."""
+layerdiff.common.tf.load reads."""
 from __future__ import annotations
 
 import io

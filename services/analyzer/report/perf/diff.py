@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layerdiff.analyzer.report.perf import bound_hint
+from layerdiff.analyzer.report.perf.table import bound_hint
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.perfschema import COUNTER_COLUMNS
 

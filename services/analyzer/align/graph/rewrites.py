@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from layerdiff.analyzer.align.graph_bindings import Alt, Binding, Cell
-from layerdiff.analyzer.align.graph_fusions import FAMILIES, const_params, fusion_regions, params_agree
-from layerdiff.analyzer.align.graph_index import IndexedGraph, shapes_agree
-from layerdiff.analyzer.align.graph_matching import NodeMatcher
-from layerdiff.analyzer.align.graph_ops import (
+from layerdiff.analyzer.align.graph.bindings import Alt, Binding, Cell
+from layerdiff.analyzer.align.graph.fusions import FAMILIES, const_params, fusion_regions, params_agree
+from layerdiff.analyzer.align.graph.index import IndexedGraph, shapes_agree
+from layerdiff.analyzer.align.graph.matching import NodeMatcher
+from layerdiff.analyzer.align.graph.ops import (
     ALIASES,
     CHAIN_HEADS,
     COMMUTING,

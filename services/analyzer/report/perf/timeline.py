@@ -4,7 +4,7 @@ thread, one slice per node run, its accuracy among the slice's arguments.
 """
 from __future__ import annotations
 
-from layerdiff.analyzer.report.perf import AccuracyOfNode, PerfTable, json_num
+from layerdiff.analyzer.report.perf.table import AccuracyOfNode, PerfTable, json_num
 
 
 class _Lanes:

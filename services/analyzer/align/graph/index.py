@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from layerdiff.analyzer.align.graph_ops import RESHAPES
+from layerdiff.analyzer.align.graph.ops import RESHAPES
 from layerdiff.common.onnxgraph import infer_shapes
 
 

@@ -11,8 +11,8 @@ one table of nodes, and what the report files share about it.
   into one verdict, to set beside its time;
 - the number formats of the CSV (``num_text``) and JSON (``json_num``) files.
 
-The files are written by ``perf_tables`` (the CSV tables), ``perf_timeline``
-(``timeline.json``) and ``perf_report`` (all of them, and the summary.json
+The files are written by ``files`` (the CSV tables), ``timeline``
+(``timeline.json``) and ``report`` (all of them, and the summary.json
 sections).
 
 Times: a record's own duration when the source measured one; otherwise

@@ -18,7 +18,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from layerdiff.analyzer.report.perf import (
+from layerdiff.analyzer.report.perf.table import (
     AccuracyOfNode,
     NodePerf,
     PerfTable,
