@@ -287,6 +287,22 @@ def test_bad_tensorflow_models_are_refused_by_name_and_services_stay_up(services
     assert CollectorClient(services[0].address).health().status == "SERVING"
 
 
+def test_a_failing_tensorflow_run_names_the_model_file():
+    """A run that fails (here a numerics check on a NaN input) names the
+    model's file, not one of the graph's ops."""
+    from layerdiff.common.tf.load import load_tf_model
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (1, 4), name="x")
+        y = tf.debugging.check_numerics(x * 2.0, "NaN in")
+        tf.identity(y + 1.0, name="out")
+    graph = load_tf_model(g.as_graph_def().SerializeToString(), "checked.pb")
+    with pytest.raises(LayerdiffError) as ei:
+        graph.run({"x": np.full((1, 4), np.nan, np.float32)})
+    assert "'checked.pb'" in str(ei.value) and "run failed" in str(ei.value), str(ei.value)
+
+
 def test_archives_unpack_only_inside_their_directory(tmp_path):
     for members, needle in [({"/abs/saved_model.pb": b"x"}, "absolute path"),
                             ({"a/../../saved_model.pb": b"x"}, "'..' path segment"),

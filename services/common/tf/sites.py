@@ -125,14 +125,14 @@ def analyse(gd, name: str, fmt: str, output_ops: set[str], layer_names: list[str
 
     node_inputs: dict[str, list[str]] = {}
     params: set[str] = set()
-    for name in site_ops:
+    for op_name in site_ops:
         names = []
-        for t in g.get_operation_by_name(name).inputs:
+        for t in g.get_operation_by_name(op_name).inputs:
             src = source(t)
             names.append(src.name)
             if src.op.name not in reach and src.op.type not in INPUT_OPS and _np_dtype(src.dtype):
                 params.add(src.name)
-        node_inputs[name] = names
+        node_inputs[op_name] = names
 
     keep = site_set | {i.name for i in inputs}
     consumers: dict[str, list[str]] = {}
