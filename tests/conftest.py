@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnxbuild import opset17
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,8 +101,7 @@ def small_cnn(seed: int = 0, bug_in: str | None = None, bug_scale: float = 1.8, 
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, in_channels, side, side])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])],
         initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    model = opset17(graph)
     onnx.checker.check_model(model)
     return model
 

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
+from onnxbuild import opset17
 
 from layerdiff.client.api import run
 from layerdiff.collector.dumps import ascend, overflow
@@ -52,9 +53,7 @@ def overflowing_model():
                                                                                    [1, 3, 8, 8])],
                               [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 4, 8, 8])],
                               initializer=[w1, w2, k])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+    return opset17(graph)
 
 
 @pytest.fixture

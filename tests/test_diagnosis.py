@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 from conftest import small_cnn
 from onnx import TensorProto, helper, numpy_helper
+from onnxbuild import opset17
 from test_ascend import overflowing_model
 
 from layerdiff.analyzer.diagnose import verdicts as diagnose
@@ -127,9 +128,7 @@ def _nan_model() -> onnx.ModelProto:
     g = helper.make_graph(nodes, "nan", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 8, 8])],
                           [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 4, 8, 8])],
                           initializer=[w1, w2])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
+    return opset17(g)
 
 
 def test_nan_on_both_sides_is_a_model_or_input_problem(services, tmp_path):

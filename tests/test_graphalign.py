@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
-from onnxbuild import GraphBuilder
+from onnxbuild import GraphBuilder, opset17
 
 from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
 from layerdiff.analyzer.align.layout import unblock_nchwc
@@ -73,8 +73,7 @@ def bn_cnn(seed: int = 0, width: int = 8, side: int = 16) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "bn_cnn",
                               [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, side, side])],
                               [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 10])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    model = opset17(graph)
     onnx.checker.check_model(model)
     return model
 
@@ -582,9 +581,7 @@ def _dense_model(planted: str) -> onnx.ModelProto:
              helper.make_node("MatMul", ["p", "w2"], ["y"], name="dense2")]
     graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 64])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 64])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+    return opset17(graph)
 
 
 @pytest.mark.parametrize("planted", ["none", "tiny", "beyond"])

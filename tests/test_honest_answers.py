@@ -17,6 +17,7 @@ import onnx
 import pytest
 from conftest import small_cnn
 from onnx import TensorProto, helper
+from onnxbuild import opset17
 from test_ascend import overflow_files, overflowing_model  # noqa: F401  (a fixture)
 
 from layerdiff.client.api import run
@@ -212,8 +213,7 @@ def _nan_where_zero_model() -> tuple[onnx.ModelProto, onnx.ModelProto]:
         initializer=[onnx.numpy_helper.from_array(np.zeros((), np.float32), "zero")])
     models = []
     for g in (ref, dev):
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-        m.ir_version = 8
+        m = opset17(g)
         models.append(m)
     return models[0], models[1]
 

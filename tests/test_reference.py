@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import small_cnn
+from onnxbuild import opset17
 
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
@@ -83,8 +84,7 @@ def test_subgraphs_read_what_earlier_segments_computed():
              helper.make_node("Add", ["y", "a"], ["z"], name="add")]
     graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("z", TensorProto.FLOAT, [4])],
                               initializer=[helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    model = opset17(graph)
     ref = OnnxReference(model.SerializeToString())
     feeds = {"x": np.array([1, -2, 3, 0.5], np.float32)}
     full = ref.run(feeds)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import small_cnn
 from onnx import TensorProto, helper, numpy_helper
+from onnxbuild import opset17
 
 from layerdiff.analyzer.align.layout import LayoutVote
 from layerdiff.analyzer.align.values import ValueMatcher
@@ -99,8 +100,7 @@ def _copies_model() -> bytes:
              helper.make_node("Sigmoid", ["same"], ["y"], name="sigmoid")]
     g = helper.make_graph(nodes, "copies", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[w, shape])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
+    m = opset17(g)
     return m.SerializeToString()
 
 

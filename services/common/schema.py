@@ -292,19 +292,9 @@ class TensorAssembler:
     def feed(self, batch: pa.RecordBatch) -> list[NodeRecord]:
         out: list[NodeRecord] = []
         n = batch.num_rows
-        names = batch.column(0).to_pylist()
-        ops = batch.column(1).to_pylist()
-        orders = batch.column(2).to_pylist()
-        dtypes = batch.column(3).to_pylist()
-        shapes = batch.column(4).to_pylist()
-        totals = batch.column(5).to_pylist()
-        offs = batch.column(6).to_pylist()
-        statuses = batch.column(8).to_pylist()
-        messages = batch.column(9).to_pylist()
-        nodes = batch.column(10).to_pylist()
-        roles = batch.column(11).to_pylist()
-        slots = batch.column(12).to_pylist()
-        overflows = batch.column(13).to_pylist()
+        # every column but the data (7) as Python values, in schema order
+        (names, ops, orders, dtypes, shapes, totals, offs, statuses, messages, nodes, roles, slots,
+         overflows) = (batch.column(k).to_pylist() for k in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13))
         data = batch.column(7)
         bufs = data.buffers()
         doffs = np.frombuffer(bufs[1], dtype=np.int32)[data.offset:data.offset + n + 1] if bufs[1] is not None \

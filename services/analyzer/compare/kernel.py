@@ -855,9 +855,10 @@ def _ov_ld32(a, i):
 # ---------------------------------------------------------------------------
 
 
-@njit(inline="always", error_model="numpy")
-def _replace64(v):
-    # The vendor's display rule, for ref_value/dev_value only.
+def display_value(v):
+    """The vendor's display rule, for ref_value/dev_value only: NaN shows as
+    0, an infinity as the largest float32 of its sign. Compiled below for
+    the kernel; plain Python for the numpy definitions."""
     if v != v:
         return 0.0
     if v == np.inf:
@@ -865,6 +866,9 @@ def _replace64(v):
     if v == -np.inf:
         return -_F32_MAX
     return v
+
+
+_replace64 = njit(inline="always", error_model="numpy")(display_value)
 
 
 @njit(inline="always", error_model="numpy")
@@ -891,18 +895,18 @@ _NS = 8
 def _count_special(x, y, ovf_r, ovf_d, spc):
     # Only called for pairs with a value outside [-65504, 65504] or NaN.
     # ovf_*: whether the side is a float tensor (an FP16 range applies).
-    if x != x:
-        spc[_S_REF_NAN] += 1
-    elif abs(x) == np.inf:
-        spc[_S_REF_INF] += 1
-    elif ovf_r and abs(x) > FP16_MAX:
-        spc[_S_REF_OVF] += 1
-    if y != y:
-        spc[_S_DEV_NAN] += 1
-    elif abs(y) == np.inf:
-        spc[_S_DEV_INF] += 1
-    elif ovf_d and abs(y) > FP16_MAX:
-        spc[_S_DEV_OVF] += 1
+    _count_special_side(x, ovf_r, spc, _S_REF_NAN, _S_REF_INF, _S_REF_OVF)
+    _count_special_side(y, ovf_d, spc, _S_DEV_NAN, _S_DEV_INF, _S_DEV_OVF)
+
+
+@njit(inline="always", error_model="numpy")
+def _count_special_side(v, ovf, spc, at_nan, at_inf, at_ovf):
+    if v != v:
+        spc[at_nan] += 1
+    elif abs(v) == np.inf:
+        spc[at_inf] += 1
+    elif ovf and abs(v) > FP16_MAX:
+        spc[at_ovf] += 1
 
 
 @njit(inline="always", error_model="numpy")
@@ -1341,6 +1345,15 @@ def _worse(a_cls, a_diff, a_idx, b_cls, b_diff, b_idx):
     return a_diff > b_diff or (a_diff == b_diff and a_idx < b_idx)
 
 
+
+@njit(inline="always", error_model="numpy")
+def _heap_move(hdiff, hidx, hcls, src, dst):
+    """Entry ``src`` of the worst-elements heap into slot ``dst``."""
+    hdiff[dst] = hdiff[src]
+    hidx[dst] = hidx[src]
+    hcls[dst] = hcls[src]
+
+
 @njit(inline="always")
 def _heap_add(k, hidx, hdiff, hcls, i, ae, cls):
     """Add (i, ae, cls) to the bounded heap (root = least bad kept) of ``k``
@@ -1351,9 +1364,7 @@ def _heap_add(k, hidx, hdiff, hcls, i, ae, cls):
         while c > 0:
             p = (c - 1) // 2
             if _worse(hcls[p], hdiff[p], hidx[p], cls, ae, i):
-                hdiff[c] = hdiff[p]
-                hidx[c] = hidx[p]
-                hcls[c] = hcls[p]
+                _heap_move(hdiff, hidx, hcls, p, c)
                 c = p
             else:
                 break
@@ -1368,9 +1379,7 @@ def _heap_add(k, hidx, hdiff, hcls, i, ae, cls):
                                       hcls[lft + 1], hdiff[lft + 1], hidx[lft + 1]):
                 ch = lft + 1
             if _worse(cls, ae, i, hcls[ch], hdiff[ch], hidx[ch]):
-                hdiff[c] = hdiff[ch]
-                hidx[c] = hidx[ch]
-                hcls[c] = hcls[ch]
+                _heap_move(hdiff, hidx, hcls, ch, c)
                 c = ch
             else:
                 break

@@ -101,7 +101,6 @@ from typing import Any
 import numpy as np
 
 from layerdiff.analyzer.compare.kernel import (
-    _F32_MAX,
     _FLOAT_FIELDS,
     _INT_FIELDS,
     ATOL_DEFAULT,
@@ -111,6 +110,7 @@ from layerdiff.analyzer.compare.kernel import (
     _merge_state,
     _new_state,
     _run,
+    display_value,
     warmup,
 )
 from layerdiff.analyzer.compare.worst import worst_elements, worst_row_key
@@ -445,17 +445,6 @@ def compare(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
 # ---------------------------------------------------------------------------
 
 
-def _display(v: float) -> float:
-    """The vendor's display rule (ref_value / dev_value only)."""
-    if v != v:
-        return 0.0
-    if v == math.inf:
-        return _F32_MAX
-    if v == -math.inf:
-        return -_F32_MAX
-    return v
-
-
 def reference_metrics(ref, dev, atol: float = ATOL_DEFAULT,
                       rtol: float = RTOL_DEFAULT) -> NodeMetrics:
     """Plain numpy definition of every metric (slow; for checking)."""
@@ -545,8 +534,8 @@ def reference_metrics(ref, dev, atol: float = ATOL_DEFAULT,
         total=n, errors=errors, first_mismatch_offset=first,
         first_mismatch_index=_unravel(first, shape) if len(shape) else (),
         shape=shape,
-        ref_value=_display(float(r0[at])) if n else nan,
-        dev_value=_display(float(d0[at])) if n else nan,
+        ref_value=display_value(float(r0[at])) if n else nan,
+        dev_value=display_value(float(d0[at])) if n else nan,
         max_abs_err=max_abs_err, mean_abs_err=mean_abs_err,
         atol=float(atol), rtol=float(rtol), **counts, **vals,
     )

@@ -56,6 +56,10 @@ def parse_counter(text: str, column: str) -> int | None:
         v = int(text)       # the common case, first: a file has tens of counters per row
     except ValueError:
         return _parse_counter_other(text, column)
+    return _in_counter_range(v, text, column)
+
+
+def _in_counter_range(v: int, text: str, column: str) -> int:
     if v < 0:
         raise _RowError(f"negative count {v}", column)
     if v > COUNTER_MAX:
@@ -82,11 +86,7 @@ def _parse_counter_other(text: str, column: str) -> int | None:
                 v = int(f)
     except ValueError:
         raise _RowError(f"{t!r} is not a number", column) from None
-    if v < 0:
-        raise _RowError(f"negative count {v}", column)
-    if v > COUNTER_MAX:
-        raise _RowError(f"{t} overflows a 64-bit counter (a wrapped register?)", column)
-    return v
+    return _in_counter_range(v, t, column)
 
 
 def _time(text: str, column: str) -> float | None:
