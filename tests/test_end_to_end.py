@@ -55,6 +55,27 @@ def test_planted_bug_is_the_first_failing_node(services, cnn_files, tmp_path):
     assert json.loads((out / "consumer_map.json").read_text())["relu1"] == ["conv2", "residual/add"]
 
 
+def test_inputs_given_as_a_dict_may_be_named_anything(services, tmp_path):
+    """A graph input named ``file`` (numpy's savez took the name as its own
+    argument and the run failed with a traceback) is fed like any other."""
+    from onnx import TensorProto, helper
+    from onnxbuild import opset17
+
+    graph = helper.make_graph([helper.make_node("Relu", ["file"], ["y"], name="relu")], "named",
+                              [helper.make_tensor_value_info("file", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = tmp_path / "named.onnx"
+    onnx.save_model(opset17(graph), str(model))
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    collector, analyzer = services
+    res = run(model, {"file": x}, out=tmp_path / "out", analyzer=analyzer.address, collector=collector.address,
+              progress=False)
+    assert res.outcome == "pass"
+    with open(tmp_path / "out" / "cpu_vs_npu.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["node"], r["tensor"], r["result"]) for r in rows] == [("relu", "y", "pass")], rows
+
+
 def test_dump_on_the_collector_host_with_bad_entries(services, cnn_files, tmp_path):
     """A dump directory read where it lies; corrupt, truncated, missing and
     hostile entries are skipped with a reason, every other node is compared."""

@@ -64,6 +64,22 @@ def test_every_format_round_trips_bit_exact_through_the_collector(live_records_a
             assert normalize(r.name) in {normalize(n) for n in (want.name, want.node, f"{want.node}:{want.slot}")}
 
 
+def test_npz_dumps_keep_tensors_named_like_savez_arguments(tmp_path):
+    """Node names are the user's: ``file`` and ``allow_pickle`` are written
+    and read back like any other (numpy's savez takes them as its own
+    arguments: one failed the write, the other vanished)."""
+    from layerdiff.common.schema import NodeRecord
+
+    arrays = {"file": np.arange(6, dtype=np.float32).reshape(2, 3), "allow_pickle": np.ones(4, np.float16),
+              "conv/out": np.full(3, 7, np.int64)}
+    dump = write_dump(tmp_path / "d", [NodeRecord(name=n, node=n, op_type="Relu", order=i, array=a)
+                                       for i, (n, a) in enumerate(arrays.items())], "npz")
+    got = {r.name: r.array for r in DumpDirectory(str(dump)).records()}
+    assert set(got) == set(arrays)
+    for n, a in arrays.items():
+        assert got[n].dtype == a.dtype and np.array_equal(got[n], a)
+
+
 def test_manifest_that_lies_and_hostile_entries_are_skipped(live_records, tmp_path):
     dump = write_dump(tmp_path / "bin", live_records, fmt="bin")
     manifest = json.loads((dump / "manifest.json").read_text())

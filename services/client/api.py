@@ -33,6 +33,7 @@ import numpy as np
 from layerdiff.client.analyzer_client import AnalyzerClient, Interrupted, rpc_failure
 from layerdiff.client.follow import RunResult, fetch_result, follow
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.npz import write_npz
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 
@@ -63,9 +64,7 @@ def _inputs_bytes(inputs) -> tuple[bytes, str]:
         import io
 
         buf = io.BytesIO()
-        # numpy's stub also gives savez a bool keyword (allow_pickle), so mypy
-        # checks every array of the **mapping against it
-        np.savez(buf, **{k: np.asarray(v) for k, v in inputs.items()})  # type: ignore[arg-type]
+        write_npz(buf, {k: np.asarray(v) for k, v in inputs.items()})
         return buf.getvalue(), "inputs.npz"
     return read_artifact(inputs, "inputs")
 

@@ -43,6 +43,7 @@ from layerdiff.collector.dumps.manifest import (
 from layerdiff.collector.dumps.readers import read_h5, read_npy, read_npz, read_raw, read_tensor_proto
 from layerdiff.collector.dumps.tiled import splice
 from layerdiff.common.errors import LayerdiffError, NotFoundError
+from layerdiff.common.npz import write_npz
 from layerdiff.common.schema import (
     DEFAULT_MAX_TENSOR_BYTES,
     ROLE_INPUT,
@@ -232,8 +233,7 @@ def write_dump(directory: str | Path, records: Iterable[NodeRecord], fmt: str = 
         nodes.append({"name": "dump", "file": "dump.h5", "format": "h5", "order": 0})
     elif fmt == "npz":
         keys = [r.name if r.role != ROLE_INPUT else f"{r.node or r.name}.input.{r.slot}" for _, r in kept]
-        # (ignored: mypy matches the **keys, node names, against savez's own allow_pickle too)
-        np.savez(root / "dump.npz", **{k: _held(r) for k, (_, r) in zip(keys, kept)})  # type: ignore[arg-type]
+        write_npz(root / "dump.npz", {k: _held(r) for k, (_, r) in zip(keys, kept)})
         members = {k: placement(r) for k, (_, r) in zip(keys, kept) if placement(r)}
         nodes.append({"name": "dump", "file": "dump.npz", "format": "npz", "order": 0, "members": members})
     elif fmt == "bin":
