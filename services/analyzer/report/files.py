@@ -198,7 +198,7 @@ def summary_number(v: object) -> float:
     if isinstance(v, str):
         return {"inf": math.inf, "-inf": -math.inf}.get(v.strip().lower(), math.nan)
     try:
-        return float(v)  # type: ignore[arg-type]
+        return float(v)  # type: ignore[arg-type]  # any JSON value; what float() refuses is caught
     except (TypeError, ValueError):
         return math.nan
 

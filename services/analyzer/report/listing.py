@@ -37,7 +37,7 @@ def _num(v: object) -> str:
     if isinstance(v, str):
         return v
     try:
-        f = float(v)  # type: ignore[arg-type]
+        f = float(v)  # type: ignore[arg-type]  # any JSON value; what float() refuses is caught
     except (TypeError, ValueError):
         return "nan"
     if math.isnan(f):
