@@ -169,12 +169,16 @@ class WeightSplit:
     """One model's ``without_weight_data``, made once for every session and
     build made from it (the reference's run, its FP16 build, the impact
     re-runs): each would otherwise copy every weight out of the model again.
-    Read it, never change it; thread-safe."""
+    Read it, never change it; thread-safe. ``of`` takes a model or a split."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
         self.model = model
         self._lock = threading.Lock()
         self._parts: tuple[onnx.ModelProto, dict[str, bytes]] | None = None
+
+    @staticmethod
+    def of(model: onnx.ModelProto | WeightSplit) -> WeightSplit:
+        return model if isinstance(model, WeightSplit) else WeightSplit(model)
 
     def parts(self) -> tuple[onnx.ModelProto, dict[str, bytes]]:
         with self._lock:
@@ -183,20 +187,18 @@ class WeightSplit:
             return self._parts
 
 
-def lean_session(model: onnx.ModelProto, options, providers: list, edit=None, split: WeightSplit | None = None):
+def lean_session(model: onnx.ModelProto | WeightSplit, options, providers: list, edit=None):
     """An onnxruntime session of the model (``edit``, given a copy of it
     without the weights' data, may change the graph: outputs exposed, say)
     whose large weights are handed to onnxruntime in memory instead of
     serialized with the graph and parsed back: a third of the time on a
-    transformer, the same results. ``split``: the model's, made once."""
+    transformer, the same results. A ``WeightSplit`` given for the model
+    is used as it is (its weights are not copied out again)."""
     import onnxruntime as ort
 
-    if split is None:
-        light, held = without_weight_data(model)
-    else:
-        shared, held = split.parts()
-        light = onnx.ModelProto()
-        light.CopyFrom(shared)
+    shared, held = WeightSplit.of(model).parts()
+    light = onnx.ModelProto()
+    light.CopyFrom(shared)
     if edit is not None:
         edit(light)
     names, values = [], []

@@ -8,10 +8,8 @@ import math
 from dataclasses import dataclass
 
 from layerdiff.analyzer.align.names import normalize
+from layerdiff.analyzer.compare.metrics import ATOL_DEFAULT, RTOL_DEFAULT
 from layerdiff.common.errors import LayerdiffError
-
-ATOL_DEFAULT = 0.005
-RTOL_DEFAULT = 0.2
 
 
 @dataclass(frozen=True)

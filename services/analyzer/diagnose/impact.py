@@ -93,14 +93,14 @@ class ImpactRunner:
     """Re-runs the reference model with one tensor replaced by its device
     value; owns the baseline outputs and the budget."""
 
-    def __init__(self, model: onnx.ModelProto, feeds: dict[str, np.ndarray], values: InjectedValues, tol,
-                 max_runs: int = MAX_RUNS, budget_s: float = BUDGET_S,
-                 baseline: dict[str, np.ndarray] | None = None, split: WeightSplit | None = None) -> None:
-        """``baseline``: the model's outputs as the reference computed them,
-        where it kept them (else one more run computes them); ``split``: the
-        model's weights, split out once (``WeightSplit``)."""
-        self.model = model
-        self.split = split if split is not None else WeightSplit(model)
+    def __init__(self, model: onnx.ModelProto | WeightSplit, feeds: dict[str, np.ndarray], values: InjectedValues,
+                 tol, max_runs: int = MAX_RUNS, budget_s: float = BUDGET_S,
+                 baseline: dict[str, np.ndarray] | None = None) -> None:
+        """``model``: the reference model, or its ``WeightSplit`` (its weights
+        copied out once); ``baseline``: the model's outputs as the reference
+        computed them, where it kept them (else one more run computes them)."""
+        self.split = WeightSplit.of(model)
+        self.model = self.split.model
         self.feeds = feeds
         self.values = values
         self.tol = tol
@@ -108,16 +108,16 @@ class ImpactRunner:
         self.budget_s = budget_s
         self.runs = 0
         self.spent = 0.0
-        self.outputs = [o.name for o in model.graph.output]
+        self.outputs = [o.name for o in self.model.graph.output]
         self._baseline = baseline if baseline is not None and all(o in baseline for o in self.outputs) else None
 
-    def _session(self, model: onnx.ModelProto, edit=None) -> ort.InferenceSession:
+    def _session(self, edit=None) -> ort.InferenceSession:
         # a device value the reference does not take fails the run: said in the report
-        return reference_session(model, edit=edit, quiet=True, split=self.split)
+        return reference_session(self.split, edit=edit, quiet=True)
 
     def baseline(self) -> dict[str, np.ndarray]:
         if self._baseline is None:
-            sess = self._session(self.model)
+            sess = self._session()
             self._baseline = dict(zip(self.outputs, sess.run(self.outputs, self.feeds)))
         return self._baseline
 
@@ -164,7 +164,7 @@ class ImpactRunner:
             m.graph.input.append(onnx.helper.make_tensor_value_info(
                 tensor, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
 
-        sess = self._session(self.model, injected)
+        sess = self._session(injected)
         return dict(zip(self.outputs, sess.run(self.outputs, {**self.feeds, tensor: v})))
 
     def summary(self) -> dict:

@@ -49,7 +49,6 @@ ACCUMULATED = "accumulated precision error"
 # what the node read was not compared (not dumped, skipped, excluded) and it
 # could not be re-run alone: nothing tells its own error from an inherited one
 UNDECIDED = "no verdict"
-FP16_MAX = 65504.0
 # Advice for fixed-point builds (the vendor's rules of thumb).
 QUANT_RANGE_LIMIT = 30.0
 QUANT_RMSE_LIMIT = 0.5

@@ -192,8 +192,7 @@ def fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
     from layerdiff.collector.live.onnxrt import to_fp16
 
     try:   # the build keeps every node's name: nodes pair by name
-        return _weights(weights_by_name(reference.model, to_fp16(reference.model, spec.model_artifact,
-                                                                 split=reference.split)))
+        return _weights(weights_by_name(reference.model, to_fp16(reference.split, spec.model_artifact)))
     except Exception as e:    # the collector's conversion reports its own failure
         log.warning("comparing the FP16 build's weights failed (%s: %s)", type(e).__name__, e)
         return None

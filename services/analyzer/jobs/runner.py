@@ -381,8 +381,8 @@ class JobRunner:
             sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
                                rep, job_info)
         # device values are kept for the impact re-runs of an ONNX reference only
-        impact = ImpactRunner(p.reference.model, p.feeds, injected, p.tolerances.default, baseline=baseline,
-                              split=p.reference.split) if injected and isinstance(p.reference, OnnxReference) else None
+        impact = ImpactRunner(p.reference.split, p.feeds, injected, p.tolerances.default, baseline=baseline) \
+            if injected and isinstance(p.reference, OnnxReference) else None
         if p.weights_aside is not None:
             p.weights = p.weights_aside.result()
         try:

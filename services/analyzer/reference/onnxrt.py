@@ -30,14 +30,13 @@ from layerdiff.common.onnxgraph import (
 )
 
 
-def reference_session(model: onnx.ModelProto, edit=None, quiet: bool = False,
-                      split: WeightSplit | None = None) -> ort.InferenceSession:
+def reference_session(model: onnx.ModelProto | WeightSplit, edit=None, quiet: bool = False) -> ort.InferenceSession:
     """A session computing as the reference does: FP32 on the CPU, graph
     optimizations off (no node fused away), the weights handed over in
     memory (``lean_session``; ``edit`` changes the graph's copy); ``quiet``:
     onnxruntime logs nothing short of fatal (runs expected to fail now and
-    then, whose failure is reported otherwise); ``split``: the model's
-    weights split out once (``WeightSplit``)."""
+    then, whose failure is reported otherwise); ``model`` may be its
+    ``WeightSplit``, made once."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4 if quiet else 3
@@ -47,7 +46,7 @@ def reference_session(model: onnx.ModelProto, edit=None, quiet: bool = False,
     # Every session runs once: packing the weights for repeated MatMuls
     # would cost more than it saves (a third of a transformer's session).
     so.add_session_config_entry("session.disable_prepacking", "1")
-    return lean_session(model, so, ["CPUExecutionProvider"], edit=edit, split=split)
+    return lean_session(model, so, ["CPUExecutionProvider"], edit=edit)
 
 
 class OnnxReference:
@@ -111,7 +110,7 @@ class OnnxReference:
         # job that asked for it), so neither this frame nor onnxruntime's
         # (the cause's traceback) may hold it.
         try:
-            sess = reference_session(self.model, edit=exposed, split=self.split)
+            sess = reference_session(self.split, edit=exposed)
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the model: {e}",
                                  file=self.name) from e.with_traceback(None)

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "fp16", "int8")
 
 
-def to_fp16(model: onnx.ModelProto, key: str = "", split: WeightSplit | None = None) -> onnx.ModelProto:
+def to_fp16(model: onnx.ModelProto | WeightSplit, key: str = "") -> onnx.ModelProto:
     """The FP16 build of a model, as onnxruntime's converter makes it
     (inputs and outputs kept in their types), the same bytes seconds sooner
     on a transformer: the shape inference the converter would run is run on
@@ -53,8 +53,8 @@ def to_fp16(model: onnx.ModelProto, key: str = "", split: WeightSplit | None = N
     with ``fp16_weight`` (a few passes) instead of its own dozen. ``key``
     (the model file's sha256) shares one build between those who ask for it
     at the same time (the embedded analyzer and collector): read it, never
-    change it. ``split``: the model's weights split out once (``WeightSplit``)."""
-    return _BUILDS.get(key, lambda: _to_fp16(split if split is not None else WeightSplit(model)))
+    change it. ``model`` may be its ``WeightSplit`` (weights copied out once)."""
+    return _BUILDS.get(key, lambda: _to_fp16(WeightSplit.of(model)))
 
 
 class _SharedBuilds:
