@@ -22,18 +22,16 @@ setup:
 stubs:
 	proto/generate.sh $(BIN)/python
 
+# Test modules run side by side on the cores (pytest-xdist), each module in
+# one process so that its fixtures are built once.
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadfile tests
 
-# mypy reads the package as it imports: layerdiff is services/, with the
-# generated stubs beside it (a tree of links under build/, as installed).
-TYPECHECK := build/typecheck
+# mypy reads the package as it imports: layerdiff is src/layerdiff (services/,
+# with the generated stubs linked in).
 lint:
 	$(BIN)/ruff check services tests bench
-	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/layerdiff
-	for e in services/*; do [ "$${e##*/}" = __pycache__ ] || ln -s "$(CURDIR)/$$e" $(TYPECHECK)/layerdiff/; done
-	ln -s "$(CURDIR)/proto/layerdiff/v1" "$(CURDIR)/proto/layerdiff/vendor" $(TYPECHECK)/layerdiff/
-	cd $(TYPECHECK) && MYPYPATH=. "$(CURDIR)/$(BIN)/mypy" --config-file "$(CURDIR)/pyproject.toml"
+	MYPYPATH=src $(BIN)/mypy --config-file pyproject.toml
 
 demo:
 	$(BIN)/python -m layerdiff.client.demo

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ports import worker_index
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,9 @@ def _free_subnet() -> ipaddress.IPv4Network:
     for route in json.loads(ip("-j", "-4", "route", "show", "table", "all").stdout or "[]"):
         if route.get("dst") not in (None, "default"):
             used.append(ipaddress.ip_network(route["dst"], strict=False))
-    start = 40 + os.getpid() % 200
+    # each xdist worker starts in a band of its own: two workers never
+    # choose the same free /24 before either has made it
+    start = 40 + (worker_index() * 50 + os.getpid() % 50) % 200
     for i in range(256):
         net = ipaddress.ip_network(f"10.231.{(start + i) % 256}.0/24")
         if not any(net.overlaps(u) for u in used):

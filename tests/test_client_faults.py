@@ -19,10 +19,10 @@ import grpc
 import numpy as np
 import pytest
 from conftest import ServiceProcess, wait_for
+from ports import free_port
 
 from layerdiff.client.analyzer_client import AnalyzerClient
 from layerdiff.collector.live.onnxrt import LiveRunner
-from layerdiff.common.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 JOB_LINE = re.compile(r"^layerdiff: job ([0-9a-f]+) on analyzer (\S+) "

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -51,18 +52,12 @@ COLLECTOR_REQUIREMENTS = DEPLOY / "requirements-collector.txt"
 IMAGE_UID = 10001
 # Of the project's own files, the build context may leave out only caches and
 # the generated stubs (the image build generates those from the .proto files).
-REGENERATED_OR_CACHE = re.compile(r"(^|/)__pycache__(/|$)|\.py[cod]$|_pb2(_grpc)?\.pyi?$")
+REGENERATED_OR_CACHE = re.compile(r"(^|/)(__pycache__|[^/]*\.egg-info)(/|$)|\.py[cod]$|_pb2(_grpc)?\.pyi?$")
 
 
 # ===================================================================== helpers
 def canon(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env() -> dict:
@@ -140,8 +135,10 @@ def context_files() -> list[str]:
     for top, dirs, files in os.walk(ROOT):
         rel_top = Path(top).relative_to(ROOT).as_posix()
         rel_top = "" if rel_top == "." else rel_top + "/"
-        dirs[:] = [d for d in dirs if not (ig.excluded(rel_top + d) and not ig.may_bring_back_below(rel_top + d))]
-        found += [rel_top + f for f in files if not ig.excluded(rel_top + f)]
+        links = [d for d in dirs if os.path.islink(os.path.join(top, d))]     # sent as links (src/layerdiff)
+        dirs[:] = [d for d in dirs if d not in links
+                   and not (ig.excluded(rel_top + d) and not ig.may_bring_back_below(rel_top + d))]
+        found += [rel_top + f for f in files + links if not ig.excluded(rel_top + f)]
     return sorted(found)
 
 
@@ -832,7 +829,7 @@ def test_wheel_builds_from_the_build_context(tmp_path):
     ctx = tmp_path / "context"
     for rel in context_files():
         (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, ctx / rel)
+        shutil.copy2(ROOT / rel, ctx / rel, follow_symlinks=False)
     assert not list((ctx / "proto").rglob("*_pb2.py")), "stubs must come from the build, not the context"
     subprocess.run([str(ctx / "proto" / "generate.sh"), sys.executable], check=True, capture_output=True)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -840,12 +837,11 @@ def test_wheel_builds_from_the_build_context(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = (tmp_path / "wheels").glob("layerdiff-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    for package, source in package_dir.items():     # every module of every folder, subpackages included
-        for module in (ROOT / source).rglob("*.py"):
-            inside = module.relative_to(ROOT / source).as_posix()
-            if not REGENERATED_OR_CACHE.search(inside):
-                assert f"{package.replace('.', '/')}/{inside}" in names, f"{module} is not in the wheel"
+    source = (ROOT / "src" / "layerdiff").resolve()     # services/, where layerdiff's modules are
+    for module in source.rglob("*.py"):                 # every module of every folder, subpackages included
+        inside = module.relative_to(source).as_posix()
+        if not REGENERATED_OR_CACHE.search(inside):
+            assert f"layerdiff/{inside}" in names, f"{module} is not in the wheel"
     assert {"layerdiff/v1/layerdiff_pb2.py", "layerdiff/v1/layerdiff_pb2_grpc.py",
             "layerdiff/vendor/ascend_dump_pb2.py"} <= names
     entry_points = next(zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith("entry_points.txt"))

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import redis
 from conftest import ServiceProcess, wait_for
+from ports import free_port
 
 from layerdiff.client.analyzer_client import AnalyzerClient
 from layerdiff.client.api import run
-from layerdiff.common.net import free_port
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 CHUNK = "4096"   # small chunks so that the tests' nodes are split and merged

@@ -304,7 +304,7 @@ def test_health_over_the_standard_service_and_the_probe_command(secured, pki, tm
     for service in ("analyzer", "collector"):
         res = cli("health", secured[service].address, env=user(pki))
         assert res.returncode == 0 and "SERVING" in res.stdout, (service, res.stdout, res.stderr)
-    from layerdiff.common.net import free_port
+    from ports import free_port
 
     nobody = cli("health", f"127.0.0.1:{free_port()}", "--timeout", "2", env=_env())
     assert nobody.returncode == 3 and nobody.stdout.count("\n") == 1, nobody.stdout
