@@ -112,7 +112,7 @@ def test_activation_saturating_in_fp16(services, tmp_path):
     assert "first node whose reference exceeds 65504" in s["diagnosis"]["overflow"]["text"]
     # the live FP16 run flags the overflow itself, shown beside the node
     assert [o["node"] for o in s["overflow_nodes"]] == ["boost"]
-    assert any("the device flagged an overflow here" in e for e in first["evidence"])
+    assert any("the device flagged this node: floating-point overflow" in e for e in first["evidence"])
     assert {v["node"]: v["verdict"] for v in s["verdicts"]}.get("relu") in (diagnose.ACCUMULATED, None)
 
 

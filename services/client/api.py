@@ -105,7 +105,7 @@ def parse_name_list(value) -> list[str]:
     return [v.strip() for v in str(value).split(",") if v.strip()]
 
 
-def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: str = "fp32",
+def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: str = "",
         device_model=None, dump: str | None = None, dump_format: str = "", default_concat_dim: int = 0,
         watch: bool = False, dump_mode: str = "output",
         analyzer: str | None = None,
@@ -117,7 +117,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
         timeout: float | None = None, perf_mode="accuracy", perf_all_nodes: bool = True,
         perf_runs: int | None = None, clock_mhz: float | None = None,
         perf_graph_optimization: str = "", signature: str = "", min_coverage: float | None = None,
-        on_job: Callable[[str], None] | None = None) -> RunResult:
+        node_precision=None, on_job: Callable[[str], None] | None = None) -> RunResult:
     """Compare every node of ``model`` on the device against its FP32 CPU
     reference and fetch the reports into ``out``.
 
@@ -126,7 +126,12 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     serving_default) or a Keras ``.keras`` file. ``inputs``: an .npz path or a
     dict of arrays. ``device_model``: a second model file (any of those kinds)
     run as the device. ``dump``: a dump directory on the collector's
-    host, read instead of a live run. ``show_graph``: plots for the failing
+    host, read instead of a live run. ``precision``: the live build (fp32,
+    tf32, fp16, bf16, fp8_e4m3fn, fp8_e5m2, int8; default fp32), and the
+    device's precision the error model judges by (default: the build's, or
+    for a dump or device model what its tensors' types say);
+    ``node_precision``: {node: precision} (or "node=precision" strings) for
+    nodes that compute in another. ``show_graph``: plots for the failing
     nodes (``max_bins``/``min_bins`` for their histograms); ``min_max``: a
     tensor_min_max.txt giving the input ranges for the INT8 advice.
     Defaults: atol 0.005, rtol 0.2, diff_cnt 128, max_cores = CPU count,
@@ -162,7 +167,8 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     options = compare_options(atol=atol, rtol=rtol, diff_cnt=diff_cnt, op_config=op_config,
                               map_node_dict=map_node_dict, skip_keys=skip_keys, exclude_node_list=exclude_node_list,
                               force_compare=force_compare, max_cores=max_cores, show_graph=show_graph,
-                              max_bins=max_bins, min_bins=min_bins, min_max=min_max, min_coverage=min_coverage)
+                              max_bins=max_bins, min_bins=min_bins, min_max=min_max, min_coverage=min_coverage,
+                              node_precision=node_precision)
 
     def spec(client: AnalyzerClient, collector: str) -> pb.JobSpec:
         return pb.JobSpec(
@@ -183,7 +189,7 @@ def compare_options(*, atol: float | None = None, rtol: float | None = None, dif
                     op_config=None, map_node_dict=None, skip_keys=None, exclude_node_list=None,
                     force_compare: bool = False, max_cores: int | None = None, show_graph: bool = False,
                     max_bins: int | None = None, min_bins: int | None = None, min_max=None,
-                    min_coverage: float | None = None) -> pb.CompareOptions:
+                    min_coverage: float | None = None, node_precision=None) -> pb.CompareOptions:
     """The comparison options ``run`` and ``compare`` share, as the wire carries them."""
     return pb.CompareOptions(
         atol=atol or 0.0, has_atol=atol is not None, rtol=rtol or 0.0, has_rtol=rtol is not None,
@@ -191,7 +197,27 @@ def compare_options(*, atol: float | None = None, rtol: float | None = None, dif
         skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
         force_compare=force_compare, max_cores=max_cores or 0, show_graph=show_graph, max_bins=max_bins or 0,
         min_bins=min_bins or 0, min_max_text=_text_arg(min_max), min_coverage=min_coverage or 0.0,
-        has_min_coverage=min_coverage is not None)
+        has_min_coverage=min_coverage is not None, node_precision=parse_node_precision(node_precision))
+
+
+def parse_node_precision(value) -> dict[str, str]:
+    """{node: precision} from a dict, or from "node=precision" strings
+    (comma-separated, repeatable); each precision checked."""
+    from layerdiff.common.precision import parse as parse_precision
+
+    if not value:
+        return {}
+    items = value.items() if isinstance(value, dict) else [
+        tuple(part.rsplit("=", 1)) if "=" in part else (part, "")
+        for v in ([value] if isinstance(value, str) else value) for part in str(v).split(",") if part.strip()]
+    out: dict[str, str] = {}
+    for node, prec in items:
+        node, prec = str(node).strip(), str(prec).strip()
+        if not node or not prec:
+            raise LayerdiffError(f"expected NODE=PRECISION, got {node!r}", field="node_precision")
+        parsed = parse_precision(prec, field=f"node_precision[{node}]")
+        out[node] = parsed.name if parsed is not None else "auto"
+    return out
 
 
 def _run_job(make_spec: Callable[[AnalyzerClient, str], pb.JobSpec], *, analyzer: str | None,
@@ -238,7 +264,7 @@ def _run_job(make_spec: Callable[[AnalyzerClient, str], pb.JobSpec], *, analyzer
 def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model=None,
             reference_collector: str | None = None, collector: str | None = None, analyzer: str | None = None,
             reference_format: str = "", dump_format: str = "", default_concat_dim: int = 0,
-            watch: bool = False, dump_mode: str = "output", precision: str = "fp32", device: str = "",
+            watch: bool = False, dump_mode: str = "output", precision: str = "", device: str = "",
             progress: bool | Callable[[pb.JobEvent], None] = True, timeout: float | None = None,
             on_job: Callable[[str], None] | None = None, **options) -> RunResult:
     """Compare two dumps, with the golden one as the reference and no model
@@ -250,7 +276,8 @@ def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model
     (structure, op types, node order) to alignment and diagnosis.
     ``dump_mode`` all: both dumps hold node inputs, and a node whose inputs
     agree while its outputs do not is a computation error. ``precision``
-    names the device's (fp16, int8) for the reasoning that depends on it.
+    names the device's (fp32, tf32, fp16, bf16, fp8_e4m3fn, fp8_e5m2,
+    int8) for the error model; default: what the dumped types say.
     ``options``: the comparison options of ``run`` (atol, rtol, diff_cnt,
     map_node_dict, skip_keys, exclude_node_list, min_coverage, ...). The
     RunResult, exit statuses and reports are those of ``run``, the summary
@@ -263,7 +290,7 @@ def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model
             path=str(reference_dump), format=reference_format or "", default_concat_dim=default_concat_dim))
         return pb.JobSpec(
             model_artifact=client.upload(model_bytes, model_name) if model_bytes is not None else "",
-            collector=device_collector, device=device or "", precision=precision or "fp32",
+            collector=device_collector, device=device or "", precision=precision or "",
             dump_path=str(device_dump), dump_format=dump_format, default_concat_dim=default_concat_dim,
             watch=watch, dump_mode=dump_mode or "output", options=opts, reference_dump=golden,
             model_name=model_name if model_bytes is not None else "")

@@ -14,6 +14,7 @@ import threading
 
 from layerdiff.client.cli_services import add_health, add_service, add_worker
 from layerdiff.client.cli_tools import add_convert, add_dump, add_histogram, add_overflow, add_perf_diff
+from layerdiff.common.precision import NAMES as PRECISION_NAMES
 
 # gRPC's own log lines (a failed TLS handshake, a refused connection) are not
 # for the user: the command says in one line what went wrong. Set before the
@@ -39,6 +40,19 @@ def _bool(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {v!r}")
 
 
+def _precision_arg(v: str) -> str:
+    """A precision name or alias (fp32, tf32, fp16, bf16, fp8_e4m3fn,
+    fp8_e5m2, int8, auto), as the wire carries it."""
+    from layerdiff.common.errors import LayerdiffError
+    from layerdiff.common.precision import parse
+
+    try:
+        p = parse(v, field="")
+    except LayerdiffError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return p.name if p is not None else ""
+
+
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="compare every node of a model on a device against its FP32 CPU reference",
                        description="Compare every node of MODEL on the device against its FP32 CPU reference, "
@@ -48,9 +62,10 @@ def _add_run(sub) -> None:
                                  "directory or Keras .keras file")
     p.add_argument("--inputs", required=True, help=".npz of named model inputs")
     p.add_argument("--device", default="cpu", help="execution provider on the collector (cpu, cuda, tensorrt, ...)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"],
-                   help="device precision for a live run (default fp32); for a Keras model fp16 is its "
-                        "mixed_float16 run")
+    p.add_argument("--precision", default="", type=_precision_arg, metavar="{" + ",".join(PRECISION_NAMES) + "}",
+                   help="the live build's precision (default fp32; bf16, tf32 and fp8 are emulated on the CPU); for "
+                        "a Keras model fp16 is its mixed_float16 run. With --dump or --device-model: the device's "
+                        "precision for the verdicts (default: what its tensors' types say)")
     p.add_argument("--out", default="layerdiff-out", help="directory for the reports (default layerdiff-out)")
     p.add_argument("--device-model", help="a second model file (optimized, quantized, converted or mixed-precision "
                                           "export: ONNX, .pb, SavedModel directory, .keras) run as the device")
@@ -77,7 +92,10 @@ def _add_compare_options(p) -> None:
     p.add_argument("--atol", type=float, help="absolute tolerance (default 0.005)")
     p.add_argument("--rtol", type=float, help="relative tolerance (default 0.2)")
     p.add_argument("--diff-cnt", "--diff_cnt", type=int, help="rows per failing-node CSV (default 128)")
-    p.add_argument("--op-config", "--op_config_name", help="op_config.csv with per-op op_name,atol,rtol")
+    p.add_argument("--op-config", "--op_config_name",
+                   help="op_config.csv with per-op op_name,atol,rtol (and optionally precision)")
+    p.add_argument("--node-precision", action="append", metavar="NODE=PRECISION",
+                   help="a node that computes in another precision than the job's (repeatable, comma-separated)")
     p.add_argument("--map-node-dict", "--map_node_dict",
                    help='JSON {"cpu_name": "npu_name"} or a file holding it')
     p.add_argument("--skip-keys", "--skip_keys", action="append",
@@ -105,7 +123,7 @@ def _compare_kwargs(a) -> dict:
     return dict(atol=a.atol, rtol=a.rtol, diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict,
                 skip_keys=a.skip_keys, exclude_node_list=a.exclude_node_list, force_compare=a.force_compare,
                 max_cores=a.max_cores, show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins,
-                min_max=a.min_max, min_coverage=a.min_coverage)
+                min_max=a.min_max, min_coverage=a.min_coverage, node_precision=a.node_precision)
 
 
 def _add_compare(sub) -> None:
@@ -134,8 +152,9 @@ def _add_compare(sub) -> None:
     p.add_argument("--dump-mode", "--dump_mode", default="output", choices=["output", "input", "all"],
                    help="node tensors to compare: outputs, the inputs each node read, or both; with all, a node "
                         "whose inputs agree while its output does not is a computation error (default output)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"],
-                   help="the device's precision, for the reasoning that depends on it (default fp32)")
+    p.add_argument("--precision", default="", type=_precision_arg, metavar="{" + ",".join(PRECISION_NAMES) + "}",
+                   help="the device's precision, which the verdicts judge its errors by (default: what the "
+                        "dumped types say, FP32 for float32)")
     p.add_argument("--device", default="", help="the device's name, for the reports")
     p.add_argument("--default-concat-dim", "--default_concat_dim", type=int, default=0,
                    help="splice axis of tiled nodes without grouping info; -1 = first axis of size != 1 (default 0)")

@@ -4,6 +4,8 @@ imports what it needs only when it runs.
 """
 from __future__ import annotations
 
+from layerdiff.common.precision import NAMES as PRECISION_NAMES
+
 
 def add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a dump to .npy (and .txt) files with shape and dtype sidecars")
@@ -34,7 +36,8 @@ def add_dump(sub) -> None:
     p.add_argument("--inputs", required=True, help=".npz of named model inputs")
     p.add_argument("--config", required=True, help="dump configuration (acl.json)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"])
+    p.add_argument("--precision", default="fp32", choices=list(PRECISION_NAMES),
+                   help="the live build's precision (default fp32; bf16, tf32 and fp8 are emulated on the CPU)")
     p.add_argument("--device-model", help="run this export as the device instead")
     p.add_argument("--format", default="ascend", choices=["ascend", "npy", "npz", "onnx", "bin", "h5"],
                    help="dump format (default ascend: vendor-named files under {time}/{device}/{model}/{index})")

@@ -40,6 +40,9 @@ TENSOR_SCHEMA = pa.schema([
     pa.field("role", pa.string()),          # "output" (a node's output) or "input" (what the node read)
     pa.field("slot", pa.int32()),           # output index, or input index for inputs
     pa.field("overflow", pa.string()),      # the device flagged this node as overflowing: why ("" = not flagged)
+    # the type the device wrote the tensor in, where the wire carries it widened
+    # (bfloat16, float8_e4m3fn... as float32); "" = dtype itself
+    pa.field("source_dtype", pa.string()),
 ])
 
 STATUS_OK = "ok"
@@ -58,6 +61,13 @@ def check_dump_mode(mode: str) -> str:
     if mode not in DUMP_MODES:
         raise LayerdiffError(f"unknown dump_mode {mode!r} (one of {', '.join(DUMP_MODES)})", field="dump_mode")
     return mode
+
+def _source_dtype(v) -> str:
+    """A sender's source_dtype, kept only as a short type name: it is looked
+    up and printed, never trusted further."""
+    v = v or ""
+    return v if len(v) <= 32 and v.replace("_", "").isalnum() and v.isascii() else ""
+
 
 # Only plain numeric dtypes ever cross the wire (no object arrays, no pickles).
 ALLOWED_DTYPES = frozenset({
@@ -94,6 +104,7 @@ class NodeRecord:
     role: str = ROLE_OUTPUT
     slot: int = 0
     overflow: str = ""
+    source_dtype: str = ""      # the device's type where ``array`` holds it widened (see TENSOR_SCHEMA)
     extra: dict = field(default_factory=dict)
     # The receive buffer behind ``array`` on the analyzer side: the record
     # holds one reference; whoever keeps reading the array retains its own.
@@ -118,7 +129,7 @@ class _Batcher:
     def add(self, rec: NodeRecord, dtype: str, shape: tuple, total: int, offset: int,
             view: memoryview | None) -> None:
         self.rows.append((rec.name, rec.op_type, rec.order, dtype, list(shape), total, offset,
-                          rec.status, rec.message, rec.node, rec.role, rec.slot, rec.overflow))
+                          rec.status, rec.message, rec.node, rec.role, rec.slot, rec.overflow, rec.source_dtype))
         self.views.append(view if view is not None else memoryview(b""))
         if view is not None:
             self.nbytes += len(view)
@@ -143,6 +154,7 @@ class _Batcher:
             pa.array(cols[5], pa.int64()), pa.array(cols[6], pa.int64()), data_arr,
             pa.array(cols[7], pa.string()), pa.array(cols[8], pa.string()), pa.array(cols[9], pa.string()),
             pa.array(cols[10], pa.string()), pa.array(cols[11], pa.int32()), pa.array(cols[12], pa.string()),
+            pa.array(cols[13], pa.string()),
         ], schema=TENSOR_SCHEMA)
         self.rows, self.views, self.nbytes = [], [], 0
         return batch
@@ -294,7 +306,7 @@ class TensorAssembler:
         n = batch.num_rows
         # every column but the data (7) as Python values, in schema order
         (names, ops, orders, dtypes, shapes, totals, offs, statuses, messages, nodes, roles, slots,
-         overflows) = (batch.column(k).to_pylist() for k in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13))
+         overflows, sources) = (batch.column(k).to_pylist() for k in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14))
         data = batch.column(7)
         bufs = data.buffers()
         doffs = np.frombuffer(bufs[1], dtype=np.int32)[data.offset:data.offset + n + 1] if bufs[1] is not None \
@@ -316,7 +328,8 @@ class TensorAssembler:
             piece = dbytes[doffs[i]:doffs[i + 1]]
             try:
                 rec = self._row(out, name, ops[i], orders[i], dtypes[i], shapes[i], totals[i], offs[i],
-                                messages[i], nodes[i], piece, (role, slot, overflows[i] or ""))
+                                messages[i], nodes[i], piece, (role, slot, overflows[i] or "",
+                                                               _source_dtype(sources[i])))
             except LayerdiffError as e:
                 self._cur = None
                 out.append(NodeRecord.error(name, str(e), ops[i] or "", orders[i] if orders[i] is not None else -1,
@@ -355,7 +368,7 @@ class TensorAssembler:
                                      node=name, field="total_bytes")
             rec = NodeRecord(name=name, op_type=op_type or "", order=order if order is not None else -1,
                              message=message or "", node=node or "", role=where[0], slot=where[1],
-                             overflow=where[2])
+                             overflow=where[2], source_dtype=where[3])
             buf = self.pool.take(total) if self.pool is not None else np.empty(total, dtype=np.uint8)
             rec.extra = {"dtype": dtype, "shape": shape}
             self._cur = (rec, buf, 0)

@@ -167,17 +167,21 @@ def perf_only_outcome() -> dict:
     return {"status": "perf_only", "exit_status": EXIT_PASS, "reason": "performance data only"}
 
 
-def outcome(rep, cov: dict) -> dict:
-    """What the job answers, and the exit status that says it."""
+def outcome(rep, cov: dict, verdict: tuple[str, str] | None = None) -> dict:
+    """What the job answers, and the exit status that says it: too little
+    compared is no answer; otherwise the diagnosis decides (``verdict``:
+    (status, reason) from verdicts.exit_of: "fail" where the headline names
+    something to fix, "pass" where it does not, "no_answer" where failing
+    nodes could not be judged)."""
     pct = _pct(cov["ratio"] if cov["ratio"] is not None else math.nan)
+    counted = f"{cov['compared']} of {cov['expected']} reference tensors compared, {pct}"
     if not cov["adequate"]:
         return {"status": "no_answer", "exit_status": EXIT_NO_ANSWER,
                 "reason": f"only {cov['compared']} of {cov['expected']} reference tensors could be compared "
                           f"({pct}, at least {_pct(cov['min_coverage'])} needed): {cov['cause']}"}
-    if any(r.failed for r in rep.rows):
-        return {"status": "fail", "exit_status": EXIT_FAIL,
-                "reason": f"failing nodes found ({cov['compared']} of {cov['expected']} reference tensors "
-                          f"compared, {pct})"}
-    return {"status": "pass", "exit_status": EXIT_PASS,
-            "reason": f"every compared node is within tolerance ({cov['compared']} of {cov['expected']} "
-                      f"reference tensors compared, {pct})"}
+    if verdict is None:     # no diagnosis: the seed's statistic
+        verdict = ("fail", "failing nodes found") if any(r.failed for r in rep.rows) else \
+            ("pass", "every compared node is within tolerance")
+    status, why = verdict
+    code = {"fail": EXIT_FAIL, "pass": EXIT_PASS, "no_answer": EXIT_NO_ANSWER}[status]
+    return {"status": status, "exit_status": code, "reason": f"{why} ({counted})"}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from layerdiff.analyzer.diagnose import errormodel as EM
 from layerdiff.analyzer.diagnose.evidence import core_mask, fmt, layout_match, may_be_uneven, quant_grid, uneven_axis
 from layerdiff.analyzer.diagnose.isolation import DeviceValues, IsolationUnavailable, run_group_isolated, run_isolated
 from layerdiff.analyzer.diagnose.verdicts import QUANT_OPS
@@ -47,13 +48,20 @@ class NodeExaminer:
     def __init__(self, reference, feeds: dict[str, np.ndarray], quantized: bool,
                  cap_bytes: int = 1 << 30, given_ranges: dict[str, tuple[float, float]] | None = None,
                  dump_mode: str = "output", wait_cap_bytes: int = 512 << 20,
-                 groups: dict[str, list[str]] | None = None, injected=None) -> None:
+                 groups: dict[str, list[str]] | None = None, injected=None,
+                 policy: EM.ErrorPolicy | None = None) -> None:
         """``groups``: reference tensor -> the reference nodes a fused device
         node computes as one kernel (graph alignment); such a tensor's node
         is examined, and re-run alone, as that group. ``injected``
         (impact.InjectedValues): keeps the device value of every examined
-        node whose error is not plainly inherited, for the impact re-runs."""
+        node whose error is not plainly inherited, for the impact re-runs.
+        ``policy``: the device's precision as the job knows it (the error
+        model's budgets)."""
         self.reference = reference
+        self.policy = policy or EM.ErrorPolicy(quantized=quantized, layout=getattr(reference, "layout", "NCHW"))
+        self.blocks_of: dict = {}      # tensor, or (node, input index), -> the worst block of its error
+        self.errors_of: dict = {}      # the same -> (relative RMS error, RMS error), mask-like values left out
+        self._k: dict[str, int | None] = {}
         self.injected = injected
         self._constant_nodes: dict | None = None
         self.groups = dict(groups or {})
@@ -145,8 +153,16 @@ class NodeExaminer:
         nodes that read it."""
         key = (row.site.node, row.site.output_index) if row.is_input else row.site.tensor
         self.metrics_of[key] = row.outcome.metrics
+        if not row.is_constant:
+            self.policy.seen(row.device_dtype)
+        self._error_stats(row, ref, dev, force_compare)
+        self.blocks_of[key] = row.block
+        self.errors_of[key] = (row.rel_err, row.abs_err)
+        if not row.is_input and not row.is_constant:
+            self.judge_budget(row)
         if not row.is_input:
-            if row.failed and not row.is_constant:
+            if self.worth_a_look(row):
+                row.looked = True
                 missing = self._reads(self.unit(row.site)) - self._settled
                 if missing:
                     self._wait(_Waiting(row, ref, dev, lease.retain() if lease is not None else None, tol,
@@ -157,6 +173,92 @@ class NodeExaminer:
             else:
                 self._unit_done(row.site)
         self.settle(key)
+
+    def _error_stats(self, row, ref: np.ndarray, dev: np.ndarray, force_compare: bool) -> None:
+        """The error model's view of a compared tensor: the part of it with
+        the largest relative error (a group of channels, a tile), and where
+        the reference holds mask-like values (|x| above 1000 times the
+        median magnitude: -3.4e38 or -1e4 of an additive attention mask),
+        its relative and RMS errors without them: a mask clamped or
+        saturated says nothing of how the rest was computed."""
+        from layerdiff.analyzer.compare.node import SkipNode, reconcile
+
+        if ref.dtype.kind != "f" or ref.size < 16:
+            return
+        try:
+            d, _ = reconcile(ref, dev, force_compare)
+        except SkipNode:
+            return
+        with np.errstate(all="ignore"):
+            err = np.subtract(d, ref, dtype=np.float64 if ref.dtype == np.float64 else np.float32)
+            mag = np.abs(ref)
+            sample = mag.ravel()[:: max(1, mag.size // 65536)]
+            sample = sample[np.isfinite(sample)]
+            med = float(np.median(sample)) if sample.size else 0.0
+            top = float(np.max(np.where(np.isfinite(mag), mag, 0))) if mag.size else 0.0
+            r = ref
+            if med > 0 and top > 1e3 * med:
+                keep = np.isfinite(mag) & (mag <= 1e3 * med)
+                err = np.where(keep, err, 0)
+                r = np.where(keep, ref, 0)
+                n = int(np.count_nonzero(keep))
+                row.masked = int(ref.size - n)
+                row.err_rel = EM.rel_rms(err, r)
+                row.err_rms = float(np.sqrt(np.sum(np.square(err, dtype=np.float64)) / max(n, 1)))
+        if ref.size >= 256:
+            row.block = EM.worst_block(err, r, self.policy.layout if ref.ndim == 4 else "")
+
+    def judge_budget(self, row) -> None:
+        """The precision the node computed in and the error its own
+        arithmetic explains (ρ, the magnitudes, where its re-run gave them).
+        Called again at the end of the stream, when the job has seen every
+        type the device stored in."""
+        site = row.site
+        prec, why = self.policy.precision_of(site.node, site.op_type, row.device_dtype)
+        row.precision, row.precision_from = prec.name, why
+        rho = row.budget.rho if row.budget is not None and row.budget.rho != 1.0 else None
+        row.budget = EM.budget(site.op_type, prec, self.reduction_length(site), rho)
+
+    def worth_a_look(self, row) -> bool:
+        """Whether the node's error needs a closer look: past the seed's
+        tolerance, or more than its own arithmetic explains anywhere."""
+        if row.is_constant or row.is_input:
+            return False
+        m = row.outcome.metrics
+        if row.failed or m.dev_nan + m.dev_inf:
+            return True
+        allowed = row.budget.allowed if row.budget is not None else EM.FLOOR
+        return row.rel_err > allowed or (row.block is not None and row.block.rel > allowed)
+
+    def reduction_length(self, site) -> int | None:
+        """K of the reference node (its reduction length), from the model's
+        graph and the shapes compared; None where nothing says."""
+        if site.node in self._k:
+            return self._k[site.node]
+        k = None
+        model = getattr(self.reference, "model", None)
+        nodes = model.graph.node if model is not None else ()
+        if 0 <= site.order < len(nodes) and nodes[site.order].name in (site.node, ""):
+            node = nodes[site.order]
+            shapes: dict[str, tuple] = {}
+            weights: dict[str, tuple] = {}
+            for t in node.input:
+                if not t:
+                    continue
+                m = self.metrics_of.get(t)
+                if m is not None:
+                    shapes[t] = tuple(m.shape)
+                elif t in self.feeds:
+                    shapes[t] = tuple(np.shape(self.feeds[t]))
+                else:
+                    w = self._weight(t)
+                    if w is not None:
+                        weights[t] = tuple(w.shape)
+                        if w.dtype.kind == "i" and w.ndim <= 1:     # Reduce*'s axes given as an input
+                            weights["__axes__" + t] = tuple(int(a) for a in np.ravel(w))
+            k = EM.onnx_reduction_length(node, shapes, weights)
+        self._k[site.node] = k
+        return k
 
     def _wait(self, w: _Waiting) -> None:
         self._waiting[id(w)] = w
@@ -207,31 +309,56 @@ class NodeExaminer:
         if left <= 0:
             self.values.node_done(node)
 
-    def inherited(self, row) -> str:
-        """A sentence when the node's error is plainly what it read (no
-        larger than its inputs' errors), so it needs no closer look; ''
-        when it does (its error grew, or what it read is unknown)."""
-        m = row.outcome.metrics
-        read = []
+    def read_errors(self, row) -> tuple[float, float, float] | None:
+        """What the node read, as the error model needs it: the largest
+        relative RMS error, the summed RMS errors over the output's RMS
+        (what an element-wise op can pass on in absolute terms), and the
+        largest relative error of a block; None where some of it was not
+        compared."""
+        rel, abs_sum, block = 0.0, 0.0, 0.0
+        seen = False
         for node, k, t in self._external_reads(self.unit(row.site)):
-            x = self.metrics_of.get((node, k)) or self.metrics_of.get(t)
+            key = (node, k) if (node, k) in self.errors_of else t
+            x = self.errors_of.get(key)
             if x is None:
-                return ""
-            read.append(x)
-        if not read or m.dev_nan + m.dev_inf > max(x.dev_nan + x.dev_inf for x in read):
+                return None
+            seen = True
+            if math.isfinite(x[0]):
+                rel = max(rel, x[0])
+            if math.isfinite(x[1]):
+                abs_sum += x[1]
+            b = self.blocks_of.get(key)
+            if b is not None:
+                block = max(block, b.rel)
+        if not seen:
+            return None
+        out_rms = row.outcome.metrics.ref_rms if not row.masked else 0.0
+        spread = abs_sum / out_rms if out_rms > 0 and math.isfinite(out_rms) else rel
+        return rel, spread, block
+
+    def inherited(self, row) -> str:
+        """A sentence when the node's error is no more than what it read and
+        its own rounding explain, so it needs no closer look; '' when it
+        does (its error grew, or what it read is unknown)."""
+        m = row.outcome.metrics
+        read = self.read_errors(row)
+        if read is None:
             return ""
-        worst_cos = min((x.cosine for x in read if not math.isnan(x.cosine)), default=1.0)
-        worst_ratio = max(x.errors / x.total if x.total else 0.0 for x in read)
-        ratio = m.errors / m.total if m.total else 0.0
-        cos = 1.0 if math.isnan(m.cosine) else m.cosine
-        if 1 - cos > 2 * (1 - worst_cos) + 1e-6 or ratio > 2 * worst_ratio + 1e-3:
+        rel_in, spread, block_in = read
+        row.read_rel = rel_in
+        reads = [self.metrics_of.get((n, k)) or self.metrics_of.get(t)
+                 for n, k, t in self._external_reads(self.unit(row.site))]
+        if m.dev_nan + m.dev_inf > max((x.dev_nan + x.dev_inf for x in reads if x is not None), default=0):
             return ""
-        # a scale error leaves the cosine alone: the relative distance shows it
-        worst_dist = max((x.rel_euclidean for x in read if math.isfinite(x.rel_euclidean)), default=0.0)
-        if math.isfinite(m.rel_euclidean) and m.rel_euclidean > 2 * worst_dist + 0.05:
+        allowed = row.budget.allowed if row.budget is not None else EM.FLOOR
+        carried = max(rel_in, spread)
+        if row.rel_err > EM.GROWTH * carried + allowed:
             return ""
-        return (f"its error is no larger than what it read (cosine {fmt(cos)} against {fmt(worst_cos)}, "
-                f"{ratio:.3g} of elements outside tolerance against {worst_ratio:.3g})")
+        if row.block is not None and row.block.rel > EM.GROWTH * max(block_in, carried) + allowed:
+            return ""
+        own = row.budget.explains() if row.budget is not None else "its precision"
+        return (f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: no more than "
+                f"what it read and its own rounding ({own}) explain")
 
     def _weight(self, tensor: str) -> np.ndarray | None:
         """A weight of the reference: an initializer or a Constant node's value."""
@@ -320,6 +447,12 @@ class NodeExaminer:
                     run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
                 iso = outs[site.output_index]
             row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
+            if iso.shape == dev_aligned.shape and iso.dtype.kind == "f":
+                with np.errstate(all="ignore"):
+                    own = np.subtract(dev_aligned, iso, dtype=np.float32)
+                row.own_rel = EM.rel_rms(own, iso)
+                row.own_block = EM.worst_block(own, iso, axes if iso.ndim == 4 else "")
+                self._magnitudes(row, iso)
             keep, thr = core_mask(ref)
             if keep is not None and iso.shape == dev_aligned.shape:
                 row.isolated_core = compare_node(np.asarray(iso).reshape(-1)[keep],
@@ -335,3 +468,31 @@ class NodeExaminer:
                 row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
         except (IsolationUnavailable, SkipNode, IndexError, KeyError) as e:
             row.isolation_note = str(e) or type(e).__name__
+
+    def _magnitudes(self, row, iso: np.ndarray) -> None:
+        """A product's budget with its magnitudes: ρ from the device input it
+        read, the reference's weight and its re-run output (cancellation
+        between its products makes rounding count for more)."""
+        site = row.site
+        if EM.op_kind(site.op_type) != "product" or row.budget is None:
+            return
+        model = getattr(self.reference, "model", None)
+        if model is None or not 0 <= site.order < len(model.graph.node):
+            return
+        node = model.graph.node[site.order]
+        x = self.values.inputs_of(site.node).get(0)
+        w = self._weight(node.input[1]) if len(node.input) > 1 else None
+        if x is None or w is None:
+            return
+        bias = self._weight(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+        attrs = {a.name: onnx_attr(a) for a in node.attribute}
+        rho = EM.product_rho(site.op_type, x, w, iso, attrs, bias)
+        if rho is not None:
+            prec = self.policy.precision_of(site.node, site.op_type, row.device_dtype)[0]
+            row.budget = EM.budget(site.op_type, prec, row.budget.k, rho)
+
+
+def onnx_attr(a):
+    from onnx import helper
+
+    return helper.get_attribute_value(a)

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from layerdiff.analyzer.compare import metrics as M
+from layerdiff.analyzer.diagnose import errormodel as EM
 from layerdiff.analyzer.diagnose.evidence import fmt
 from layerdiff.analyzer.diagnose.evidence import uneven_axis as uneven_axis  # re-exported: read as verdicts.uneven_axis
 
@@ -82,29 +82,28 @@ class Finding:
         return self.verdict == COMPUTATION and self.impact is not None and self.impact.harmful is False
 
 
-def _mean_rel(m: M.NodeMetrics) -> float:
-    # no finite pair to compare: nothing says the error jumped or not
-    return m.mean_rel_err if m.finite_pairs and math.isfinite(m.mean_rel_err) else 0.0
-
-
 def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
            weight_issues: dict[str, list[str]] | None = None,
            unknown_reads: set[str] | None = None) -> dict[int, Finding]:
-    """Findings for the failing output rows (by id(row)); ``producer_rows``
-    maps a node to the rows of the tensors it reads (its input rows where
-    the dump had them, else its producers' output rows). A quantized build
-    loses more in each layer by design, so its bar for "gross" is lower.
-    ``weight_issues``: node -> the weights the device model holds wrongly
-    (weights.issues), which make a computation error's cause "weight".
-    ``unknown_reads``: nodes whose inputs no side holds (the first node of a
-    golden dump compared without a model): presumed equal, so only a gross
-    error of its own is one."""
+    """Findings for the node outputs whose error needed a look (by id(row)):
+    past the seed's tolerance, or more than their own arithmetic explains
+    (``row.looked``; rows without the error model's figures: failing ones).
+
+    The verdict is the error model's: a node is a computation error when the
+    error it adds itself (against its isolated re-run, or what its error
+    grew by beyond what it read) exceeds what its precision explains by the
+    stated factor (errormodel.FACTOR), over the whole tensor or a block of
+    it; otherwise its error is precision loss (accumulated). The seed's
+    allclose decides nothing here. ``producer_rows`` maps a node to the rows
+    of the tensors it reads; ``weight_issues``: node -> the weights the
+    device model holds wrongly (weights.issues); ``unknown_reads``: nodes
+    whose inputs no side holds (the first node of a golden dump compared
+    without a model), presumed equal."""
     weight_issues = weight_issues or {}
     unknown_reads = unknown_reads or set()
-    cos_floor = 0.99 if quantized else 0.999
     out: dict[int, Finding] = {}
     for row in rows:
-        if row.is_input or not row.failed or row.is_constant:
+        if row.is_input or row.is_constant or not (row.looked or (row.budget is None and row.failed)):
             continue
         m = row.outcome.metrics
         f = Finding()
@@ -122,6 +121,8 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
         ref_bad = m.ref_nan + m.ref_inf
         inputs_bad = any(x.dev_nan + x.dev_inf > 0 for x in in_metrics)
         fp16 = row.device_dtype == "float16"      # FP16 range talk only where the device computes in FP16
+        budget = row.budget
+        allowed = budget.allowed if budget is not None else EM.FLOOR
         if dev_bad and not ref_bad and not inputs_bad:
             f.verdict = COMPUTATION
             read = _inputs_read(row, activations)
@@ -137,7 +138,7 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
                 f.evidence.append(f"{m.dev_nan} NaN values appear on the device here from {read}, while the "
                                   "reference is finite: an invalid operation (the square root or logarithm of a "
                                   "negative number, 0/0, Inf - Inf, a negative epsilon), not an overflow")
-        elif row.inherited and weight_issues.get(row.site.node):
+        elif row.inherited and weight_issues.get(row.site.node) and not quantized:
             # what it read explains the size of its error, but its weights are
             # known to differ: it computes something else (impact says if it matters)
             f.verdict = COMPUTATION
@@ -155,64 +156,26 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
                               f"it carries (RMS {fmt(core.ref_rms)}{_core_words(row)}): the quantization scale "
                               f"destroys them (re-run alone: cosine {fmt(core.cosine)}, largest difference "
                               f"{fmt(core.max_abs_diff)}); the node reading it gets the wrong input")
+        elif row.isolated is not None and row.own_rel is not None:
+            _judge_own(row, f, quantized)
         elif row.isolated is not None:
+            # re-run alone but not comparable element by element (a layout the
+            # device changed): the isolated metrics speak
             iso = _core(row)
-            own = iso.errors / iso.total if iso.total else 0.0
-            full = m.errors / m.total if m.total else 0.0
-            # A wrong computation changes the result grossly: the cosine
-            # drops, or some elements are off by the size of the values
-            # themselves. Rounding in the node's own reduced precision (FP16,
-            # a quantized layer) does neither: that is precision loss. Mask-
-            # like values (-3.4e38) are left out: they would hide the rest.
-            scale = iso.ref_rms if row.isolated_core is not None else m.ref_rms
-            gross = (not math.isnan(iso.cosine) and iso.cosine < cos_floor) or (
-                own >= 0.01 and own > 0.5 * full and iso.max_abs_diff > 0.5 * (scale if scale > 0 else 1.0))
-            rounding = quantized and row.quant_step and iso.max_abs_diff <= row.quant_step
-            int8_noise = quantized and not math.isnan(iso.sqnr_db) and iso.sqnr_db >= INT8_SQNR_DB
-            bound = row.int8_bound if quantized else None
-            if gross and bound is not None and not rounding and iso.rmse <= INT8_BOUND_FACTOR * bound[0]:
-                f.verdict = ACCUMULATED
-                f.evidence.append(f"re-run alone on its device inputs, its own error (RMSE {fmt(iso.rmse)}) is within "
-                                  f"{INT8_BOUND_FACTOR:g} times {bound[1]} (the bound used); precision, not a "
-                                  "kernel bug")
-            elif gross and int8_noise and not rounding:
-                f.verdict = ACCUMULATED
-                f.evidence.append(f"re-run alone on its device inputs, its own error has an SQNR of "
-                                  f"{fmt(iso.sqnr_db)} dB (cosine {fmt(iso.cosine)}), within what INT8 rounding gives "
-                                  f"(>= {INT8_SQNR_DB:g} dB, the bound used); precision, not a kernel bug")
-            elif gross and rounding:
-                f.verdict = ACCUMULATED
-                f.evidence.append(f"re-run alone on its device inputs, its own error (largest difference "
-                                  f"{fmt(iso.max_abs_diff)}, cosine {fmt(iso.cosine)}) stays within the INT8 rounding "
-                                  f"of its output: one quantization step, {fmt(row.quant_step)} (the bound used, read "
-                                  f"from the device values: {row.quant_levels} levels); precision, not a kernel bug")
-            elif not gross:
-                f.verdict = ACCUMULATED
-                if own > 0.5 * full:
-                    f.evidence.append(f"re-run alone on its device inputs, {iso.errors} of its {m.errors} errors "
-                                      f"remain, all small (cosine {fmt(iso.cosine)}, largest difference "
-                                      f"{fmt(iso.max_abs_diff)}): the node's own reduced-precision arithmetic adds "
-                                      "to the loss, it computes correctly")
-                else:
-                    f.evidence.append(f"re-run alone on its device inputs, the reference agrees with the device "
-                                      f"({iso.errors}/{iso.total} outside tolerance, cosine {fmt(iso.cosine)}): "
-                                      f"most of the error ({m.errors}/{m.total}) came in through its inputs")
-            else:
-                f.verdict = COMPUTATION
-                f.evidence.append(f"re-run alone on its device inputs, the reference still disagrees with the "
-                                  f"device: {iso.errors}/{iso.total} outside tolerance, cosine {fmt(iso.cosine)}, "
-                                  f"mean relative error {fmt(iso.mean_rel_err)}{_core_words(row)}")
+            gross = (not math.isnan(iso.cosine) and iso.cosine < (0.99 if quantized else 0.999))
+            f.verdict = COMPUTATION if gross else ACCUMULATED
+            f.evidence.append(f"re-run alone on its device inputs: cosine {fmt(iso.cosine)}, mean relative error "
+                              f"{fmt(iso.mean_rel_err)}{_core_words(row)}")
         elif row.site.node in unknown_reads and not activations:
-            rel, pearson = _mean_rel(m), m.pearson
-            if rel > 1 or (not math.isnan(pearson) and pearson < 0.1):
+            if row.rel_err > allowed:
                 f.verdict = COMPUTATION
-                f.evidence.append(f"mean relative error {fmt(rel)}, Pearson correlation {fmt(pearson)} on its output, "
-                                  "from inputs that neither dump holds, presumed equal on both sides")
+                f.evidence.append(f"relative RMS error {fmt(row.rel_err)} on its output, from inputs that neither "
+                                  f"dump holds (presumed equal on both sides); {_explains(budget)}: "
+                                  f"{_times(row.rel_err, budget)}")
             else:
-                f.verdict = UNDECIDED
-                f.evidence.append(f"what it read is in neither dump (the run's inputs), and its error is not gross "
-                                  f"(mean relative error {fmt(rel)}, Pearson correlation {fmt(pearson)}): nothing "
-                                  "tells an error of its own from rounding; a model re-runs it alone")
+                f.verdict = ACCUMULATED
+                f.evidence.append(f"relative RMS error {fmt(row.rel_err)}, within what {_explains(budget)}, from "
+                                  "inputs that neither dump holds (presumed equal)")
             if row.isolation_note:
                 f.evidence.append(f"no isolated re-run: {row.isolation_note}")
         elif unseen := _unseen_reads(row, activations):
@@ -222,28 +185,10 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             if row.isolation_note:
                 f.evidence.append(f"no isolated re-run: {row.isolation_note}")
         else:
-            in_rel = max((_mean_rel(x) for x in in_metrics), default=0.0)
-            in_pearson = min((x.pearson for x in in_metrics if not math.isnan(x.pearson)), default=1.0)
-            if in_metrics and in_rel < 0.1 and _mean_rel(m) > 1:
-                f.verdict = COMPUTATION
-                f.evidence.append(f"mean relative error jumps from {fmt(in_rel)} on its inputs to "
-                                  f"{fmt(_mean_rel(m))} on its output")
-            elif in_metrics and in_pearson > 0.9 and not math.isnan(m.pearson) and m.pearson < 0.1:
-                f.verdict = COMPUTATION
-                f.evidence.append(f"Pearson correlation falls from {fmt(in_pearson)} on its inputs to "
-                                  f"{fmt(m.pearson)} on its output")
-            elif row.uneven:
-                f.verdict = COMPUTATION
-            elif all(not r.failed for r in activations) and not bad_weights:
-                f.verdict = COMPUTATION
-                f.evidence.append("every input it read is within tolerance, its output is not")
-            else:
-                f.verdict = ACCUMULATED
-                f.evidence.append(f"its inputs already differ (mean relative error up to {fmt(in_rel)}); no "
-                                  "sharp change at this node")
+            _judge_growth(row, f, activations)
             if row.isolation_note:
                 f.evidence.append(f"no isolated re-run: {row.isolation_note}")
-        if row.layout:
+        if row.layout and f.verdict == COMPUTATION:
             f.cause = f.cause or "layout"
             f.evidence.append(row.layout)
         if f.verdict == COMPUTATION and weight_issues.get(row.site.node):
@@ -253,7 +198,7 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             f.cause = f.cause or ("parameter" if params else "weight")
             f.evidence.append(f"the device model's {'parameters' if params else 'weights'} differ from the "
                               "reference's: " + "; ".join(issues))
-        if row.uneven:
+        if row.uneven and f.verdict == COMPUTATION:
             f.evidence.append(row.uneven)
         if bad_weights and f.verdict == COMPUTATION:
             f.cause = f.cause or "weight"
@@ -281,9 +226,112 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             f.evidence.append(f"{m.fp16_overflow} reference values lie beyond the FP16 range (65504) the device "
                               "computes in")
         if row.overflow:
-            f.evidence.append(f"the device flagged an overflow here: {row.overflow}")
+            f.evidence.append(f"the device flagged this node: {row.overflow}")
+        if f.verdict == ACCUMULATED and not row.failed and not row.overflow:
+            continue        # rounding within tolerance: nothing to say of this node
         out[id(row)] = f
     return out
+
+
+def _explains(budget) -> str:
+    """'bf16 over K=3072 explains 4e-3' (the budget's words and figure)."""
+    if budget is None:
+        return f"no precision model applies (the floor is {fmt(EM.FLOOR)})"
+    return budget.explains()
+
+
+def _times(observed: float, budget) -> str:
+    ref = budget.rel if budget is not None and budget.rel > 0 else 0.0
+    if ref <= 0.0:
+        return f"{fmt(observed)} where its arithmetic adds nothing"
+    return f"{observed / ref:.3g}x"
+
+
+def _judge_own(row, f: Finding, quantized: bool) -> None:
+    """The verdict from the error the node adds itself (its device output
+    against its isolated re-run), against its budget; INT8 products against
+    the rounding their steps give."""
+    budget = row.budget
+    own = row.own_rel if row.isolated_core is None else _core_rel(row)
+    allowed = budget.allowed if budget is not None else EM.FLOOR
+    bound = row.int8_bound if quantized else None
+    rounding = quantized and row.quant_step and _core(row).max_abs_diff <= row.quant_step
+    if quantized and (bound is not None or rounding or _core(row).sqnr_db >= INT8_SQNR_DB):
+        # INT8 steps are the precision here, read from the data
+        if bound is not None and _core(row).rmse <= INT8_BOUND_FACTOR * bound[0]:
+            f.verdict = ACCUMULATED
+            f.evidence.append(f"re-run alone on its device inputs, its own error (RMSE {fmt(_core(row).rmse)}) is "
+                              f"within {INT8_BOUND_FACTOR:g} times {bound[1]} (the bound used); precision, not a "
+                              "kernel bug")
+            return
+        if rounding:
+            f.verdict = ACCUMULATED
+            f.evidence.append(f"re-run alone on its device inputs, its own error (largest difference "
+                              f"{fmt(_core(row).max_abs_diff)}) stays within one INT8 step of its output, "
+                              f"{fmt(row.quant_step)} (read from the device values: {row.quant_levels} levels); "
+                              "precision, not a kernel bug")
+            return
+        if _core(row).sqnr_db >= INT8_SQNR_DB:
+            f.verdict = ACCUMULATED
+            f.evidence.append(f"re-run alone on its device inputs, its own error has an SQNR of "
+                              f"{fmt(_core(row).sqnr_db)} dB, within what INT8 rounding gives (>= {INT8_SQNR_DB:g} "
+                              "dB); precision, not a kernel bug")
+            return
+    if own > allowed:
+        f.verdict = COMPUTATION
+        f.evidence.append(f"relative RMS error {fmt(own)} added here (its device output against the node re-run "
+                          f"alone on its device inputs{_core_words(row)}); {_explains(budget)}: {_times(own, budget)}")
+        return
+    blk = row.own_block
+    local = max(EM.LOCAL_FACTOR * (budget.rel if budget is not None else 0.0), EM.FLOOR)
+    if blk is not None and blk.rel > local and row.isolated_core is None:
+        f.verdict = COMPUTATION
+        f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) it adds a relative RMS error of "
+                          f"{fmt(blk.rel)} (against the node re-run alone on its device inputs), "
+                          f"{fmt(own)} over the whole; {_explains(budget)}: {_times(blk.rel, budget)}")
+        return
+    f.verdict = ACCUMULATED
+    f.evidence.append(f"re-run alone on its device inputs it adds a relative RMS error of {fmt(own)}, within what "
+                      f"its precision explains ({_explains(budget)}; {EM.FACTOR:g}x allowed): it computes "
+                      f"correctly; the rest of its error ({fmt(row.rel_err)}) came in through what it read")
+
+
+def _core_rel(row) -> float:
+    """The relative RMS error of the isolated comparison without the
+    mask-like values (rmse over the reference's RMS)."""
+    core = row.isolated_core
+    return core.rmse / core.ref_rms if core.ref_rms > 0 else (0.0 if core.rmse == 0 else math.inf)
+
+
+def _judge_growth(row, f: Finding, activations: list) -> None:
+    """No re-run alone (a golden dump without a model): the error the node
+    adds is what its error grew by beyond what it read could pass on
+    (errormodel.GROWTH times it), over the whole tensor or a block."""
+    budget = row.budget
+    allowed = budget.allowed if budget is not None else EM.FLOOR
+    rel_in = max((r.rel_err for r in activations), default=0.0)
+    spread = sum(r.abs_err for r in activations)
+    out_rms = row.outcome.metrics.ref_rms if not row.masked else 0.0
+    carried = max(rel_in, spread / out_rms if out_rms > 0 and math.isfinite(out_rms) else rel_in)
+    block_in = max((r.block.rel for r in activations if r.block is not None), default=0.0)
+    if row.rel_err > EM.GROWTH * carried + allowed:
+        f.verdict = COMPUTATION
+        f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: "
+                          f"{fmt(row.rel_err - EM.GROWTH * carried)} more than what it read can pass on "
+                          f"({EM.GROWTH:g}x); {_explains(budget)}: "
+                          f"{_times(row.rel_err - EM.GROWTH * carried, budget)}")
+        return
+    blk = row.block
+    if blk is not None and blk.rel > EM.GROWTH * max(block_in, carried) + max(
+            EM.LOCAL_FACTOR * (budget.rel if budget is not None else 0.0), EM.FLOOR):
+        f.verdict = COMPUTATION
+        f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) its relative RMS error is {fmt(blk.rel)}, "
+                          f"against at most {fmt(max(block_in, carried))} in any part of what it read; "
+                          f"{_explains(budget)}")
+        return
+    f.verdict = ACCUMULATED
+    f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: no "
+                      f"more than what it read and its own rounding ({_explains(budget)}) explain")
 
 
 def _core(row):
@@ -420,18 +468,72 @@ def _num(v: float):
     return None if v is None or not math.isfinite(v) else float(v)
 
 
+@dataclass
+class Spent:
+    """The model's outputs past their tolerance, and where most of their
+    error comes from: the node that adds the most to it."""
+    outputs: list
+    most: Any = None              # the row whose own error is the largest part of what the outputs carry
+    added: float = 0.0
+
+
+def outputs_out_of_tolerance(rows: list, node_inputs: dict[str, list[str]]) -> Spent | None:
+    """The graph's outputs (tensors no node reads; the last one of a dump
+    that records no reads) past the seed's atol/rtol, and the node that adds
+    the most relative error on the way (its own error where it was re-run
+    alone, else what its error grew by beyond what it read); None when the
+    outputs are within tolerance."""
+    outs = [r for r in rows if not r.is_input and not r.is_constant]
+    if not outs:
+        return None
+    read = {t for ins in node_inputs.values() for t in ins if t}
+    finals = [r for r in outs if r.site.tensor not in read] if read else [outs[-1]]
+    failing = [r for r in finals if r.failed]
+    if not failing:
+        return None
+    most, added = None, 0.0
+    for r in outs:
+        own = r.own_rel if r.own_rel is not None else max(0.0, r.rel_err - (r.read_rel or 0.0))
+        if own > added:
+            most, added = r, own
+    return Spent(failing, most, added)
+
+
+def exit_of(first_comp, diagnosis: dict, benign: list, undecided: list, spent: Spent | None,
+            first_fail) -> tuple[str, str]:
+    """(status, reason) of the answer, as the headline says it: "fail" (exit
+    1) exactly when the headline names something to fix, "no_answer" (3)
+    where failing nodes could not be judged, else "pass" (0)."""
+    if first_comp is not None:
+        return "fail", f"computation error at {first_comp.site.node}"
+    if diagnosis.get("nan") and diagnosis["nan"]["where"] in ("both", "reference"):
+        return "fail", f"NaN in the reference at {diagnosis['nan']['node']}"
+    if undecided:
+        return "no_answer", f"{len(undecided)} node{'s' if len(undecided) > 1 else ''} with more error than their " \
+                            "precision explains could not be judged"
+    if benign:
+        return "fail", f"computation error at {benign[0].site.node}, which the outputs absorb"
+    if spent is not None:
+        return "fail", "the outputs leave their tolerance through accumulated precision loss"
+    if first_fail is not None:
+        return "pass", "every compared node is within what its precision explains"
+    return "pass", "every compared node is within tolerance"
+
+
 def _place(site) -> str:
     """"Conv, execution #2"; a dump without op types gives only the order."""
     return f"{site.op_type}, execution #{site.order}" if site.op_type else f"execution #{site.order}"
 
 
 def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None,
-             undecided: list | None = None) -> str:
+             undecided: list | None = None, spent: Spent | None = None) -> str:
     """The sentence the job answers with: the first computation error that
     changes the outputs (``first_comp``); computation errors the outputs
     absorb (``benign``) are named after it, never as the answer. Failing
     nodes that could not be judged (``undecided``) forbid saying that no
-    node computes wrongly on its own."""
+    node computes wrongly on its own. Rounding that each node's precision
+    explains is never the headline: "accumulated precision error" is, only
+    when the outputs leave their tolerance (``spent``)."""
     benign = benign or []
     undecided = undecided or []
     absorbed = (f"{len(benign)} computation error{'s' if len(benign) > 1 else ''} the outputs absorb (first at "
@@ -447,7 +549,7 @@ def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None
         return diagnosis["nan"]["text"]
     if undecided:
         u = undecided[0]
-        more = f" and {len(undecided) - 1} more failing node{'s' if len(undecided) > 2 else ''}" \
+        more = f" and {len(undecided) - 1} more node{'s' if len(undecided) > 2 else ''}" \
             if len(undecided) > 1 else ""
         return (f"No verdict: {u.site.node} ({_place(u.site)}){more} could not be "
                 "judged (what they read was not compared or is in neither dump); no other node is shown to compute "
@@ -456,7 +558,17 @@ def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None
         rest = (f"; the outputs' error builds up from {first_fail.site.node} on" if first_fail is not None
                 and first_fail.site.node != benign[0].site.node else "")
         return f"No node's own error changes the outputs: {absorbed}{rest}"
+    if spent is not None:
+        out = spent.outputs[0]
+        where = ""
+        if spent.most is not None:
+            where = (f"; most of it is added at {spent.most.site.node} ({_place(spent.most.site)}: relative RMS "
+                     f"error {fmt(spent.added)} of its own, within what {spent.most.precision or 'its precision'} "
+                     "explains)")
+        return (f"Accumulated precision error: the outputs leave their tolerance ({out.site.tensor}: "
+                f"{out.outcome.metrics.errors}/{out.outcome.metrics.total} past atol/rtol, relative RMS error "
+                f"{fmt(out.rel_err)}) while every node stays within what its precision explains{where}")
     if first_fail is not None:
-        return (f"Accumulated precision error: no node computes wrongly on its own; the error builds up from "
-                f"{first_fail.site.node} on")
+        return ("Every compared node is within what its precision explains (the seed's atol/rtol flags "
+                f"{first_fail.site.node} and others: rounding, listed as such)")
     return "Every compared node is within tolerance"

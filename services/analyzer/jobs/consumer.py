@@ -107,7 +107,8 @@ class StreamConsumer:
         self.examiner = NodeExaminer(prepared.reference, prepared.feeds, prepared.quantized,
                                      given_ranges=prepared.given_ranges, dump_mode=dump_mode,
                                      groups=prepared.aligner.groups, injected=injected,
-                                     cap_bytes=budget.producers, wait_cap_bytes=budget.waiting)
+                                     cap_bytes=budget.producers, wait_cap_bytes=budget.waiting,
+                                     policy=prepared.policy())
         self.limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()
@@ -424,7 +425,8 @@ class StreamConsumer:
             self.examiner.settle(item.key)
             passed = True
         else:
-            row = Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow, device_dtype=dev.dtype.name,
+            row = Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow,
+                      device_dtype=rec.source_dtype or dev.dtype.name,
                       constants_read=p.reference.constants_read(site.node),
                       reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
                                   if t and t not in p.feeds))   # model inputs are exact on both sides
@@ -466,6 +468,9 @@ class StreamConsumer:
         self._drain(0)
         self.examiner.finish()
         rep = self.rep
+        for row in rep.rows:        # budgets with every type the device stored in known
+            if not row.is_input and not row.is_constant:
+                self.examiner.judge_budget(row)
         rep.input_ranges = self.examiner.input_ranges
         rep.quantized = self.examiner.quantized
         rep.range_skips = list(self.p.range_skips)

@@ -21,13 +21,14 @@ from layerdiff.collector.service import CollectorClient
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import load_inputs
+from layerdiff.common.precision import Precision
+from layerdiff.common.precision import parse as parse_precision
 from layerdiff.common.schema import check_dump_mode
 from layerdiff.common.security import check_collector_allowed
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
 DIFF_CNT_DEFAULT = 128
-PRECISIONS = ("fp32", "fp16", "int8")
 
 
 @dataclass
@@ -51,6 +52,15 @@ class Prepared:
     weights: list | None = None         # weights.csv rows where both models are at hand
     weights_aside: Future | None = None  # those rows being made for an FP16 build (started at submit)
     golden: bool = False                # the reference is a golden dump, streamed first (DumpReference)
+    # the device's precision as the job gives it (None: read from the data), for the error model
+    precision: Precision | None = None
+
+    def policy(self):
+        """The error model's view of the device's precision (ErrorPolicy)."""
+        from layerdiff.analyzer.diagnose.errormodel import ErrorPolicy
+
+        return ErrorPolicy(job=self.precision, overrides=dict(self.tolerances.precisions), quantized=self.quantized,
+                           layout=getattr(self.reference, "layout", "NCHW"))
 
 
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
@@ -60,9 +70,7 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     if not spec.collector:
         raise LayerdiffError("no collector address given", field="collector")
     check_collector_allowed(spec.collector)
-    if spec.precision and spec.precision not in PRECISIONS and not spec.device_model_artifact:
-        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
-                             field="precision")
+    declared = parse_precision(spec.precision)
     model_name = spec.model_name or store.name(spec.model_artifact)
     reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature)
     inputs_name = store.name(spec.inputs_artifact) if spec.inputs_artifact else "inputs"
@@ -75,8 +83,13 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     graph = _graph_alignment(spec, store, reference)
     aligner = make_aligner(reference, spec.options, graph)
     options = _checked_options(spec)
-    options["quantized"] = spec.precision == "int8" or (bool(spec.device_model_artifact) and _is_quantized(
-        store.read(spec.device_model_artifact, "device_model_artifact")))
+    options["quantized"] = (declared is not None and declared.quantized) or (
+        bool(spec.device_model_artifact)
+        and _is_quantized(store.read(spec.device_model_artifact, "device_model_artifact")))
+    # a live build is the precision it was built in; a device model or dump
+    # says its own where the job does not
+    options["precision"] = declared if declared is not None or spec.device_model_artifact or spec.dump_path \
+        else parse_precision("fp32")
     perf = options["perf"]
     if perf.enabled and not spec.dump_path:
         _check_live_perf(spec, store)
@@ -90,7 +103,7 @@ def _checked_options(spec: pb.JobSpec) -> dict:
     """The comparison options of a job, checked: Prepared's fields."""
     o = spec.options
     tolerances = Tolerances(o.atol if o.has_atol or o.atol else None, o.rtol if o.has_rtol or o.rtol else None,
-                            o.op_config_csv)
+                            o.op_config_csv, dict(o.node_precision))
     if o.diff_cnt < 0:
         raise LayerdiffError("must be >= 0", field="diff_cnt")
     if o.max_cores < 0:
@@ -130,9 +143,7 @@ def _prepare_dump_reference(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
                              field="dump_path")
     if spec.device_model_artifact:
         raise LayerdiffError("two dumps are compared without running a device model", field="device_model_artifact")
-    if spec.precision and spec.precision not in PRECISIONS:
-        raise LayerdiffError(f"unknown precision {spec.precision!r} (one of {', '.join(PRECISIONS)})",
-                             field="precision")
+    declared = parse_precision(spec.precision)
     for address in (golden.collector, spec.collector):
         check_collector_allowed(address)
     model = None
@@ -154,7 +165,8 @@ def _prepare_dump_reference(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     reference = DumpReference(spec.model_name or f"reference dump {golden.dump.path}", model=model,
                               provenance=provenance)
     # the aligner needs the golden dump's tensors: built once it has streamed (JobRunner._receive_golden)
-    return Prepared(reference, {}, Aligner([]), quantized=spec.precision == "int8", golden=True, **options)
+    return Prepared(reference, {}, Aligner([]), quantized=declared is not None and declared.quantized, golden=True,
+                    precision=declared, **options)
 
 
 def make_aligner(reference, o: pb.CompareOptions, graph) -> Aligner:

@@ -69,13 +69,39 @@ class Row:
     inherited: str = ""              # why no closer look was needed: its error is what it read
     layout: str = ""
     uneven: str = ""
+    # the error model (layerdiff.analyzer.diagnose.errormodel), for node outputs
+    precision: str = ""              # what the node is taken to compute in
+    precision_from: str = ""         # where that was read from
+    budget: object = None            # errormodel.Budget: the error its own arithmetic explains
+    block: object = None             # errormodel.Block: the part of the tensor with the largest relative error
+    read_rel: float | None = None    # the largest relative RMS error of what it read (None: unknown)
+    own_rel: float | None = None     # the relative RMS error it adds itself (against its isolated re-run)
+    own_block: object = None         # errormodel.Block of that error
+    looked: bool = False             # examined: its error was more than its own arithmetic explains
+    masked: int = 0                  # mask-like reference values left out of the error model's figures
+    err_rel: float | None = None     # relative RMS error without them (None: none left out)
+    err_rms: float | None = None
     constants_read: frozenset = frozenset()    # the weights the node reads
     reads: tuple = ()                          # the tensors it reads from other nodes and weights
     finding: diagnose.Finding | None = None     # set when the report is written
 
     @property
     def failed(self) -> bool:
+        """Past the seed's atol/rtol somewhere (its statistic, not the verdict)."""
         return not self.outcome.metrics.passed
+
+    @property
+    def rel_err(self) -> float:
+        """Its relative RMS error, ||device - reference|| / ||reference||
+        (mask-like reference values left out, where it holds some)."""
+        v = self.err_rel if self.err_rel is not None else self.outcome.metrics.rel_euclidean
+        return v if not math.isnan(v) else 0.0
+
+    @property
+    def abs_err(self) -> float:
+        """Its RMS error (mask-like reference values left out)."""
+        v = self.err_rms if self.err_rms is not None else self.outcome.metrics.rmse
+        return v if not math.isnan(v) else 0.0
 
     @property
     def is_input(self) -> bool:
@@ -366,9 +392,11 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     first_comp = next((r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION
                        and not r.finding.benign), None)
     benign = [r for r in rows if r.finding and r.finding.benign]
-    answer = coverage.outcome(rep, cov)
     undecided = [r for r in rows if r.finding and r.finding.verdict == diagnose.UNDECIDED]
-    text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided)
+    spent = diagnose.outputs_out_of_tolerance(rows, node_inputs or {})
+    text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided, spent)
+    answer = coverage.outcome(rep, cov, diagnose.exit_of(first_comp, nan_overflow, benign, undecided, spent,
+                                                         first))
     if answer["status"] == "no_answer":
         text = f"NO ANSWER: {answer['reason']}"
     diagnosis = {"headline": text, **nan_overflow}

@@ -146,7 +146,8 @@ class DumpDirectory:
                 elif where:
                     role, slot = where[0], where[1]
                     node = name
-                    placed = {"overflow": where[2]} if len(where) > 2 and where[2] else None
+                    placed = {"overflow": where[2] if len(where) > 2 else "",
+                              "source_dtype": where[4] if len(where) > 4 else ""}
                     if len(where) > 3 and where[3] >= 0:
                         rec_order = where[3]
                 else:

@@ -53,10 +53,15 @@ def entry_placement(entry: dict, name: str) -> tuple[str, int, str]:
 
 
 def place(rec: NodeRecord, entry: dict, role: str, slot: int, node: str) -> NodeRecord:
-    """``rec`` put where entry_placement says, with the entry's overflow flag."""
+    """``rec`` put where entry_placement says, with the entry's overflow flag
+    and the type the device wrote it in (``source_dtype``: bfloat16, FP8,
+    where the file holds it widened)."""
     rec.role, rec.slot, rec.node = role, slot, node
     flag = entry.get("overflow")
     rec.overflow = flag if isinstance(flag, str) else ""
+    source = entry.get("source_dtype")
+    if isinstance(source, str) and source:
+        rec.source_dtype = source
     return rec
 
 
@@ -69,4 +74,6 @@ def placement(r: NodeRecord) -> dict:
         d.update(node=r.node, slot=r.slot)
     if r.overflow:
         d["overflow"] = r.overflow
+    if r.source_dtype:
+        d["source_dtype"] = r.source_dtype
     return d

@@ -206,9 +206,10 @@ def read_npz(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[
 
 def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[tuple]:
     """(node name, array or LayerdiffError, role, slot, overflow flag,
-    execution order or -1) for every ``/op/seqid/{input,output}/N`` dataset
-    (a call's inputs before its outputs), each checked (dtype, declared size)
-    before it is read."""
+    execution order or -1, the dtype the device wrote it in where the file
+    holds it widened: its ``dtype`` attribute, '' if none) for every
+    ``/op/seqid/{input,output}/N`` dataset (a call's inputs before its
+    outputs), each checked (dtype, declared size) before it is read."""
     import h5py
 
     shown = path.name
@@ -249,13 +250,15 @@ def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[t
                             dt = plain_dtype(ds.dtype, where)
                             size_of(dt, ds.shape or (), max_bytes, where)
                             flag = ds.attrs.get("overflow", "")
+                            source = ds.attrs.get("dtype", "")
                             yield (name, np.asarray(ds[()], dtype=dt), role, slot,
-                                   flag if isinstance(flag, str) else "", order)
+                                   flag if isinstance(flag, str) else "", order,
+                                   source if isinstance(source, str) else "")
                         except LayerdiffError as e:
-                            yield name, e, role, slot, "", order
+                            yield name, e, role, slot, "", order, ""
                         except Exception as e:  # a damaged dataset: this node only
                             yield name, LayerdiffError(f"unreadable dataset ({type(e).__name__}: {e})",
-                                                       file=where), role, slot, "", order
+                                                       file=where), role, slot, "", order, ""
 
 
 def _call_order(call, seq: str) -> int:

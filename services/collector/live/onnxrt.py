@@ -5,7 +5,9 @@ device-side tensor in execution order.
 Precisions: ``fp32`` runs the model as given; ``fp16`` converts weights and
 activations to float16 (inputs and outputs kept float32); ``int8`` inserts
 static QDQ quantization calibrated on the given inputs, and reports for each
-quantized tensor the value its consumers see (after quantize/dequantize).
+quantized tensor the value its consumers see (after quantize/dequantize);
+``bf16``, ``tf32`` and ``fp8_e4m3fn``/``fp8_e5m2`` round as those devices
+do, in an emulated FP32 build (layerdiff.collector.live.emulate).
 With a device model (an optimized, quantized or vendor-converted export of the
 same network) that file is run as it is, and every tensor it has is sent:
 nodes it fused away simply never appear.
@@ -25,6 +27,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from layerdiff.collector.live.devices import resolve_provider
+from layerdiff.collector.live.emulate import EMULATED, emulated
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import (
     TensorSite,
@@ -38,11 +41,13 @@ from layerdiff.common.onnxgraph import (
     plan_segments,
     tensor_sites,
 )
+from layerdiff.common.precision import NAMES
+from layerdiff.common.precision import parse as parse_precision
 from layerdiff.common.schema import ROLE_INPUT, NodeRecord, check_dump_mode
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = NAMES
 
 
 def to_fp16(model: onnx.ModelProto | WeightSplit, key: str = "") -> onnx.ModelProto:
@@ -179,10 +184,8 @@ class LiveRunner:
                  device: str = "cpu", device_model_bytes: bytes | None = None,
                  model_name: str = "model.onnx", device_model_name: str = "device.onnx", model_key: str = "") -> None:
         """``model_key``: the model file's sha256, where known (see to_fp16)."""
-        precision = (precision or "fp32").lower()
-        if precision not in PRECISIONS:
-            raise LayerdiffError(f"unknown precision {precision!r} (one of {', '.join(PRECISIONS)})",
-                                 field="precision")
+        chosen = parse_precision(precision)
+        precision = chosen.name if chosen is not None else "fp32"
         self.providers = resolve_provider(device)
         self.precision = precision
         ref = load_model(model_bytes, model_name)
@@ -199,9 +202,13 @@ class LiveRunner:
                 self.model = to_fp16(ref, model_key)
             elif precision == "int8":
                 self.model = to_int8_qdq(ref, self.feeds)
+            elif precision in EMULATED:
+                self.model, rounded = emulated(ref, precision)
             else:
                 self.model = ref
             self.view = dequantized_views(self.model)
+            if precision in EMULATED:
+                self.view.update(rounded)
             self._node_index = {n.name: i for i, n in enumerate(self.model.graph.node) if n.name}
 
     def _session(self, outputs: list[str]) -> ort.InferenceSession:
@@ -260,10 +267,23 @@ class LiveRunner:
             except Exception as e:
                 raise LayerdiffError(f"device run failed: {e}", field="inputs") from e
 
-        return node_records(sites, {s.node: list(graph.node[s.order].input) for s in sites}, dump_mode,
-                            fixed=fixed, computed=producer.__contains__,
-                            source=lambda t: self.view.get(t, t), order_key=lambda t: producer.get(t, -1),
-                            plan=lambda names: plan_segments(names, sizes), run_segment=run_segment)
+        records = node_records(sites, {s.node: list(graph.node[s.order].input) for s in sites}, dump_mode,
+                               fixed=fixed, computed=producer.__contains__,
+                               source=lambda t: self.view.get(t, t), order_key=lambda t: producer.get(t, -1),
+                               plan=lambda names: plan_segments(names, sizes), run_segment=run_segment)
+        stored = {"bf16": "bfloat16", "fp8_e4m3fn": "bfloat16", "fp8_e5m2": "bfloat16"}.get(self.precision, "")
+        if not stored or self.original is None:
+            return records
+        return self._stored_as(records, stored)
+
+    def _stored_as(self, records: Iterator[NodeRecord], dtype: str) -> Iterator[NodeRecord]:
+        """An emulated build's float outputs are the values a device stores
+        in ``dtype``: said so, as a dump of that device would."""
+        rounded = set(self.view.values())
+        for rec in records:
+            if rec.array is not None and rec.array.dtype == np.float32 and self.view.get(rec.name, "") in rounded:
+                rec.source_dtype = dtype
+            yield rec
 
 
 def node_records(sites: list[TensorSite], reads: dict[str, list[str]], dump_mode: str, *,
@@ -357,11 +377,17 @@ def node_records(sites: list[TensorSite], reads: dict[str, list[str]], dump_mode
         rec = NodeRecord(name=s.tensor, op_type=s.op_type, order=s.order, array=arr, node=s.node,
                          slot=s.output_index)
         # A float output holding Inf/NaN that none of its inputs held is
-        # marked as an overflow, as the device's status register would flag it.
+        # flagged, as the device's status register would: Inf as an
+        # overflow, NaN alone as an invalid operation (what it is).
         if not finite.get(src, True) and all(known_finite(t) for t in reads.get(s.node, []) if t):
-            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
-            rec.overflow = (f"floating-point overflow: {bad} of {arr.size} values are Inf/NaN while every "
-                            f"input of the node is finite")
+            inf = int(np.count_nonzero(np.isinf(arr)))
+            nan = int(np.count_nonzero(np.isnan(arr)))
+            if inf:
+                rec.overflow = (f"floating-point overflow: {inf} of {arr.size} values are Inf"
+                                + (f" (and {nan} NaN)" if nan else "") + " while every input of the node is finite")
+            else:
+                rec.overflow = (f"invalid operation: {nan} of {arr.size} values are NaN while every input of the "
+                                "node is finite")
         yield rec
 
 

@@ -1,0 +1,491 @@
+"""The error a node's own arithmetic explains, from its precision.
+
+A verdict compares two numbers: the error a node *adds* (its device output
+against the reference node re-run in FP32 on the device's own inputs, or
+estimated from what it read) and the error its precision *explains*. This
+module gives the second, as a relative RMS error (the RMS of the expected
+error over the RMS of the output), with the words that say where it came
+from ("bf16 over K=3072").
+
+Model (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed.,
+2002, §2.2 and §3.1; Higham & Mary, "A new approach to probabilistic
+rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019). Rounding a
+value x to a format with unit roundoff u gives fl(x) = x(1 + δ), |δ| <= u;
+the probabilistic analysis takes the δ independent, mean zero, here uniform
+on [-u, u] (variance u²/3). A node of reduction length K computes
+y = Σ_k t_k, t_k = x_k·w_k (a Conv's or MatMul's products; a sum's or
+mean's terms with w = 1):
+
+- its operands rounded to u_op: error Σ_k t_k(δx_k + δw_k), variance
+  (2/3)·u_op²·Σ_k t_k²;
+- its running sum rounded to u_acc after each addition (recursive
+  summation): error Σ_j s_j·ε_j over the partial sums s_j, variance
+  (1/3)·u_acc²·Σ_j s_j² <= (1/3)·u_acc²·(K/2)·Σ_k t_k² for terms of random
+  sign (Σ_j s_j² ≈ K²m²/2 with Σ_k t_k² = K·m²); blocked and pairwise
+  summation, which BLAS and GPUs use, do better (log K instead of K);
+- its output stored to u_st: variance (1/3)·u_st²·y².
+
+Relative to y, with ρ² = Σ_k t_k² / y² (1 when the terms do not cancel;
+the magnitudes involved, where they are known):
+
+    rel² = (2/3)·u_op²·ρ² + (K/6)·u_acc²·ρ² + (1/3)·u_st²        (E1)
+
+The deterministic worst case is Higham's γ_K = K·u / (1 − K·u) times
+Σ|t_k| / |y| (Lemma 3.1); Higham & Mary's bound λ·√K·u·Σ|t_k| holds with
+probability at least 1 − 2·exp(−λ²(1 − u)²/2) for each element. E1 is the
+RMS of those errors: over a tensor of many elements the observed relative
+RMS error concentrates near it. A verdict allows FACTOR times it, for what
+the model leaves out (kernels that reorder sums, Winograd and FFT
+convolutions, flash attention's rescaling, a device's approximate exp).
+
+Element-wise arithmetic (Add, Mul, Sigmoid, Exp, ...) rounds its result
+once, and a transcendental function is itself within about one ulp of its
+precision: rel² = c²·u_st²/3 with c = 1 (arithmetic) or 2 (functions),
+with ρ the operands' RMS over the output's for Add/Sub (cancellation).
+Exact ops (Reshape, Transpose, Concat, Slice, Relu, MaxPool, Identity,
+casts up) add nothing: their budget is 0 unless they store narrower than
+they read. Softmax, LayerNorm and the normalizations are reductions over
+their axis (K = that axis's length) followed by element-wise work.
+
+INT8 (QDQ): a quantized tensor's error is its step s: uniform rounding on
+the grid gives an RMS of s/√12; a quantized product of reduction length K
+adds √K·√(s_w²·rms_x² + s_x²·rms_w²)/√12 (see ``int8_rms``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from layerdiff.common.precision import Precision, coarser, node_precision, of_dtype
+
+# A node adds a computation error when its own error exceeds FACTOR times
+# what its precision explains (E1 as an RMS; the observed RMS of rounding
+# stays within 3x of E1 on random data, see tests/test_errormodel.py).
+FACTOR = 8.0
+# Where the block of a tensor that carries an error is judged on its own.
+LOCAL_FACTOR = 8.0
+# No device is blamed for a relative error below this, whatever its
+# precision (FP32 kernels that reorder or transform sums reach ~1e-6).
+FLOOR = 2e-5
+# What a node may pass on of the error it read, as a multiple of that
+# error, before its own part needs a closer look (the re-run alone): the
+# relative error through a product, a sum or an activation grows by a small
+# factor at most where its terms do not cancel.
+GROWTH = 2.0
+
+EXACT_OPS = frozenset({
+    "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split", "Slice", "Gather", "GatherND",
+    "GatherElements", "ScatterND", "ScatterElements", "Expand", "Tile", "Pad", "Identity", "Dropout", "Relu",
+    "MaxPool", "GlobalMaxPool", "Max", "Min", "Clip", "Where", "ReduceMax", "ReduceMin", "ArgMax", "ArgMin",
+    "TopK", "DepthToSpace", "SpaceToDepth", "Neg", "Abs", "Sign", "Floor", "Ceil", "Round", "Shape", "Size",
+    "ConstantOfShape", "Constant", "Range", "NonZero", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
+    "Not", "And", "Or", "Xor", "Resize", "Upsample", "Compress", "ReorderInput", "ReorderOutput", "Trilu",
+    "OneHot", "ReverseSequence", "Mod", "Cast", "CastLike", "QuantizeLinear", "DequantizeLinear",
+    # PyTorch modules and ATen operators
+    "ReLU", "ReLU6", "MaxPool2d", "MaxPool1d", "view", "reshape", "permute",
+    "transpose", "t", "cat", "stack", "slice", "select", "expand", "clone", "_unsafe_view", "relu", "relu_",
+    "max_pool2d_with_indices", "max_pool2d", "hardtanh", "hardtanh_", "contiguous", "unsqueeze", "squeeze",
+    "split", "chunk", "index", "embedding", "Embedding", "detach", "_to_copy", "copy_", "alias", "split_with_sizes",
+    "unbind", "flatten", "as_strided", "new_zeros", "zeros_like", "constant_pad_nd", "pad", "upsample_nearest2d",
+})
+FUNCTIONS = frozenset({
+    "Exp", "Log", "Sqrt", "Reciprocal", "Sigmoid", "Tanh", "Erf", "Gelu", "FastGelu", "BiasGelu", "Softplus",
+    "Softsign", "Elu", "Selu", "Celu", "Mish", "HardSigmoid", "HardSwish", "Sin", "Cos", "Pow", "QuickGelu",
+    "GELU", "SiLU", "Hardswish", "Hardsigmoid", "gelu", "silu", "sigmoid", "tanh",
+    "exp", "log", "sqrt", "rsqrt", "pow", "erf", "hardswish", "hardsigmoid", "softplus", "elu", "silu_",
+})
+SUMS = frozenset({"Add", "Sub", "Sum", "add", "add_", "sub", "rsub"})
+# Conv-like: K = a weight's fan-in (input channels per group times the kernel)
+_CONV_OPS = frozenset({"Conv", "FusedConv", "ConvInteger", "QLinearConv", "ConvTranspose", "Conv1d", "Conv2d",
+                       "Conv3d", "ConvTranspose2d", "convolution", "conv2d", "conv1d", "_convolution"})
+# Product-like: K = the contracted axis
+_MATMUL_OPS = frozenset({"MatMul", "Gemm", "FusedGemm", "FusedMatMul", "MatMulInteger", "QLinearMatMul", "Linear",
+                         "linear", "mm", "bmm", "addmm", "matmul", "baddbmm", "addmv", "mv", "Einsum"})
+_AXIS_REDUCTIONS = frozenset({"Softmax", "LogSoftmax", "softmax", "_softmax", "log_softmax", "_log_softmax",
+                              "LpNormalization", "Softmax2d"})
+_MEAN_OPS = frozenset({"ReduceSum", "ReduceMean", "ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSumExp",
+                       "ReduceLogSum", "ReduceProd", "GlobalAveragePool", "AveragePool", "AdaptiveAvgPool2d",
+                       "AvgPool2d", "mean", "sum", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
+                       "GlobalLpPool", "LpPool"})
+_NORMS = frozenset({"LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+                    "InstanceNormalization", "GroupNormalization", "LayerNorm", "GroupNorm", "RMSNorm",
+                    "native_layer_norm", "layer_norm", "group_norm", "native_group_norm", "rms_norm",
+                    "InstanceNorm2d", "BatchNormalization", "BatchNorm2d", "BatchNorm1d",
+                    "_native_batch_norm_legit_no_training", "batch_norm", "native_batch_norm"})
+
+
+def op_kind(op_type: str) -> str:
+    """'exact', 'function', 'sum', 'elementwise', 'product', 'reduction' or
+    'norm' for an ONNX op, a PyTorch module class or an ATen operator
+    (``aten.convolution.default`` is read as ``convolution``)."""
+    op = aten_name(op_type)
+    if op in EXACT_OPS:
+        return "exact"
+    if op in _CONV_OPS or op in _MATMUL_OPS or op in ("Attention", "MultiHeadAttention", "MultiheadAttention",
+                                                      "scaled_dot_product_attention"):
+        return "product"
+    if op in _AXIS_REDUCTIONS or op in _MEAN_OPS:
+        return "reduction"
+    if op in _NORMS:
+        return "norm"
+    if op in FUNCTIONS:
+        return "function"
+    if op in SUMS:
+        return "sum"
+    return "elementwise"
+
+
+def aten_name(op_type: str) -> str:
+    """``aten.convolution.default`` -> ``convolution``; anything else as it is."""
+    if op_type.startswith("aten."):
+        parts = op_type.split(".")
+        return parts[1] if len(parts) > 1 else op_type
+    return op_type
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a node's own arithmetic explains: a relative RMS error, and how."""
+    rel: float
+    precision: str
+    k: int | None = None
+    rho: float = 1.0
+    words: str = ""
+
+    @property
+    def exact(self) -> bool:
+        return self.rel == 0.0
+
+    def explains(self) -> str:
+        """'bf16 over K=3072 explains 4e-03', or that the op is exact."""
+        if self.exact:
+            return f"{self.precision}: an exact op, which adds no error of its own"
+        return f"{self.words} explains {self.rel:.3g}"
+
+    @property
+    def allowed(self) -> float:
+        """The own error a node may add before it is a computation error."""
+        return max(FACTOR * self.rel, FLOOR)
+
+
+def relative_rms(precision: Precision, kind: str, k: int | None = None, rho: float = 1.0) -> float:
+    """E1 (and its element-wise and exact forms) for one node."""
+    u_op, u_acc, u_st = precision.operand, precision.accumulate, precision.storage
+    if kind == "exact":
+        return 0.0
+    if kind in ("product", "reduction", "norm"):
+        n = max(int(k or 1), 1)
+        # the normalizations divide by a reduction and scale element-wise
+        extra = (1.0 / 3.0) * u_st ** 2 * (4.0 if kind == "norm" else 1.0)
+        operands = (2.0 / 3.0) * u_op ** 2 if kind == "product" else (1.0 / 3.0) * u_st ** 2
+        return math.sqrt(operands * rho ** 2 + (n / 6.0) * u_acc ** 2 * rho ** 2 + extra)
+    c = 2.0 if kind == "function" else 1.0
+    return math.sqrt((c * c / 3.0) * u_st ** 2 * max(rho, 1.0) ** 2)
+
+
+def budget(op_type: str, precision: Precision, k: int | None = None, rho: float | None = None) -> Budget:
+    kind = op_kind(op_type)
+    r = 1.0 if rho is None or not math.isfinite(rho) or rho <= 0 else float(rho)
+    rel = relative_rms(precision, kind, k, r)
+    words = precision.name
+    if kind in ("product", "reduction", "norm") and k:
+        words += f" over K={k}"
+    if rho is not None and r > 1.05:
+        words += f", terms {r:.3g}x the result"
+    return Budget(rel, precision.name, k if kind in ("product", "reduction", "norm") else None, r, words)
+
+
+def int8_rms(k: int, s_w: float, s_x: float, rms_x: float, rms_w: float, s_y: float = 0.0) -> float:
+    """The RMS error of a quantized product of reduction length k: weight
+    step s_w, input step s_x (each rounding uniform, variance s²/12) and
+    the output's re-quantization step s_y."""
+    return math.sqrt(k * (s_w ** 2 * rms_x ** 2 + s_x ** 2 * rms_w ** 2) / 12.0 + s_y ** 2 / 12.0)
+
+
+# ------------------------------------------------------------ reduction length
+
+def onnx_reduction_length(node, shapes: dict[str, tuple], weight_shapes: dict[str, tuple]) -> int | None:
+    """K of an ONNX node from its weights' and inputs' shapes (None where
+    they do not say): a Conv's fan-in, a MatMul/Gemm's contracted axis, the
+    reduced axes of a reduction, a normalization's normalized axes."""
+    op = node.op_type
+    attrs = {a.name: a for a in node.attribute}
+
+    def shape(i: int) -> tuple | None:
+        if i >= len(node.input) or not node.input[i]:
+            return None
+        return weight_shapes.get(node.input[i]) or shapes.get(node.input[i])
+
+    def ints(name: str) -> list[int] | None:
+        a = attrs.get(name)
+        return list(a.ints) if a is not None and a.ints else (None if a is None else [a.i])
+
+    if op in ("Conv", "FusedConv", "ConvInteger", "QLinearConv"):
+        w = shape(3 if op == "QLinearConv" else 1)
+        return int(np.prod(w[1:])) if w and len(w) > 1 else None
+    if op == "ConvTranspose":
+        w = shape(1)
+        if not w or len(w) < 3:
+            return None
+        group = attrs["group"].i if "group" in attrs else 1
+        strides = ints("strides") or [1] * (len(w) - 2)
+        return max(int(w[0] // max(group, 1) * np.prod(w[2:]) / max(np.prod(strides), 1)), 1)
+    if op in ("MatMul", "FusedMatMul", "MatMulInteger", "QLinearMatMul"):
+        a = shape(0)
+        return int(a[-1]) if a else None
+    if op in ("Gemm", "FusedGemm"):
+        a = shape(0)
+        if not a or len(a) != 2:
+            return None
+        return int(a[0] if "transA" in attrs and attrs["transA"].i else a[1])
+    x = shape(0)
+    if not x:
+        return None
+    rank = len(x)
+    if op in ("Softmax", "LogSoftmax", "LpNormalization", "Hardmax"):
+        axis = attrs["axis"].i if "axis" in attrs else -1
+        return int(x[axis % rank]) if rank else None
+    if op in ("LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization"):
+        axis = attrs["axis"].i if "axis" in attrs else -1
+        return int(np.prod(x[axis % rank:])) if rank else None
+    if op in ("GlobalAveragePool", "GlobalLpPool", "InstanceNormalization"):
+        return int(np.prod(x[2:])) if rank > 2 else None
+    if op == "GroupNormalization":
+        groups = attrs["num_groups"].i if "num_groups" in attrs else 1
+        return int(np.prod(x[1:]) // max(groups, 1)) if rank > 1 else None
+    if op in ("AveragePool", "LpPool"):
+        k = ints("kernel_shape")
+        return int(np.prod(k)) if k else None
+    if op.startswith("Reduce"):
+        axes = ints("axes")
+        if axes is None and len(node.input) > 1:
+            axes = list(weight_shapes.get("__axes__" + node.input[1], ()) or ())
+        if not axes:
+            keep_empty = "noop_with_empty_axes" in attrs and attrs["noop_with_empty_axes"].i
+            return None if keep_empty else int(np.prod(x))
+        return int(np.prod([x[a % rank] for a in axes]))
+    return None
+
+
+def torch_reduction_length(op_type: str, input_shapes: list[tuple], attrs: dict) -> int | None:
+    """K of a PyTorch module call or ATen operator, from its input shapes and
+    the arguments or module attributes a capture recorded (``attrs``)."""
+    op = aten_name(op_type)
+    cls = attrs.get("class", "")
+    x = input_shapes[0] if input_shapes else None
+    if cls in ("Conv1d", "Conv2d", "Conv3d") or op in ("Conv1d", "Conv2d", "Conv3d"):
+        ks = attrs.get("kernel_size") or []
+        cin, groups = attrs.get("in_channels"), attrs.get("groups", 1) or 1
+        return int(cin // groups * int(np.prod(ks))) if cin and ks else None
+    if cls == "Linear" or op == "Linear":
+        return int(attrs["in_features"]) if attrs.get("in_features") else (int(x[-1]) if x else None)
+    if op in ("convolution", "_convolution", "conv2d", "conv1d"):
+        w = input_shapes[1] if len(input_shapes) > 1 else None
+        return int(np.prod(w[1:])) if w and len(w) > 1 else None
+    if op in ("mm", "bmm", "matmul", "linear", "addmv", "mv"):
+        return int(x[-1]) if x else None
+    if op in ("addmm", "baddbmm"):
+        m = input_shapes[1] if len(input_shapes) > 1 else None
+        return int(m[-1]) if m else None
+    if op in ("_softmax", "softmax", "_log_softmax", "log_softmax") or cls in ("Softmax", "LogSoftmax"):
+        dim = attrs.get("dim", -1)
+        return int(x[int(dim) % len(x)]) if x else None
+    if op in ("native_layer_norm", "layer_norm") or cls in ("LayerNorm", "RMSNorm"):
+        shape = attrs.get("normalized_shape")
+        return int(np.prod(shape)) if shape else (int(x[-1]) if x else None)
+    if op in ("mean", "sum") and x:
+        dims = attrs.get("dim")
+        if dims is None:
+            return int(np.prod(x))
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        return int(np.prod([x[d % len(x)] for d in dims]))
+    if (op in ("adaptive_avg_pool2d", "_adaptive_avg_pool2d", "avg_pool2d")
+            or cls in ("AdaptiveAvgPool2d", "AvgPool2d")) and x and len(x) >= 3:
+        out = attrs.get("output_size")
+        if out:
+            out = [out, out] if isinstance(out, int) else list(out)
+            return max(int(np.prod(x[-2:]) // max(int(np.prod([o or 1 for o in out])), 1)), 1)
+        ks = attrs.get("kernel_size")
+        return int(np.prod(ks)) if ks else None
+    if cls in ("BatchNorm2d", "BatchNorm1d", "GroupNorm", "InstanceNorm2d") and x and len(x) > 2:
+        return int(np.prod(x[2:]))
+    return None
+
+
+# ------------------------------------------------------------ observed errors
+
+def rel_rms(err: np.ndarray, ref: np.ndarray) -> float:
+    """||err|| / ||ref|| over the finite pairs (0 for an all-zero pair, inf
+    for an error against an all-zero reference)."""
+    e = np.asarray(err, np.float64).ravel()
+    r = np.asarray(ref, np.float64).ravel()
+    ok = np.isfinite(e) & np.isfinite(r)
+    if not ok.all():
+        e, r = e[ok], r[ok]
+    num = float(np.sqrt(np.sum(e * e)))
+    den = float(np.sqrt(np.sum(r * r)))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+@dataclass(frozen=True)
+class Block:
+    """The worst part of a tensor: where it lies, and its relative RMS error."""
+    where: str
+    rel: float
+    share: float        # its fraction of the tensor's elements
+
+
+def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 64) -> Block | None:
+    """The block of a tensor whose relative RMS error is the largest: one of
+    16 groups of channels or 16 spatial tiles of an image tensor (NCHW, or
+    NHWC for TensorFlow), of 16 groups of features (last axis) or of rows
+    (the axis before it) of anything else. A block's error is taken
+    relative to the reference's RMS there, but never to less than a quarter
+    of the tensor's RMS, so that near-zero values do not read as a large
+    relative error. Two passes over the squares (marginal sums), float64
+    sums. None for a tensor too small to cut (under 4 blocks' worth)."""
+    e = np.asarray(err)
+    r = np.asarray(ref)
+    if e.shape != r.shape or e.size < 4 * min_elements or e.ndim == 0:
+        return None
+    with np.errstate(all="ignore"):
+        e2 = np.square(e, dtype=np.float32) if e.dtype != np.float64 else np.square(e)
+        r2 = np.square(r, dtype=np.float32) if r.dtype != np.float64 else np.square(r)
+    e2 = np.where(np.isfinite(e2), e2, 0)
+    r2 = np.where(np.isfinite(r2), r2, 0)
+    floor = float(np.sum(r2, dtype=np.float64)) / r2.size / 16.0
+    nd = e.ndim
+    cuts: list[tuple[str, np.ndarray, np.ndarray, int]] = []     # (where, error sum, reference sum, elements)
+
+    def along(axes_kept: tuple[int, ...]):
+        others = tuple(a for a in range(nd) if a not in axes_kept)
+        return (np.sum(e2, axis=others, dtype=np.float64), np.sum(r2, axis=others, dtype=np.float64),
+                e.size // int(np.prod([e.shape[a] for a in axes_kept])))
+
+    def groups(axis: int, label: str) -> None:
+        se, sr, per = along((axis,))
+        for a, b in _groups(e.shape[axis], 16):
+            cuts.append((f"{label} {a}..{b - 1}", se[a:b].sum(), sr[a:b].sum(), per * (b - a)))
+
+    if nd == 4:
+        c_axis, (h_axis, w_axis) = (3, (1, 2)) if layout == "NHWC" else (1, (2, 3))
+        groups(c_axis, "channels")
+        se, sr, per = along((h_axis, w_axis))
+        for ha, hb in _groups(e.shape[h_axis], 4):
+            for wa, wb in _groups(e.shape[w_axis], 4):
+                cuts.append((f"rows {ha}..{hb - 1}, columns {wa}..{wb - 1}", se[ha:hb, wa:wb].sum(),
+                             sr[ha:hb, wa:wb].sum(), per * (hb - ha) * (wb - wa)))
+    else:
+        groups(nd - 1, "features" if nd > 1 else "elements")
+        rows = next((ax for ax in range(nd - 2, -1, -1) if e.shape[ax] > 1), None)
+        if rows is not None:
+            groups(rows, f"rows (axis {rows})")
+    best: Block | None = None
+    for where, se_b, sr_b, n in cuts:
+        if n < min_elements:
+            continue
+        den = max(float(sr_b) / n, floor)
+        if den <= 0.0:
+            continue
+        rel = math.sqrt(float(se_b) / n / den)
+        if best is None or rel > best.rel:
+            best = Block(where, rel, n / e.size)
+    return best
+
+
+def _groups(size: int, parts: int) -> list[tuple[int, int]]:
+    parts = max(1, min(parts, size))
+    edges = [round(i * size / parts) for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+# ------------------------------------------------------------ magnitudes
+
+def product_rho(op_type: str, x: np.ndarray, w: np.ndarray, y: np.ndarray, attrs: dict,
+                bias: np.ndarray | None = None) -> float | None:
+    """ρ = sqrt(Σ t_k² / Σ y²) of a Conv, MatMul or Gemm over its whole
+    output: how large its products t_k = x_k·w_k are against its result
+    (cancellation), from the input it read, its weight and its output.
+    Padding is not counted (a Conv's border terms are over-counted), which
+    errs on the side of a larger budget. None where the shapes do not fit."""
+    op = aten_name(op_type)
+    try:
+        x2 = np.square(np.asarray(x, np.float64))
+        w2 = np.square(np.asarray(w, np.float64))
+        y2 = float(np.sum(np.square(np.asarray(y, np.float64))))
+        if y2 <= 0.0 or not math.isfinite(y2):
+            return None
+        if op in ("Conv", "FusedConv", "convolution", "Conv2d", "Conv1d") and x2.ndim >= 3 and w2.ndim == x2.ndim:
+            groups = int(attrs.get("group", attrs.get("groups", 1)) or 1)
+            cout, cin_g = w2.shape[0], w2.shape[1]
+            xc = x2.sum(axis=tuple(a for a in range(x2.ndim) if a != 1))      # per input channel
+            wk = w2.reshape(cout, cin_g, -1).sum(axis=2)                       # per (out, in) channel
+            total = 0.0
+            per_group = cout // max(groups, 1)
+            for g in range(max(groups, 1)):
+                total += float(np.sum(wk[g * per_group:(g + 1) * per_group] @ xc[g * cin_g:(g + 1) * cin_g]))
+            positions = float(np.prod(y.shape[2:])) / max(float(np.prod(x.shape[2:])), 1.0)
+            terms = total * positions * float(np.prod(w2.shape[2:])) / max(float(np.prod(w2.shape[2:])), 1.0)
+        elif op in ("MatMul", "FusedMatMul", "matmul", "mm", "bmm", "linear", "Linear") and x2.ndim >= 2:
+            wt = w2.T if op in ("linear", "Linear") and w2.ndim == 2 else w2
+            if wt.ndim == 1:
+                wt = wt[:, None]
+            terms = float(np.sum(np.einsum("...k,...k->...", x2.sum(axis=-2), wt.sum(axis=-1))))
+        elif op in ("Gemm", "FusedGemm") and x2.ndim == 2 and w2.ndim == 2:
+            a = x2.T if attrs.get("transA") else x2
+            b = w2.T if attrs.get("transB") else w2
+            terms = float(a.sum(axis=0) @ b.sum(axis=1)) * float(attrs.get("alpha", 1.0)) ** 2
+        else:
+            return None
+        if bias is not None and bias.size:
+            terms += float(np.sum(np.square(np.asarray(bias, np.float64)))) * (y.size / max(bias.size, 1))
+    except (ValueError, IndexError):
+        return None
+    if not math.isfinite(terms) or terms <= 0.0:
+        return None
+    return math.sqrt(terms / y2)
+
+
+# ------------------------------------------------------------ a job's policy
+
+@dataclass
+class ErrorPolicy:
+    """What a job knows of its device's precision: the precision it was
+    given (None: read from the data), per-node overrides (op_config.csv's
+    precision column, --node-precision), whether it is a quantized build,
+    and the reference's layout (NHWC for TensorFlow)."""
+    job: Precision | None = None
+    overrides: dict[str, Precision] = field(default_factory=dict)     # normalized node name -> precision
+    quantized: bool = False
+    layout: str = "NCHW"
+    # without a job precision: the coarsest precision the device's tensors were
+    # stored in so far (an FP16 build keeps its outputs float32; a float32
+    # tensor among FP16 ones says little of what computed it)
+    inferred: Precision | None = None
+
+    def seen(self, dtype: str) -> None:
+        """A device tensor stored in ``dtype`` arrived."""
+        if self.job is not None:
+            return
+        p = of_dtype(dtype)
+        if p is not None and p.name != "fp32":
+            self.inferred = p if self.inferred is None else coarser(self.inferred, p)
+
+    def precision_of(self, node: str, op_type: str, stored_dtype: str) -> tuple[Precision, str]:
+        from layerdiff.analyzer.align.names import normalize
+
+        override = self.overrides.get(normalize(node))
+        stored = of_dtype(stored_dtype)
+        if self.job is None and self.inferred is not None and override is None and \
+                (stored is None or stored.name == "fp32"):
+            return self.inferred, (f"the device stores its tensors in {self.inferred.name} (this one "
+                                   f"{stored_dtype or 'float32'}, as converted builds keep some)")
+        return node_precision(op_type, job=self.job, stored_dtype=stored_dtype, override=override)
+
+
+def fmt_rel(v: float) -> str:
+    return "inf" if math.isinf(v) else f"{v:.2g}"
