@@ -225,12 +225,15 @@ def test_clean_fp16_build_passes_in_every_format_pair(matrix, gf, df, with_model
 def test_clean_fp16_build_with_a_model_names_no_computation_error_under_tight_tolerances(matrix, services,
                                                                                         tmp_path):
     """Tolerances tight enough for FP16 rounding to fail nodes: with the
-    model, the isolated re-runs show every node computes faithfully."""
+    model, the isolated re-runs show every node computes faithfully. The
+    seed's statistic still lists those nodes; the verdict, the headline and
+    the exit status say that FP16 explains them."""
     r = run_compare(services, matrix["dumps"]["gold", "npy"], matrix["dumps"]["clean", "h5"], tmp_path / "out",
                     model=matrix["model"], precision="fp16", atol=1e-3, rtol=1e-2)
     s = r.summary
-    assert r.exit_status == 1 and s["failing_nodes"], s["outcome"]
+    assert r.exit_status == 0 and s["failing_nodes"], s["outcome"]
     assert s["first_computation_error"] is None, headline(s)
+    assert headline(s).startswith("Every compared node is within what its precision explains"), headline(s)
 
 
 def test_clean_fp16_build_without_a_model_names_no_computation_error_under_tight_tolerances(matrix, services,
@@ -238,7 +241,7 @@ def test_clean_fp16_build_without_a_model_names_no_computation_error_under_tight
     r = run_compare(services, matrix["dumps"]["gold", "npy"], matrix["dumps"]["clean", "npy"], tmp_path / "out",
                     precision="fp16", atol=1e-3, rtol=1e-2)
     s = r.summary
-    assert r.exit_status == 1 and s["failing_nodes"], s["outcome"]
+    assert r.exit_status == 0 and s["failing_nodes"], s["outcome"]
     comp = s["first_computation_error"]
     assert comp is None, (comp["node"], comp["evidence"])
 
@@ -290,12 +293,15 @@ def test_device_dump_missing_half_the_tensors_is_no_answer(services, npy_pair):
     assert r.exit_status == 3 and r.outcome == "no_answer", s["outcome"]
     assert "4 of 9 reference tensors" in s["outcome"]["reason"]
     assert "not dumped by the device" in (r.out / "compare_skip.log").read_text()
-    # the user may accept the partial dump: then it answers
+    # the user may accept the partial dump: then it is judged, and every
+    # failing node read a tensor the device did not dump: no verdict, said so
     r = run_compare(services, golden, half, base / "out_half_accepted", precision="fp16", min_coverage=0.0)
-    assert r.exit_status == 1 and r.outcome == "fail"
-    # 5 of 9 answers by default, and not under a stricter bound
+    assert r.exit_status == 3 and "could not be judged" in r.summary["outcome"]["reason"], r.summary["outcome"]
+    assert {v["node"] for v in r.summary["verdicts"] if v["verdict"] == "no verdict"} >= {"relu2", "conv3"}
+    # 5 of 9 is judged by default, and refused under a stricter bound
     five = write_dump(base / "five", bug[::2], "npy")
-    assert run_compare(services, golden, five, base / "out_five", precision="fp16").exit_status == 1
+    r = run_compare(services, golden, five, base / "out_five", precision="fp16")
+    assert r.exit_status == 3 and "could not be judged" in r.summary["outcome"]["reason"]
     r = run_compare(services, golden, five, base / "out_five_strict", precision="fp16", min_coverage=0.6)
     assert r.exit_status == 3 and "5 of 9" in r.summary["outcome"]["reason"]
 
@@ -515,7 +521,9 @@ def test_dump_mode_all_inputs_agree_output_does_not(services, tmp_path, fmt):
     assert r.exit_status == 1
     comp = s["first_computation_error"]
     assert first_comp(s) == "conv2", headline(s)
-    assert "every input it read is within tolerance, its output is not" in comp["evidence"]
+    # what it read carries FP16 rounding only; its output is 30 % off
+    assert any("relative RMS error 0.3 here against" in e and "more than what it read can pass on" in e
+               for e in comp["evidence"]), comp["evidence"]
     assert not any("presumed" in e for e in comp["evidence"])
     outputs, inputs = node_rows(s), node_rows(s, "input")
     assert outputs["relu2"]["verdict"] == "accumulated precision error"

@@ -475,16 +475,30 @@ class ErrorPolicy:
         if p is not None and p.name != "fp32":
             self.inferred = p if self.inferred is None else coarser(self.inferred, p)
 
-    def precision_of(self, node: str, op_type: str, stored_dtype: str) -> tuple[Precision, str]:
+    def precision_of(self, node: str, op_type: str, stored_dtype: str, strict: bool = False
+                     ) -> tuple[Precision, str]:
+        """``strict``: without what was inferred from other tensors (while
+        the stream is under way, so that what is examined does not depend
+        on the order tensors arrive in)."""
         from layerdiff.analyzer.align.names import normalize
 
         override = self.overrides.get(normalize(node))
         stored = of_dtype(stored_dtype)
-        if self.job is None and self.inferred is not None and override is None and \
+        if not strict and self.job is None and self.inferred is not None and override is None and \
                 (stored is None or stored.name == "fp32"):
             return self.inferred, (f"the device stores its tensors in {self.inferred.name} (this one "
                                    f"{stored_dtype or 'float32'}, as converted builds keep some)")
         return node_precision(op_type, job=self.job, stored_dtype=stored_dtype, override=override)
+
+
+def scale_ratio(rms_in: float, rms_out: float) -> float:
+    """How much larger a relative error of what a node read reads on its
+    output's scale (rms_in / rms_out, at least 1): an activation that
+    zeroes half its input passes its error on in absolute terms, over a
+    smaller output."""
+    if not (rms_in > 0 and rms_out > 0 and math.isfinite(rms_in) and math.isfinite(rms_out)):
+        return 1.0
+    return max(1.0, rms_in / rms_out)
 
 
 def fmt_rel(v: float) -> str:

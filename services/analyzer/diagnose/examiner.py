@@ -157,7 +157,7 @@ class NodeExaminer:
             self.policy.seen(row.device_dtype)
         self._error_stats(row, ref, dev, force_compare)
         self.blocks_of[key] = row.block
-        self.errors_of[key] = (row.rel_err, row.abs_err)
+        self.errors_of[key] = (row.rel_err, row.abs_err, row.outcome.metrics.ref_rms if not row.masked else 0.0)
         if not row.is_input and not row.is_constant:
             self.judge_budget(row)
         if not row.is_input:
@@ -208,16 +208,19 @@ class NodeExaminer:
         if ref.size >= 256:
             row.block = EM.worst_block(err, r, self.policy.layout if ref.ndim == 4 else "")
 
-    def judge_budget(self, row) -> None:
+    def judge_budget(self, row, final: bool = False) -> None:
         """The precision the node computed in and the error its own
         arithmetic explains (ρ, the magnitudes, where its re-run gave them).
-        Called again at the end of the stream, when the job has seen every
-        type the device stored in."""
+        While the stream is under way the budget is the strict one (from
+        the node's own type and the job's precision: what is examined does
+        not depend on the order tensors arrive in); ``final``: at the end,
+        with every type the device stored in known, for the verdicts."""
         site = row.site
-        prec, why = self.policy.precision_of(site.node, site.op_type, row.device_dtype)
+        prec, why = self.policy.precision_of(site.node, site.op_type, row.device_dtype, strict=not final)
         row.precision, row.precision_from = prec.name, why
         rho = row.budget.rho if row.budget is not None and row.budget.rho != 1.0 else None
-        row.budget = EM.budget(site.op_type, prec, self.reduction_length(site), rho)
+        # K too only at the end: the shapes it is read from may not have arrived
+        row.budget = EM.budget(site.op_type, prec, self.reduction_length(site) if final else None, rho)
 
     def worth_a_look(self, row) -> bool:
         """Whether the node's error needs a closer look: past the seed's
@@ -257,7 +260,8 @@ class NodeExaminer:
                         if w.dtype.kind == "i" and w.ndim <= 1:     # Reduce*'s axes given as an input
                             weights["__axes__" + t] = tuple(int(a) for a in np.ravel(w))
             k = EM.onnx_reduction_length(node, shapes, weights)
-        self._k[site.node] = k
+        if k is not None:       # shapes not yet seen may still come
+            self._k[site.node] = k
         return k
 
     def _wait(self, w: _Waiting) -> None:
@@ -317,6 +321,7 @@ class NodeExaminer:
         compared."""
         rel, abs_sum, block = 0.0, 0.0, 0.0
         seen = False
+        out_rms = row.outcome.metrics.ref_rms if not row.masked else 0.0
         for node, k, t in self._external_reads(self.unit(row.site)):
             key = (node, k) if (node, k) in self.errors_of else t
             x = self.errors_of.get(key)
@@ -329,10 +334,9 @@ class NodeExaminer:
                 abs_sum += x[1]
             b = self.blocks_of.get(key)
             if b is not None:
-                block = max(block, b.rel)
+                block = max(block, b.rel * EM.scale_ratio(x[2], out_rms))
         if not seen:
             return None
-        out_rms = row.outcome.metrics.ref_rms if not row.masked else 0.0
         spread = abs_sum / out_rms if out_rms > 0 and math.isfinite(out_rms) else rel
         return rel, spread, block
 
@@ -356,9 +360,7 @@ class NodeExaminer:
             return ""
         if row.block is not None and row.block.rel > EM.GROWTH * max(block_in, carried) + allowed:
             return ""
-        own = row.budget.explains() if row.budget is not None else "its precision"
-        return (f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: no more than "
-                f"what it read and its own rounding ({own}) explain")
+        return inherited_words(row)
 
     def _weight(self, tensor: str) -> np.ndarray | None:
         """A weight of the reference: an initializer or a Constant node's value."""
@@ -496,3 +498,10 @@ def onnx_attr(a):
     from onnx import helper
 
     return helper.get_attribute_value(a)
+
+
+def inherited_words(row) -> str:
+    """Why a node's error is what it read (its budget as it stands)."""
+    own = row.budget.explains() if row.budget is not None else "its precision"
+    return (f"relative RMS error {fmt(row.rel_err)} here against {fmt(row.read_rel or 0.0)} in what it read: no "
+            f"more than what it read and its own rounding ({own}) explain")

@@ -146,6 +146,10 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
         elif row.inherited:
             f.verdict = ACCUMULATED
             f.evidence.append(row.inherited)
+        elif _within_own(row, allowed) and not (row.isolated is not None and quantized and row.quant_step):
+            f.verdict = ACCUMULATED
+            f.evidence.append(f"relative RMS error {fmt(row.rel_err)}, within what its own arithmetic explains even "
+                              f"from exact inputs ({_explains(budget)}; {EM.FACTOR:g}x allowed)")
         elif row.isolated is not None and quantized and row.quant_step and \
                 row.quant_step / 2 > _core(row).ref_rms > 0:
             # the INT8 hand-over itself: a step coarser than the values it carries
@@ -233,6 +237,13 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
     return out
 
 
+def _within_own(row, allowed: float) -> bool:
+    """The whole error, not just the node's own, is within its budget."""
+    budget = row.budget
+    local = max(EM.LOCAL_FACTOR * (budget.rel if budget is not None else 0.0), EM.FLOOR)
+    return row.rel_err <= allowed and (row.block is None or row.block.rel <= local)
+
+
 def _explains(budget) -> str:
     """'bf16 over K=3072 explains 4e-3' (the budget's words and figure)."""
     if budget is None:
@@ -313,7 +324,8 @@ def _judge_growth(row, f: Finding, activations: list) -> None:
     spread = sum(r.abs_err for r in activations)
     out_rms = row.outcome.metrics.ref_rms if not row.masked else 0.0
     carried = max(rel_in, spread / out_rms if out_rms > 0 and math.isfinite(out_rms) else rel_in)
-    block_in = max((r.block.rel for r in activations if r.block is not None), default=0.0)
+    block_in = max((r.block.rel * EM.scale_ratio(r.outcome.metrics.ref_rms if not r.masked else 0.0, out_rms)
+                    for r in activations if r.block is not None), default=0.0)
     if row.rel_err > EM.GROWTH * carried + allowed:
         f.verdict = COMPUTATION
         f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: "

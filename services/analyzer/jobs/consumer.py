@@ -35,7 +35,7 @@ import numpy as np
 from layerdiff.analyzer.align import layout as L
 from layerdiff.analyzer.align.values import ValueMatcher
 from layerdiff.analyzer.compare.node import SkipNode
-from layerdiff.analyzer.diagnose.examiner import NodeExaminer
+from layerdiff.analyzer.diagnose.examiner import NodeExaminer, inherited_words
 from layerdiff.analyzer.jobs.budget import DEFAULT_BUDGET, MemoryBudget
 from layerdiff.analyzer.report.files import JobReport, Row
 from layerdiff.common.onnxgraph import TensorSite
@@ -470,7 +470,9 @@ class StreamConsumer:
         rep = self.rep
         for row in rep.rows:        # budgets with every type the device stored in known
             if not row.is_input and not row.is_constant:
-                self.examiner.judge_budget(row)
+                self.examiner.judge_budget(row, final=True)
+                if row.inherited:
+                    row.inherited = inherited_words(row)
         rep.input_ranges = self.examiner.input_ranges
         rep.quantized = self.examiner.quantized
         rep.range_skips = list(self.p.range_skips)
