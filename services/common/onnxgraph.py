@@ -83,7 +83,8 @@ def graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:
             continue
         tt = vi.type.tensor_type
         dtype = ONNX_TO_NUMPY.get(tt.elem_type, "")
-        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim) \
+        # a negative size (-1, which some exporters write) is no size: any fits
+        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in tt.shape.dim) \
             if tt.HasField("shape") else None
         out.append(GraphInput(vi.name, dtype, shape))
     return out

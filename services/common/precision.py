@@ -39,6 +39,8 @@ U_FP16 = 2.0 ** -11
 U_BF16 = 2.0 ** -8      # 7 stored significand bits
 U_E4M3 = 2.0 ** -4      # 3 stored significand bits
 U_E5M2 = 2.0 ** -3      # 2 stored significand bits
+BF16_MAX = 3.3895313892515355e38
+U_INT8_WEIGHT = 2.0 ** -6   # half an INT8 step of a weight, relative to its RMS (see PRECISIONS)
 
 # the ops whose operands TF32 rounds: the products a tensor core computes
 PRODUCT_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "ConvInteger", "MatMulInteger",
@@ -55,6 +57,7 @@ class Precision:
     accumulate: float       # of a reduction's running sum
     storage: float          # of the stored output
     what: str               # one line, for the report
+    max_finite: float = 3.4028234663852886e38     # the largest value the stored output can hold
 
     @property
     def quantized(self) -> bool:
@@ -64,12 +67,17 @@ class Precision:
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("fp32", U_FP32, U_FP32, U_FP32, "FP32"),
     Precision("tf32", U_TF32, U_FP32, U_FP32, "TF32 products (11-bit operands, FP32 sums and outputs)"),
-    Precision("fp16", U_FP16, U_FP32, U_FP16, "FP16 (FP32 sums)"),
-    Precision("bf16", U_BF16, U_FP32, U_BF16, "BF16 (FP32 sums)"),
-    Precision("fp8_e4m3fn", U_E4M3, U_FP32, U_E4M3, "FP8 E4M3 (FP32 sums)"),
-    Precision("fp8_e5m2", U_E5M2, U_FP32, U_E5M2, "FP8 E5M2 (FP32 sums)"),
-    # the float parts of a quantized build; the quantization steps come from the data
-    Precision("int8", U_FP32, U_FP32, U_FP32, "INT8 QDQ (its steps read from the data)"),
+    Precision("fp16", U_FP16, U_FP32, U_FP16, "FP16 (FP32 sums)", 65504.0),
+    Precision("bf16", U_BF16, U_FP32, U_BF16, "BF16 (FP32 sums)", BF16_MAX),
+    # FP8 products (per-tensor scaled operands) with BF16 activations, as FP8 inference runs
+    Precision("fp8_e4m3fn", U_E4M3, U_FP32, U_BF16, "FP8 E4M3 products (FP32 sums, BF16 outputs)", BF16_MAX),
+    Precision("fp8_e5m2", U_E5M2, U_FP32, U_BF16, "FP8 E5M2 products (FP32 sums, BF16 outputs)", BF16_MAX),
+    # a quantized build: products read INT8 weights (per tensor, a step of about
+    # max/127: 1/64 of the RMS of a weight whose largest value is 4 times its
+    # RMS), sum exactly in INT32, and hand over on their output's grid (its
+    # step read from the data); the float parts between them compute in FP32
+    Precision("int8", U_INT8_WEIGHT, U_FP32, U_FP32, "INT8 QDQ (weights ~1/64 of their RMS, output steps read "
+              "from the data)"),
 )}
 NAMES = tuple(PRECISIONS)
 ALIASES = {"float32": "fp32", "fp32": "fp32", "tf32": "tf32", "float16": "fp16", "half": "fp16", "fp16": "fp16",
@@ -120,13 +128,13 @@ def node_precision(op_type: str, *, job: Precision | None, stored_dtype: str = "
     stored = of_dtype(stored_dtype)
     if stored is not None and stored.name != "fp32":
         return stored, f"its output was written in {stored_dtype}"
-    if job is None or job.name in ("fp32", "int8"):
+    if job is None or job.name == "fp32":
         return PRECISIONS["fp32"], ("its output was written in float32" if stored is not None and job is None
                                     else "FP32")
-    if job.name == "tf32":
+    if job.name in ("tf32", "int8"):
         base = op_type.split(".")[1] if op_type.startswith("aten.") and "." in op_type[5:] else op_type
-        return (job, "TF32 products (the job's precision)") if base in PRODUCT_OPS else \
-            (PRECISIONS["fp32"], "FP32 (TF32 rounds only products)")
+        return (job, f"{job.name.upper()} products (the job's precision)") if base in PRODUCT_OPS else \
+            (PRECISIONS["fp32"], f"FP32 ({job.name.upper()} changes only products)")
     return job, f"the job's precision ({job.name})"
 
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from layerdiff.common.precision import Precision, coarser, node_precision, of_dtype
+from layerdiff.common.precision import PRECISIONS, Precision, coarser, node_precision, of_dtype
 
 # A node adds a computation error when its own error exceeds FACTOR times
 # what its precision explains (E1 as an RMS; the observed RMS of rounding
@@ -74,6 +74,21 @@ FLOOR = 2e-5
 # relative error through a product, a sum or an activation grows by a small
 # factor at most where its terms do not cancel.
 GROWTH = 2.0
+# Without a re-run alone (two dumps, no model) the error a node adds can
+# only be told from how much its error grew beyond what it read. How much
+# a node passes on depends on its op: a product's cancellation can make its
+# relative error many times its input's (a classifier's last MatMul: 8.8x on
+# a clean FP16 run), an activation's hardly more than once. Per kind, the
+# largest growth clean FP16, BF16, TF32 and INT8 runs of the six calibration
+# architectures showed (bench/bench_verdicts.py), with margin; for the
+# worst block of a tensor against the worst of what it read, the same.
+DUMP_GROWTH = {"product": 12.0, "reduction": 10.0, "norm": 4.0}
+DUMP_GROWTH_DEFAULT = 3.0
+DUMP_BLOCK_GROWTH = {"product": 6.0, "reduction": 10.0}
+DUMP_BLOCK_GROWTH_DEFAULT = 4.0
+# a tensor too small to cut into blocks may hold all its error in one: a
+# block of 1/16 of it then carries 4 times its relative RMS error
+UNCUT_BLOCK = 4.0
 
 EXACT_OPS = frozenset({
     "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split", "Slice", "Gather", "GatherND",
@@ -154,14 +169,12 @@ class Budget:
     rho: float = 1.0
     words: str = ""
 
-    @property
-    def exact(self) -> bool:
-        return self.rel == 0.0
+    kind: str = ""
 
     def explains(self) -> str:
         """'bf16 over K=3072 explains 4e-03', or that the op is exact."""
-        if self.exact:
-            return f"{self.precision}: an exact op, which adds no error of its own"
+        if self.kind == "exact":
+            return f"{self.words} explains {self.rel:.3g} (an exact op: only the rounding of what it stores)"
         return f"{self.words} explains {self.rel:.3g}"
 
     @property
@@ -174,7 +187,9 @@ def relative_rms(precision: Precision, kind: str, k: int | None = None, rho: flo
     """E1 (and its element-wise and exact forms) for one node."""
     u_op, u_acc, u_st = precision.operand, precision.accumulate, precision.storage
     if kind == "exact":
-        return 0.0
+        # its values are what it read, unless it stores them narrower (a
+        # weight an FP16 build holds in FP16, read as FP32 by the reference)
+        return math.sqrt(1.0 / 3.0) * u_st
     if kind in ("product", "reduction", "norm"):
         n = max(int(k or 1), 1)
         # the normalizations divide by a reduction and scale element-wise
@@ -185,7 +200,11 @@ def relative_rms(precision: Precision, kind: str, k: int | None = None, rho: flo
     return math.sqrt((c * c / 3.0) * u_st ** 2 * max(rho, 1.0) ** 2)
 
 
-def budget(op_type: str, precision: Precision, k: int | None = None, rho: float | None = None) -> Budget:
+def budget(op_type: str, precision: Precision, k: int | None = None, rho: float | None = None,
+           step: float = 0.0, scale: float = 0.0) -> Budget:
+    """The node's budget. ``step``: the grid its output is handed over on
+    (INT8, read from the device values), whose rounding, uniform over a
+    step, adds an RMS of step/√12 to an output of RMS ``scale``."""
     kind = op_kind(op_type)
     r = 1.0 if rho is None or not math.isfinite(rho) or rho <= 0 else float(rho)
     rel = relative_rms(precision, kind, k, r)
@@ -194,7 +213,10 @@ def budget(op_type: str, precision: Precision, k: int | None = None, rho: float 
         words += f" over K={k}"
     if rho is not None and r > 1.05:
         words += f", terms {r:.3g}x the result"
-    return Budget(rel, precision.name, k if kind in ("product", "reduction", "norm") else None, r, words)
+    if step > 0 and scale > 0 and math.isfinite(step) and math.isfinite(scale):
+        rel = math.sqrt(rel * rel + (step / math.sqrt(12.0) / scale) ** 2)
+        words += f", output step {step:.3g}"
+    return Budget(rel, precision.name, k if kind in ("product", "reduction", "norm") else None, r, words, kind)
 
 
 def int8_rms(k: int, s_w: float, s_x: float, rms_x: float, rms_w: float, s_y: float = 0.0) -> float:
@@ -369,21 +391,21 @@ def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elem
     def groups(axis: int, label: str) -> None:
         se, sr, per = along((axis,))
         for a, b in _groups(e.shape[axis], 16):
-            cuts.append((f"{label} {a}..{b - 1}", se[a:b].sum(), sr[a:b].sum(), per * (b - a)))
+            cuts.append((label.format(f"{a}..{b - 1}"), se[a:b].sum(), sr[a:b].sum(), per * (b - a)))
 
     if nd == 4:
         c_axis, (h_axis, w_axis) = (3, (1, 2)) if layout == "NHWC" else (1, (2, 3))
-        groups(c_axis, "channels")
+        groups(c_axis, "channels {}")
         se, sr, per = along((h_axis, w_axis))
         for ha, hb in _groups(e.shape[h_axis], 4):
             for wa, wb in _groups(e.shape[w_axis], 4):
                 cuts.append((f"rows {ha}..{hb - 1}, columns {wa}..{wb - 1}", se[ha:hb, wa:wb].sum(),
                              sr[ha:hb, wa:wb].sum(), per * (hb - ha) * (wb - wa)))
     else:
-        groups(nd - 1, "features" if nd > 1 else "elements")
+        groups(nd - 1, "features {}" if nd > 1 else "elements {}")
         rows = next((ax for ax in range(nd - 2, -1, -1) if e.shape[ax] > 1), None)
         if rows is not None:
-            groups(rows, f"rows (axis {rows})")
+            groups(rows, "rows {} of axis " + str(rows))
     best: Block | None = None
     for where, se_b, sr_b, n in cuts:
         if n < min_elements:
@@ -484,11 +506,20 @@ class ErrorPolicy:
 
         override = self.overrides.get(normalize(node))
         stored = of_dtype(stored_dtype)
+        if self.job is None and self.quantized and override is None:
+            return node_precision(op_type, job=PRECISIONS["int8"], stored_dtype=stored_dtype)
         if not strict and self.job is None and self.inferred is not None and override is None and \
                 (stored is None or stored.name == "fp32"):
             return self.inferred, (f"the device stores its tensors in {self.inferred.name} (this one "
                                    f"{stored_dtype or 'float32'}, as converted builds keep some)")
         return node_precision(op_type, job=self.job, stored_dtype=stored_dtype, override=override)
+
+
+def quant_break(step: float, rms: float, rel_err: float) -> bool:
+    """An INT8 hand-over whose step is coarser than the values it carries
+    (half a step above their RMS ``rms``: most of them round to one or two
+    levels), and that loses them (relative RMS error above 0.1)."""
+    return bool(step) and math.isfinite(rms) and step / 2 > rms > 0 and rel_err > 0.1
 
 
 def scale_ratio(rms_in: float, rms_out: float) -> float:

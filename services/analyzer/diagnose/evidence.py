@@ -129,6 +129,11 @@ def quant_grid(dev: np.ndarray, max_levels: int = 256) -> tuple[float, int] | No
     """(step, levels) where the device values lie on a grid of at most
     ``max_levels`` values (a dequantized INT8 tensor); None otherwise."""
     a = np.asarray(dev).ravel()
+    if a.size > 8192:
+        # more distinct values in a few thousand than a grid can hold: no grid (one cheap look first)
+        head = a[:: a.size // 4096 + 1]
+        if np.unique(head[np.isfinite(head)]).size > max_levels:
+            return None
     if a.size > 1 << 22:
         a = a[:: a.size // (1 << 22) + 1]
     a = a[np.isfinite(a)]

@@ -179,8 +179,9 @@ class NodeExaminer:
         the largest relative error (a group of channels, a tile), and where
         the reference holds mask-like values (|x| above 1000 times the
         median magnitude: -3.4e38 or -1e4 of an additive attention mask),
-        its relative and RMS errors without them: a mask clamped or
-        saturated says nothing of how the rest was computed."""
+        or sentinels beyond 1e30 (finfo.min), its relative and RMS errors
+        without them: a mask clamped or saturated says nothing of how the
+        rest was computed."""
         from layerdiff.analyzer.compare.node import SkipNode, reconcile
 
         if ref.dtype.kind != "f" or ref.size < 16:
@@ -197,8 +198,13 @@ class NodeExaminer:
             med = float(np.median(sample)) if sample.size else 0.0
             top = float(np.max(np.where(np.isfinite(mag), mag, 0))) if mag.size else 0.0
             r = ref
-            if med > 0 and top > 1e3 * med:
-                keep = np.isfinite(mag) & (mag <= 1e3 * med)
+            # sentinels: the -3.4e38 (finfo.min) of a mask, whatever the median
+            # (a mask tensor is zeros and sentinels); a device saturates them
+            limit = 1e30
+            if (med > 0 and top > 1e3 * med) or top >= limit:
+                keep = np.isfinite(mag) & (mag < limit)
+                if med > 0:
+                    keep &= mag <= 1e3 * med
                 err = np.where(keep, err, 0)
                 r = np.where(keep, ref, 0)
                 n = int(np.count_nonzero(keep))
@@ -207,6 +213,14 @@ class NodeExaminer:
                 row.err_rms = float(np.sqrt(np.sum(np.square(err, dtype=np.float64)) / max(n, 1)))
         if ref.size >= 256:
             row.block = EM.worst_block(err, r, self.policy.layout if ref.ndim == 4 else "")
+        if self.policy.quantized and not row.is_constant:
+            grid = quant_grid(d)        # an INT8 hand-over: the step its values lie on
+            if grid is not None:
+                row.quant_step, row.quant_levels = grid
+                rms = row.abs_err / row.rel_err if row.masked and row.rel_err else row.outcome.metrics.ref_rms
+                if self.injected is not None and not row.is_input and d.shape == ref.shape and \
+                        EM.quant_break(row.quant_step, rms, row.rel_err):
+                    self.injected.keep(row.site.tensor, d)      # a break: its impact is measured
 
     def judge_budget(self, row, final: bool = False) -> None:
         """The precision the node computed in and the error its own
@@ -220,7 +234,9 @@ class NodeExaminer:
         row.precision, row.precision_from = prec.name, why
         rho = row.budget.rho if row.budget is not None and row.budget.rho != 1.0 else None
         # K too only at the end: the shapes it is read from may not have arrived
-        row.budget = EM.budget(site.op_type, prec, self.reduction_length(site) if final else None, rho)
+        scale = row.outcome.metrics.ref_rms if not row.masked else (row.abs_err / row.rel_err if row.rel_err else 0.0)
+        row.budget = EM.budget(site.op_type, prec, self.reduction_length(site) if final else None, rho,
+                               step=row.quant_step, scale=scale)
 
     def worth_a_look(self, row) -> bool:
         """Whether the node's error needs a closer look: past the seed's
@@ -333,8 +349,7 @@ class NodeExaminer:
             if math.isfinite(x[1]):
                 abs_sum += x[1]
             b = self.blocks_of.get(key)
-            if b is not None:
-                block = max(block, b.rel * EM.scale_ratio(x[2], out_rms))
+            block = max(block, (b.rel if b is not None else EM.UNCUT_BLOCK * x[0]) * EM.scale_ratio(x[2], out_rms))
         if not seen:
             return None
         spread = abs_sum / out_rms if out_rms > 0 and math.isfinite(out_rms) else rel
@@ -438,11 +453,24 @@ class NodeExaminer:
         try:
             # A reference that is not ONNX (TensorFlow) re-runs its own op.
             isolate = getattr(self.reference, "run_isolated", None)
+            onnx_model = getattr(self.reference, "model", None)
+            if onnx_model is not None and not hasattr(onnx_model, "graph"):
+                onnx_model = None
             group = self.groups.get(site.tensor)
-            if group and not isolate:
+            if onnx_model is not None:
+                unit = group or [site.node]
+                grown = self._reach_back(unit)
+                if grown is not None:
+                    row.unit_note = ("re-run together with " + ", ".join(n for n in grown if n not in unit)
+                                     + ", whose outputs the device did not send")
+                    group = grown
+                    isolate = None      # the group runs on the model's graph
+            if group and not isolate and onnx_model is not None:
                 device = {t: self.values.outputs[t][0] for _, _, t in self._external_reads(group)
                           if t in self.values.outputs}
-                iso = run_group_isolated(self.reference.model, [self._index[n] for n in group], device,
+                device.update({t: self.values.inputs[(n, k)][0] for n, k, t in self._external_reads(group)
+                               if (n, k) in self.values.inputs})
+                iso = run_group_isolated(onnx_model, [self._index[n] for n in group], device,
                                          self.feeds)[site.tensor]
             else:
                 outs = isolate(site, self.values.inputs_of(site.node), self.feeds) if isolate else \
@@ -462,14 +490,36 @@ class NodeExaminer:
                 row.core_note = (f"{int((~keep).sum())} mask-like values (|x| > {thr:.3g}) left out, "
                                  f"{int(keep.sum())} compared")
             if self.quantized:
-                grid = quant_grid(dev_aligned)
-                if grid is not None:
-                    row.quant_step, row.quant_levels = grid
                 row.int8_bound = self._int8_bound(site)
             if not row.layout:
                 row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
         except (IsolationUnavailable, SkipNode, IndexError, KeyError) as e:
             row.isolation_note = str(e) or type(e).__name__
+
+    def _reach_back(self, nodes: list[str], most: int = 8) -> list[str] | None:
+        """The unit grown backwards through what it reads that the device did
+        not send (fused or not dumped): the producers of those tensors join
+        it, in execution order, until every tensor it reads from outside has
+        a device value, or is a model input or a weight. None when nothing
+        is missing, when it would take more than ``most`` nodes, or when a
+        missing tensor has no producer."""
+        if getattr(self.reference, "model", None) is None:
+            return None
+        producer = {s.tensor: s.node for s in self.reference.sites}
+        unit = list(nodes)
+        while True:
+            missing = [t for n, k, t in self._external_reads(unit)
+                       if t not in self.values.outputs and (n, k) not in self.values.inputs]
+            if not missing:
+                return None if unit == list(nodes) else sorted(unit, key=lambda n: self._index.get(n, -1))
+            for t in missing:
+                p = producer.get(t)
+                if p is None:
+                    return None
+                if p not in unit:
+                    unit.append(p)
+            if len(unit) > most:
+                return None
 
     def _magnitudes(self, row, iso: np.ndarray) -> None:
         """A product's budget with its magnitudes: ρ from the device input it

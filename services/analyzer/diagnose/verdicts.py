@@ -138,6 +138,17 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
                 f.evidence.append(f"{m.dev_nan} NaN values appear on the device here from {read}, while the "
                                   "reference is finite: an invalid operation (the square root or logarithm of a "
                                   "negative number, 0/0, Inf - Inf, a negative epsilon), not an overflow")
+        elif quantized and _quant_break(row):
+            # the INT8 hand-over itself: a step coarser than the values it carries
+            f.verdict, f.cause = COMPUTATION, "quantization"
+            scale = _core_rms(row)
+            f.evidence.append(f"its output reaches the next node in INT8 on a grid of {row.quant_levels} levels "
+                              f"{fmt(row.quant_step)} apart (read from the device values), coarser than the values "
+                              f"it carries (RMS {fmt(scale)}"
+                              + (f", {row.masked} mask-like values left out" if row.masked else "")
+                              + f"): the quantization scale destroys them (relative RMS error {fmt(row.rel_err)}); "
+                              f"a scale for their range (a step of about {fmt(_fitting_step(row))}) keeps them; the "
+                              "node reading it gets the wrong input")
         elif row.inherited and weight_issues.get(row.site.node) and not quantized:
             # what it read explains the size of its error, but its weights are
             # known to differ: it computes something else (impact says if it matters)
@@ -150,18 +161,10 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             f.verdict = ACCUMULATED
             f.evidence.append(f"relative RMS error {fmt(row.rel_err)}, within what its own arithmetic explains even "
                               f"from exact inputs ({_explains(budget)}; {EM.FACTOR:g}x allowed)")
-        elif row.isolated is not None and quantized and row.quant_step and \
-                row.quant_step / 2 > _core(row).ref_rms > 0:
-            # the INT8 hand-over itself: a step coarser than the values it carries
-            core = _core(row)
-            f.verdict, f.cause = COMPUTATION, "quantization"
-            f.evidence.append(f"its output reaches the next node in INT8 on a grid of {row.quant_levels} levels "
-                              f"{fmt(row.quant_step)} apart (read from the device values), coarser than the values "
-                              f"it carries (RMS {fmt(core.ref_rms)}{_core_words(row)}): the quantization scale "
-                              f"destroys them (re-run alone: cosine {fmt(core.cosine)}, largest difference "
-                              f"{fmt(core.max_abs_diff)}); the node reading it gets the wrong input")
         elif row.isolated is not None and row.own_rel is not None:
             _judge_own(row, f, quantized)
+            if row.unit_note:
+                f.evidence.append(row.unit_note)
         elif row.isolated is not None:
             # re-run alone but not comparable element by element (a layout the
             # device changed): the isolated metrics speak
@@ -235,6 +238,23 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             continue        # rounding within tolerance: nothing to say of this node
         out[id(row)] = f
     return out
+
+
+def _core_rms(row) -> float:
+    """The reference's RMS of a tensor, mask-like values left out."""
+    if row.masked and row.rel_err > 0:
+        return row.abs_err / row.rel_err
+    return row.outcome.metrics.ref_rms
+
+
+def _quant_break(row) -> bool:
+    return EM.quant_break(row.quant_step, _core_rms(row), row.rel_err)
+
+
+def _fitting_step(row) -> float:
+    """The step an 8-bit grid over the values' own range would have: about
+    8 RMS (a Gaussian's ±4 sigma) over 255 levels."""
+    return 8.0 * _core_rms(row) / 255.0
 
 
 def _within_own(row, allowed: float) -> bool:
@@ -316,30 +336,34 @@ def _core_rel(row) -> float:
 
 def _judge_growth(row, f: Finding, activations: list) -> None:
     """No re-run alone (a golden dump without a model): the error the node
-    adds is what its error grew by beyond what it read could pass on
-    (errormodel.GROWTH times it), over the whole tensor or a block."""
+    adds is what its error grew by beyond what it read could pass on (per
+    op kind, errormodel.DUMP_GROWTH times it), over the whole tensor or its
+    worst block against the worst block of what it read."""
     budget = row.budget
     allowed = budget.allowed if budget is not None else EM.FLOOR
+    kind = EM.op_kind(row.site.op_type)
+    grow = EM.DUMP_GROWTH.get(kind, EM.DUMP_GROWTH_DEFAULT)
+    grow_block = EM.DUMP_BLOCK_GROWTH.get(kind, EM.DUMP_BLOCK_GROWTH_DEFAULT)
     rel_in = max((r.rel_err for r in activations), default=0.0)
     spread = sum(r.abs_err for r in activations)
     out_rms = row.outcome.metrics.ref_rms if not row.masked else 0.0
     carried = max(rel_in, spread / out_rms if out_rms > 0 and math.isfinite(out_rms) else rel_in)
-    block_in = max((r.block.rel * EM.scale_ratio(r.outcome.metrics.ref_rms if not r.masked else 0.0, out_rms)
-                    for r in activations if r.block is not None), default=0.0)
-    if row.rel_err > EM.GROWTH * carried + allowed:
+    block_in = max(((r.block.rel if r.block is not None else EM.UNCUT_BLOCK * r.rel_err)
+                    * EM.scale_ratio(r.outcome.metrics.ref_rms if not r.masked else 0.0, out_rms)
+                    for r in activations), default=0.0)
+    if row.rel_err > grow * carried + allowed:
         f.verdict = COMPUTATION
-        f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: "
-                          f"{fmt(row.rel_err - EM.GROWTH * carried)} more than what it read can pass on "
-                          f"({EM.GROWTH:g}x); {_explains(budget)}: "
-                          f"{_times(row.rel_err - EM.GROWTH * carried, budget)}")
+        f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read, more "
+                          f"than a {row.site.op_type or 'node'} passes on ({grow:g}x) and its own rounding adds "
+                          f"({_explains(budget)}): {fmt(row.rel_err - grow * carried)} of its own")
         return
     blk = row.block
-    if blk is not None and blk.rel > EM.GROWTH * max(block_in, carried) + max(
-            EM.LOCAL_FACTOR * (budget.rel if budget is not None else 0.0), EM.FLOOR):
+    local = max(EM.LOCAL_FACTOR * (budget.rel if budget is not None else 0.0), EM.FLOOR)
+    if blk is not None and blk.rel > grow_block * max(block_in, carried) + local:
         f.verdict = COMPUTATION
         f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) its relative RMS error is {fmt(blk.rel)}, "
-                          f"against at most {fmt(max(block_in, carried))} in any part of what it read; "
-                          f"{_explains(budget)}")
+                          f"against at most {fmt(max(block_in, carried))} in any part of what it read, more than a "
+                          f"{row.site.op_type or 'node'} passes on ({grow_block:g}x); {_explains(budget)}")
         return
     f.verdict = ACCUMULATED
     f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: no "

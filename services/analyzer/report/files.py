@@ -61,6 +61,7 @@ class Row:
     # evidence gathered while the tensors were at hand (failing nodes only)
     isolated: object = None          # metrics of the device against the node re-run alone on its device inputs
     isolation_note: str = ""         # why there is no isolated re-run
+    unit_note: str = ""              # what it was re-run with (producers the device did not send)
     isolated_core: object = None     # the same without mask-like values (|x| >> the rest), where the reference has some
     core_note: str = ""
     quant_step: float = 0.0          # a quantized build: the step of the grid the device values lie on

@@ -231,6 +231,8 @@ def write_dump(directory: str | Path, records: Iterable[NodeRecord], fmt: str = 
                 ds = f.create_dataset(f"{node}/0/{r.role}/{r.slot}", data=r.array)
                 if r.overflow:
                     ds.attrs["overflow"] = r.overflow
+                if r.source_dtype:
+                    ds.attrs["dtype"] = r.source_dtype
         nodes.append({"name": "dump", "file": "dump.h5", "format": "h5", "order": 0})
     elif fmt == "npz":
         keys = [r.name if r.role != ROLE_INPUT else f"{r.node or r.name}.input.{r.slot}" for _, r in kept]

@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from layerdiff.common.precision import BITS, round_significand
+from layerdiff.common.precision import BITS, PRECISIONS, round_significand
 
 EMULATED = ("bf16", "tf32", "fp8_e4m3fn", "fp8_e5m2")
 _PRODUCTS = {"Conv": (0, 1), "ConvTranspose": (0, 1), "MatMul": (0, 1), "Gemm": (0, 1)}
@@ -48,7 +48,11 @@ def round_like_device(x: np.ndarray, precision: str) -> np.ndarray:
     saturating), as the build rounds a value (weights, and the tests)."""
     a = np.asarray(x, np.float32)
     if precision not in _FP8:
-        return round_significand(a, BITS[precision])
+        r = round_significand(a, BITS[precision])
+        # a weight beyond the format's range is held at its largest value (an
+        # FP32 mask of -3.4e38 in BF16), as converters store it, never Inf
+        top = PRECISIONS[precision].max_finite
+        return np.where(np.isinf(r) & np.isfinite(a), np.copysign(np.float32(top), a), r).astype(np.float32)
     top, normal, step = _FP8[precision]
     with np.errstate(all="ignore"):
         r = round_significand(a, BITS[precision])

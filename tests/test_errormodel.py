@@ -1,0 +1,224 @@
+"""The error model against measured rounding: products of random matrices
+rounded as each precision rounds them (operands, FP32 sums, stored output)
+stay within the stated factor of what the model explains, and the model is
+within 10x of what is observed, with and without cancellation; what a
+precision is read from; the emulated device builds round as the formats
+do; the worst block of a tensor finds a local error."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from layerdiff.analyzer.compare.tolerances import Tolerances
+from layerdiff.analyzer.diagnose import errormodel as EM
+from layerdiff.client.api import parse_node_precision
+from layerdiff.collector.live.emulate import emulated, fp8_scaled, round_like_device
+from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.precision import BITS, PRECISIONS, node_precision, parse, round_significand
+
+FLOATS = ("fp16", "bf16", "tf32", "fp8_e4m3fn", "fp8_e5m2", "fp32")
+
+
+def _round(x: np.ndarray, name: str) -> np.ndarray:
+    return round_significand(np.asarray(x, np.float32), BITS[name])
+
+
+def _product(x: np.ndarray, w: np.ndarray, name: str) -> np.ndarray:
+    """x @ w as a device in ``name`` computes it: operands rounded, FP32
+    sums, the output stored in its storage format."""
+    p = PRECISIONS[name]
+    y = (_round(x, name) @ _round(w, name)).astype(np.float32)
+    store = "bf16" if p.storage == PRECISIONS["bf16"].storage else ("fp16" if name == "fp16" else "fp32")
+    return _round(y, store) if store != "fp32" else y
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(FLOATS), k=st.sampled_from([8, 64, 512, 3072]), seed=st.integers(0, 2**31 - 1),
+       offset=st.sampled_from([0.0, 0.5, 3.0]), scale=st.floats(1e-3, 1e3))
+def test_products_stay_within_the_budget_and_the_budget_within_10x_of_them(name, k, seed, offset, scale):
+    """Random products, some with inputs far from zero mean (their terms
+    cancel: ρ > 1, from the magnitudes): the observed relative RMS error is
+    never above FACTOR times E1 (the bound holds in every draw) and never
+    below a tenth of it."""
+    rng = np.random.default_rng(seed)
+    x = ((rng.standard_normal((48, k)) + offset) * scale).astype(np.float32)
+    w = (rng.standard_normal((k, 32)) / math.sqrt(k)).astype(np.float32)
+    w -= w.mean(axis=0, keepdims=True) * (offset > 0)       # columns summing to ~0: the mean cancels
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    observed = EM.rel_rms(_product(x, w, name) - exact, exact)
+    rho = EM.product_rho("MatMul", x, w, exact, {})
+    b = EM.budget("MatMul", PRECISIONS[name], k, rho)
+    assert observed <= EM.FACTOR * b.rel, (observed, b)
+    assert observed >= b.rel / 10, (observed, b)
+
+
+@pytest.mark.parametrize("name", FLOATS)
+def test_the_model_names_its_terms(name):
+    b = EM.budget("Conv", PRECISIONS[name], 3072)
+    assert b.words.startswith(f"{name} over K=3072") and b.explains().startswith(f"{name} over K=3072 explains")
+    assert EM.budget("Reshape", PRECISIONS[name]).kind == "exact"
+    relu = EM.budget("Relu", PRECISIONS["fp32"])
+    assert relu.rel < 1e-7 and relu.allowed == EM.FLOOR
+    # FP32 is near-exact: a 1 % error is past what it allows, by far
+    assert EM.budget("MatMul", PRECISIONS["fp32"], 4096).allowed < 1e-4
+
+
+def test_reduction_lengths_from_the_graph():
+    w = {"w": (64, 16, 3, 3), "wt": (128, 256)}
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], group=1)
+    assert EM.onnx_reduction_length(conv, {"x": (1, 16, 8, 8)}, w) == 144
+    mm = helper.make_node("MatMul", ["x", "wt"], ["y"])
+    assert EM.onnx_reduction_length(mm, {"x": (1, 7, 128)}, w) == 128
+    gemm = helper.make_node("Gemm", ["x", "wt"], ["y"], transA=1)
+    assert EM.onnx_reduction_length(gemm, {"x": (300, 5)}, w) == 300
+    sm = helper.make_node("Softmax", ["x"], ["y"], axis=1)
+    assert EM.onnx_reduction_length(sm, {"x": (2, 10, 3)}, w) == 10
+    ln = helper.make_node("LayerNormalization", ["x", "g"], ["y"], axis=-2)
+    assert EM.onnx_reduction_length(ln, {"x": (2, 10, 3)}, w) == 30
+    rm = helper.make_node("ReduceMean", ["x"], ["y"], axes=[2, 3])
+    assert EM.onnx_reduction_length(rm, {"x": (1, 4, 5, 6)}, w) == 30
+    gap = helper.make_node("GlobalAveragePool", ["x"], ["y"])
+    assert EM.onnx_reduction_length(gap, {"x": (1, 4, 5, 6)}, w) == 30
+    assert EM.torch_reduction_length("aten.convolution.default", [(1, 16, 8, 8), (64, 16, 3, 3)], {}) == 144
+    assert EM.torch_reduction_length("layer1.0.conv1", [(1, 16, 8, 8)],
+                                     {"class": "Conv2d", "in_channels": 16, "kernel_size": [3, 3], "groups": 1}) == 144
+    assert EM.torch_reduction_length("fc", [(2, 512)], {"class": "Linear", "in_features": 512}) == 512
+
+
+# --------------------------------------------------------------- precisions
+
+def test_precisions_by_name_alias_and_data_type():
+    assert parse("BF16").name == "bf16" and parse("bfloat16").name == "bf16" and parse("e4m3").name == "fp8_e4m3fn"
+    assert parse("") is None and parse("auto") is None
+    with pytest.raises(LayerdiffError, match="unknown precision 'fp12'.*fp32, tf32, fp16, bf16"):
+        parse("fp12")
+    p, why = node_precision("MatMul", job=None, stored_dtype="bfloat16")
+    assert p.name == "bf16" and "bfloat16" in why
+    assert node_precision("Softmax", job=None, stored_dtype="float32")[0].name == "fp32"
+    # TF32 rounds products only
+    assert node_precision("Conv", job=parse("tf32"))[0].name == "tf32"
+    assert node_precision("aten.convolution.default", job=parse("tf32"))[0].name == "tf32"
+    assert node_precision("Add", job=parse("tf32"))[0].name == "fp32"
+    # a float32 dump of a job that says bf16 was widened: the job's precision stands
+    assert node_precision("Add", job=parse("bf16"), stored_dtype="float32")[0].name == "bf16"
+    # an override wins over both
+    assert node_precision("Add", job=parse("bf16"), stored_dtype="float16", override=parse("fp32"))[0].name == "fp32"
+
+
+def test_a_job_without_a_precision_reads_it_from_what_the_device_stored():
+    policy = EM.ErrorPolicy()
+    assert policy.precision_of("fc", "Gemm", "float32")[0].name == "fp32"
+    policy.seen("float16")
+    # a converted build keeps some outputs in float32: they count as the build's precision
+    p, why = policy.precision_of("fc", "Gemm", "float32")
+    assert p.name == "fp16" and "stores its tensors in fp16" in why
+    assert policy.precision_of("fc", "Gemm", "float32", strict=True)[0].name == "fp32"
+
+
+def test_per_node_precisions_from_op_config_and_the_command_line():
+    t = Tolerances(op_config_csv="op_name,atol,rtol,precision\nconv1,NA,NA,bf16\nfc,0.1,NA,\n",
+                   node_precision={"head/MatMul": "fp8_e5m2"})
+    assert t.precisions["conv1"].name == "bf16" and "fc" not in t.precisions
+    assert next(iter(v for k, v in t.precisions.items() if "head" in k)).name == "fp8_e5m2"
+    with pytest.raises(LayerdiffError, match="op_config.csv.*'conv2'.*line 2.*unknown precision 'half-ish'"):
+        Tolerances(op_config_csv="op_name,atol,rtol,precision\nconv2,NA,NA,half-ish\n")
+    assert parse_node_precision(["conv1=bf16,fc=fp32", "x=float16"]) == {"conv1": "bf16", "fc": "fp32",
+                                                                         "x": "fp16"}
+    with pytest.raises(LayerdiffError, match="expected NODE=PRECISION"):
+        parse_node_precision("conv1")
+
+
+# ------------------------------------------------------------ emulated builds
+
+def test_bf16_and_fp8_rounding_is_the_formats():
+    torch = pytest.importorskip("torch")
+    x = (np.random.default_rng(0).standard_normal(200_000) * 30).astype(np.float32)
+    x[:5] = [0.0, -0.0, 1e-40, 3.0e38, -3.39e38]
+    want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    got = round_like_device(x, "bf16")
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert np.isfinite(got).all()            # beyond BF16's range a weight is held at its largest value
+    for name, tdtype in (("fp8_e4m3fn", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        inside = np.clip(x, -400, 400) / 10
+        np.testing.assert_array_equal(round_like_device(inside, name),
+                                      torch.from_numpy(inside).to(tdtype).float().numpy())
+    assert round_like_device(np.array([1e6, -1e6], np.float32), "fp8_e4m3fn").tolist() == [448.0, -448.0]
+    w = np.random.default_rng(1).standard_normal(1000).astype(np.float32) * 1e-3
+    s = fp8_scaled(w, "fp8_e4m3fn")
+    assert np.max(np.abs(s)) == pytest.approx(np.max(np.abs(w)), rel=1e-6)     # scaled into range, not flushed
+    assert 0.005 < EM.rel_rms(s - w, w) < 0.06
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "fp8_e4m3fn"])
+def test_an_emulated_build_rounds_where_the_device_does(precision):
+    """A MatMul -> Add -> Relu: in BF16 every stored value is on the BF16
+    grid; in TF32 the MatMul's operands are, its output is FP32's."""
+    rng = np.random.default_rng(2)
+    w = numpy_helper.from_array(rng.standard_normal((32, 16)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
+             helper.make_node("Add", ["mm", "b"], ["add"], name="add"),
+             helper.make_node("Relu", ["add"], ["y"], name="relu")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16])], initializer=[w, b])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 7
+    build, view = emulated(model, precision)
+    names = [view.get(t, t) for t in ("mm", "add", "y")]
+    m = onnx.ModelProto()
+    m.CopyFrom(build)
+    m.graph.output.extend(onnx.ValueInfoProto(name=t) for t in names)
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    out = dict(zip(names, ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+                   .run(names, {"x": x})))
+    exact = x.astype(np.float64) @ numpy_helper.to_array(w).astype(np.float64)
+    mm = out[view.get("mm", "mm")]
+    if precision == "tf32":
+        want = (_round(x, "tf32") @ _round(numpy_helper.to_array(w), "tf32")).astype(np.float32)
+        np.testing.assert_allclose(mm, want, rtol=1e-6, atol=1e-6)
+        assert not view
+    else:
+        stored = "bf16"
+        for t in ("mm", "add", "y"):
+            v = out[view[t]]
+            np.testing.assert_array_equal(v, round_like_device(v, stored))
+    assert 0 < EM.rel_rms(mm - exact, exact) < 20 * EM.budget("MatMul", PRECISIONS[precision], 32).rel
+
+
+# ----------------------------------------------------------------- blocks
+
+def test_the_worst_block_finds_a_local_error_and_not_spread_noise():
+    rng = np.random.default_rng(0)
+    r = rng.standard_normal((1, 64, 32, 32)).astype(np.float32)
+    noise = r * rng.standard_normal(r.shape).astype(np.float32) * 1e-3
+    b = EM.worst_block(noise, r)
+    assert b is not None and b.rel < 2e-3
+    bug = noise.copy()
+    bug[:, 8:12] += r[:, 8:12] * 0.05
+    b = EM.worst_block(bug, r)
+    assert b.where == "channels 8..11" and 0.045 < b.rel < 0.055 and b.share == pytest.approx(1 / 16)
+    tile = noise.copy()
+    tile[:, :, 8:16, 16:24] = -r[:, :, 8:16, 16:24]
+    b = EM.worst_block(tile, r)
+    assert b.where == "rows 8..15, columns 16..23" and b.rel == pytest.approx(1.0, abs=1e-2)
+    # tokens x features: the feature groups and the rows are cut
+    t = rng.standard_normal((1, 32, 384)).astype(np.float32)
+    e = np.zeros_like(t)
+    e[:, 4:6] = t[:, 4:6] * 0.2
+    b = EM.worst_block(e, t)
+    assert b.where == "rows 4..5 of axis 1" and b.rel == pytest.approx(0.2, rel=1e-3)
+    e = np.zeros_like(t)
+    e[..., 48:72] = t[..., 48:72] * 0.05
+    assert EM.worst_block(e, t).where == "features 48..71"
+    # near-zero values do not read as a large relative error
+    z = r.copy()
+    z[:, :4] *= 1e-6
+    assert EM.worst_block(noise, z).rel < 0.01
