@@ -15,9 +15,22 @@ group's ``order`` attribute).
 ``level="module"`` (default) hooks every leaf module (``layer1.0.conv1``);
 ``level="operator"`` records every ATen operator the forward dispatches
 (``aten.convolution.default``). Tensors are written as they came (moved to
-the CPU; bfloat16, which NumPy lacks, as float32 with the original dtype in
-the dataset's ``dtype`` attribute); what is not a tensor is left out. Only
-this module imports torch, and only when used.
+the CPU; bfloat16 and the float8 types, which NumPy lacks, as float32 with
+the original dtype in the dataset's ``dtype`` attribute).
+
+What a re-run of the call needs is written beside its tensors, as JSON
+attributes of the call's group (never pickled):
+
+- module level: ``class`` (``Conv2d``) and ``attrs``, the module's
+  configuration (``in_channels``, ``kernel_size``, ``groups``, ``eps``...):
+  what the error model reads a reduction length from;
+- operator level: ``op`` (``aten.convolution.default``) and ``args``, the
+  operator's arguments with each tensor replaced by ``{"tensor": N}``, its
+  index among the call's inputs (stride, padding, dims, dtypes as written):
+  the analyzer replays the operator in FP32 on the CPU with the device's
+  recorded inputs.
+
+Only this module imports torch, and only when used.
 """
 from __future__ import annotations
 
@@ -41,7 +54,11 @@ class _Writer:
         self.max_calls = max_calls
         self.dropped = 0
 
-    def record(self, op: str, inputs, outputs) -> None:
+    def record(self, op: str, inputs, outputs, about: dict | None = None) -> None:
+        """One call: its inputs and outputs, and ``about`` it (JSON-able
+        attributes of the call's group: class and attrs, or op and args)."""
+        import json
+
         seq = self.calls.get(op, 0)
         if seq >= self.max_calls:      # a training loop: the first calls are what a comparison needs
             self.dropped += 1
@@ -51,6 +68,8 @@ class _Writer:
         op_group = self.file[key] if key in self.file else self.file.create_group(key, track_order=True)
         group = op_group.create_group(str(seq), track_order=True)
         group.attrs["order"] = self.order
+        for name, value in (about or {}).items():
+            group.attrs[name] = value if isinstance(value, str) else json.dumps(value)
         self.order += 1
         for role, values in (("input", inputs), ("output", outputs)):
             side = group.create_group(role, track_order=True)
@@ -82,14 +101,59 @@ def _tensors(values) -> list:
     return out
 
 
+def _spec(values) -> object:
+    """``values`` (an operator's args and kwargs) as JSON, each tensor
+    replaced by {"tensor": N}, N counting tensors in the order ``_tensors``
+    lists them; what JSON cannot hold (a dtype, a device, a memory format)
+    as its name."""
+    import torch
+
+    count = 0
+
+    def walk(v):
+        nonlocal count
+        if isinstance(v, torch.Tensor):
+            count += 1
+            return {"tensor": count - 1}
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): walk(x) for k, x in v.items()}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v if not (isinstance(v, float) and v != v) else "nan"
+        return {"repr": str(v)}
+
+    return walk(values)
+
+
+# what a module's configuration says of its arithmetic (the error model's reduction length)
+_MODULE_ATTRS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
+                 "in_features", "out_features", "normalized_shape", "eps", "dim", "num_heads", "embed_dim",
+                 "output_size", "negative_slope", "approximate", "num_groups", "num_features", "affine")
+
+
+def _module_attrs(module) -> dict:
+    out = {}
+    for name in _MODULE_ATTRS:
+        v = getattr(module, name, None)
+        if isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(isinstance(x, int) for x in v)):
+            out[name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+# NumPy has no such types: written as float32, the original named in the dataset's dtype attribute
+_WIDENED = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
 def _to_numpy(t) -> tuple[np.ndarray, str]:
     import torch
 
     t = t.detach()
     if t.layout != torch.strided:      # sparse: the values as a dense tensor
         t = t.to_dense()
-    if t.dtype == torch.bfloat16:
-        return t.to(device="cpu", dtype=torch.float32).contiguous().numpy(), "bfloat16"
+    name = str(t.dtype).replace("torch.", "")
+    if name in _WIDENED:
+        return t.to(device="cpu", dtype=torch.float32).contiguous().numpy(), name
     return t.to("cpu").contiguous().numpy(), ""
 
 
@@ -108,8 +172,10 @@ def capture(model, path, *, level: str = "module", max_calls: int = 64):
         if level == "module":
             for name, module in model.named_modules():
                 if name and not any(True for _ in module.children()):
+                    about = {"class": type(module).__name__, "attrs": _module_attrs(module)}
                     handles.append(module.register_forward_hook(
-                        lambda mod, inputs, outputs, name=name: writer.record(name, inputs, outputs)))
+                        lambda mod, inputs, outputs, name=name, about=about: writer.record(name, inputs, outputs,
+                                                                                            about)))
             with torch.no_grad():
                 yield writer
         else:
@@ -118,7 +184,8 @@ def capture(model, path, *, level: str = "module", max_calls: int = 64):
             class _Record(TorchDispatchMode):
                 def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                     out = func(*args, **(kwargs or {}))
-                    writer.record(str(func), (args, kwargs or {}), out)
+                    call = (args, kwargs or {})
+                    writer.record(str(func), call, out, {"op": str(func), "args": _spec(call)})
                     return out
 
             with torch.no_grad(), _Record():

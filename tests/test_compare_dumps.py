@@ -522,7 +522,7 @@ def test_dump_mode_all_inputs_agree_output_does_not(services, tmp_path, fmt):
     comp = s["first_computation_error"]
     assert first_comp(s) == "conv2", headline(s)
     # what it read carries FP16 rounding only; its output is 30 % off
-    assert any("relative RMS error 0.3 here against" in e and "more than what it read can pass on" in e
+    assert any("relative RMS error 0.3 here against" in e and "more than a Conv passes on" in e
                for e in comp["evidence"]), comp["evidence"]
     assert not any("presumed" in e for e in comp["evidence"])
     outputs, inputs = node_rows(s), node_rows(s, "input")

@@ -43,6 +43,9 @@ TENSOR_SCHEMA = pa.schema([
     # the type the device wrote the tensor in, where the wire carries it widened
     # (bfloat16, float8_e4m3fn... as float32); "" = dtype itself
     pa.field("source_dtype", pa.string()),
+    # what the device recorded of the call as a JSON object's text (a module's
+    # configuration, an operator's arguments); "" = nothing
+    pa.field("attributes", pa.string()),
 ])
 
 STATUS_OK = "ok"
@@ -67,6 +70,15 @@ def _source_dtype(v) -> str:
     up and printed, never trusted further."""
     v = v or ""
     return v if len(v) <= 32 and v.replace("_", "").isalnum() and v.isascii() else ""
+
+
+ATTRIBUTES_MAX = 1 << 16
+
+
+def _about(v) -> str:
+    """A sender's attributes: JSON text of at most ATTRIBUTES_MAX characters
+    (parsed, never evaluated, where it is used), else nothing."""
+    return v if isinstance(v, str) and len(v) <= ATTRIBUTES_MAX else ""
 
 
 # Only plain numeric dtypes ever cross the wire (no object arrays, no pickles).
@@ -105,6 +117,7 @@ class NodeRecord:
     slot: int = 0
     overflow: str = ""
     source_dtype: str = ""      # the device's type where ``array`` holds it widened (see TENSOR_SCHEMA)
+    attributes: str = ""        # JSON text: the call's configuration or arguments (see TENSOR_SCHEMA)
     extra: dict = field(default_factory=dict)
     # The receive buffer behind ``array`` on the analyzer side: the record
     # holds one reference; whoever keeps reading the array retains its own.
@@ -129,7 +142,8 @@ class _Batcher:
     def add(self, rec: NodeRecord, dtype: str, shape: tuple, total: int, offset: int,
             view: memoryview | None) -> None:
         self.rows.append((rec.name, rec.op_type, rec.order, dtype, list(shape), total, offset,
-                          rec.status, rec.message, rec.node, rec.role, rec.slot, rec.overflow, rec.source_dtype))
+                          rec.status, rec.message, rec.node, rec.role, rec.slot, rec.overflow, rec.source_dtype,
+                          rec.attributes if offset == 0 else ""))
         self.views.append(view if view is not None else memoryview(b""))
         if view is not None:
             self.nbytes += len(view)
@@ -154,7 +168,7 @@ class _Batcher:
             pa.array(cols[5], pa.int64()), pa.array(cols[6], pa.int64()), data_arr,
             pa.array(cols[7], pa.string()), pa.array(cols[8], pa.string()), pa.array(cols[9], pa.string()),
             pa.array(cols[10], pa.string()), pa.array(cols[11], pa.int32()), pa.array(cols[12], pa.string()),
-            pa.array(cols[13], pa.string()),
+            pa.array(cols[13], pa.string()), pa.array(cols[14], pa.string()),
         ], schema=TENSOR_SCHEMA)
         self.rows, self.views, self.nbytes = [], [], 0
         return batch
@@ -306,7 +320,8 @@ class TensorAssembler:
         n = batch.num_rows
         # every column but the data (7) as Python values, in schema order
         (names, ops, orders, dtypes, shapes, totals, offs, statuses, messages, nodes, roles, slots,
-         overflows, sources) = (batch.column(k).to_pylist() for k in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14))
+         overflows, sources, abouts) = (batch.column(k).to_pylist()
+                                        for k in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15))
         data = batch.column(7)
         bufs = data.buffers()
         doffs = np.frombuffer(bufs[1], dtype=np.int32)[data.offset:data.offset + n + 1] if bufs[1] is not None \
@@ -329,7 +344,7 @@ class TensorAssembler:
             try:
                 rec = self._row(out, name, ops[i], orders[i], dtypes[i], shapes[i], totals[i], offs[i],
                                 messages[i], nodes[i], piece, (role, slot, overflows[i] or "",
-                                                               _source_dtype(sources[i])))
+                                                               _source_dtype(sources[i]), _about(abouts[i])))
             except LayerdiffError as e:
                 self._cur = None
                 out.append(NodeRecord.error(name, str(e), ops[i] or "", orders[i] if orders[i] is not None else -1,
@@ -368,7 +383,7 @@ class TensorAssembler:
                                      node=name, field="total_bytes")
             rec = NodeRecord(name=name, op_type=op_type or "", order=order if order is not None else -1,
                              message=message or "", node=node or "", role=where[0], slot=where[1],
-                             overflow=where[2], source_dtype=where[3])
+                             overflow=where[2], source_dtype=where[3], attributes=where[4])
             buf = self.pool.take(total) if self.pool is not None else np.empty(total, dtype=np.uint8)
             rec.extra = {"dtype": dtype, "shape": shape}
             self._cur = (rec, buf, 0)

@@ -297,6 +297,14 @@ def torch_reduction_length(op_type: str, input_shapes: list[tuple], attrs: dict)
     op = aten_name(op_type)
     cls = attrs.get("class", "")
     x = input_shapes[0] if input_shapes else None
+    positional = attrs.get("positional") or []
+    if op in ("_softmax", "softmax", "_log_softmax", "log_softmax") and len(positional) > 1 \
+            and isinstance(positional[1], int):
+        attrs = {**attrs, "dim": positional[1]}
+    if op in ("native_layer_norm", "layer_norm") and len(positional) > 1 and isinstance(positional[1], list):
+        attrs = {**attrs, "normalized_shape": positional[1]}
+    if op in ("mean", "sum") and len(positional) > 1 and isinstance(positional[1], (int, list)):
+        attrs = {**attrs, "dim": positional[1]}
     if cls in ("Conv1d", "Conv2d", "Conv3d") or op in ("Conv1d", "Conv2d", "Conv3d"):
         ks = attrs.get("kernel_size") or []
         cin, groups = attrs.get("in_channels"), attrs.get("groups", 1) or 1

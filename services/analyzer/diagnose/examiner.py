@@ -276,6 +276,17 @@ class NodeExaminer:
                         if w.dtype.kind == "i" and w.ndim <= 1:     # Reduce*'s axes given as an input
                             weights["__axes__" + t] = tuple(int(a) for a in np.ravel(w))
             k = EM.onnx_reduction_length(node, shapes, weights)
+        elif hasattr(self.reference, "about"):
+            # a dump: what it recorded of the call (a PyTorch module's configuration, an operator's arguments)
+            about = self.reference.about(site.node)
+            shapes_in = [tuple(m.shape) for m in (self.metrics_of.get((site.node, i)) for i in range(8))
+                         if m is not None]
+            attrs = dict(about.get("attrs") or {})
+            attrs["class"] = site.op_type
+            args = about.get("args")
+            if isinstance(args, list) and args and isinstance(args[0], list):
+                attrs["positional"] = args[0]
+            k = EM.torch_reduction_length(site.op_type, shapes_in, attrs)
         if k is not None:       # shapes not yet seen may still come
             self._k[site.node] = k
         return k

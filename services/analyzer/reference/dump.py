@@ -50,6 +50,7 @@ class _Golden:
     arrival: int
     key: str = ""          # its spill file's key; "" when the record was unreadable
     error: str = ""
+    about: str = ""        # what the dump recorded of the call (JSON text: a module's attrs, an operator's args)
 
 
 class DumpReference:
@@ -80,6 +81,7 @@ class DumpReference:
         self._unavailable: dict[str, str] = {}  # site tensor -> why the golden dump has no value for it
         self._constants: dict = {}
         self._model_nodes: set[str] = set()     # the model's own nodes (re-run alone), with a model
+        self._about: dict[str, str] = {}        # node -> what the dump recorded of its call (JSON text)
         self.bytes = 0
         self.records = 0
         self._sealed = False
@@ -107,7 +109,10 @@ class DumpReference:
         if rec.name in self._by_name:
             self.duplicates.append(rec.name)
             return
-        g = _Golden(rec.name, rec.node or rec.name, rec.op_type, rec.order, rec.slot, len(self._outputs))
+        g = _Golden(rec.name, rec.node or rec.name, rec.op_type, rec.order, rec.slot, len(self._outputs),
+                    about=rec.attributes)
+        if rec.attributes:
+            self._about.setdefault(g.node, rec.attributes)
         if rec.status != STATUS_OK or rec.array is None:
             g.error = rec.message or "unreadable"
         else:
@@ -317,14 +322,35 @@ class DumpReference:
                 out[t] = v
         return out
 
+    def about(self, node: str) -> dict:
+        """What the dump recorded of a node's call (a module's ``attrs``, an
+        operator's ``args``), parsed; {} where nothing (or nothing valid)."""
+        import json
+
+        text = self._about.get(node, "")
+        if not text:
+            return {}
+        try:
+            v = json.loads(text)
+        except ValueError:
+            return {}
+        return v if isinstance(v, dict) else {}
+
     def run_isolated(self, site: TensorSite, inputs: dict[int, np.ndarray], feeds: dict) -> list[np.ndarray]:
-        """The node re-run alone on the device's inputs: only with a model,
-        for the model's own nodes."""
+        """The node re-run alone on the device's inputs: with a model, the
+        model's node; without one, an ATen operator whose arguments the
+        capture recorded (layerdiff.torch, level="operator"), replayed in
+        FP32 on the CPU (layerdiff.analyzer.diagnose.replay)."""
         from layerdiff.analyzer.diagnose.isolation import IsolationUnavailable, run_isolated
 
         if self.model is None:
+            about = self.about(site.node)
+            if site.op_type.startswith("aten.") and "args" in about:
+                from layerdiff.analyzer.diagnose.replay import replay
+
+                return replay(site.op_type, about["args"], inputs)
             raise IsolationUnavailable("the reference is a dump: no model to re-run the node alone (give the "
-                                       "model with --model)")
+                                       "model with --model, or capture PyTorch at level='operator')")
         if site.node not in self._model_nodes:
             raise IsolationUnavailable(f"{site.node!r} is not a node of the model")
         return run_isolated(self.model, site.order, inputs, feeds)

@@ -147,7 +147,9 @@ class DumpDirectory:
                     role, slot = where[0], where[1]
                     node = name
                     placed = {"overflow": where[2] if len(where) > 2 else "",
-                              "source_dtype": where[4] if len(where) > 4 else ""}
+                              "source_dtype": where[4] if len(where) > 4 else "",
+                              "op_type": where[5] if len(where) > 5 else "",
+                              "attributes": where[6] if len(where) > 6 else ""}
                     if len(where) > 3 and where[3] >= 0:
                         rec_order = where[3]
                 else:
@@ -204,6 +206,20 @@ class DumpDirectory:
         return place(NodeRecord(name=name, op_type=op_type, order=order, array=arr), entry, role, slot, node)
 
 
+def _write_about(call, text: str) -> None:
+    """A record's attributes (JSON text of {"attrs": ..., "args": ...}) back
+    on its HDF5 call group, as layerdiff.torch writes them."""
+    import json
+
+    try:
+        about = json.loads(text)
+    except ValueError:
+        return
+    for key in ("attrs", "args"):
+        if isinstance(about, dict) and key in about:
+            call.attrs[key] = json.dumps(about[key])
+
+
 def write_dump(directory: str | Path, records: Iterable[NodeRecord], fmt: str = "npy") -> Path:
     """Write records (outputs, and inputs where a record's role says so) as a
     dump directory in any of FORMATS, with a manifest where the format needs
@@ -233,6 +249,11 @@ def write_dump(directory: str | Path, records: Iterable[NodeRecord], fmt: str = 
                     ds.attrs["overflow"] = r.overflow
                 if r.source_dtype:
                     ds.attrs["dtype"] = r.source_dtype
+                call = f[f"{node}/0"]
+                if r.op_type and "class" not in call.attrs and "op" not in call.attrs:
+                    call.attrs["op" if r.op_type.startswith("aten.") else "class"] = r.op_type
+                if r.attributes and "attrs" not in call.attrs and "args" not in call.attrs:
+                    _write_about(call, r.attributes)
         nodes.append({"name": "dump", "file": "dump.h5", "format": "h5", "order": 0})
     elif fmt == "npz":
         keys = [r.name if r.role != ROLE_INPUT else f"{r.node or r.name}.input.{r.slot}" for _, r in kept]

@@ -62,6 +62,12 @@ def place(rec: NodeRecord, entry: dict, role: str, slot: int, node: str) -> Node
     source = entry.get("source_dtype")
     if isinstance(source, str) and source:
         rec.source_dtype = source
+    about = entry.get("attributes")
+    if isinstance(about, str) and about:
+        rec.attributes = about
+    op_type = entry.get("op_type")
+    if isinstance(op_type, str) and op_type and not rec.op_type:
+        rec.op_type = op_type
     return rec
 
 
@@ -76,4 +82,6 @@ def placement(r: NodeRecord) -> dict:
         d["overflow"] = r.overflow
     if r.source_dtype:
         d["source_dtype"] = r.source_dtype
+    if r.attributes:
+        d["attributes"] = r.attributes
     return d

@@ -207,7 +207,9 @@ def read_npz(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[
 def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[tuple]:
     """(node name, array or LayerdiffError, role, slot, overflow flag,
     execution order or -1, the dtype the device wrote it in where the file
-    holds it widened: its ``dtype`` attribute, '' if none) for every
+    holds it widened: its ``dtype`` attribute, '' if none, the call's op
+    type: its ``class`` or ``op`` attribute, '' if none, and what else the
+    call's group says of it as JSON text: ``attrs``, ``args``) for every
     ``/op/seqid/{input,output}/N`` dataset (a call's inputs before its
     outputs), each checked (dtype, declared size) before it is read."""
     import h5py
@@ -238,6 +240,7 @@ def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[t
                         ROLE_OUTPUT, 0
                     continue
                 order = _call_order(call, seq)
+                op_type, about = _call_about(call)
                 for role, members in sides:
                     for idx in numbered(members):
                         slot = int(idx) if idx.isdigit() else 0
@@ -253,12 +256,36 @@ def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[t
                             source = ds.attrs.get("dtype", "")
                             yield (name, np.asarray(ds[()], dtype=dt), role, slot,
                                    flag if isinstance(flag, str) else "", order,
-                                   source if isinstance(source, str) else "")
+                                   source if isinstance(source, str) else "", op_type, about)
                         except LayerdiffError as e:
-                            yield name, e, role, slot, "", order, ""
+                            yield name, e, role, slot, "", order, "", op_type, about
                         except Exception as e:  # a damaged dataset: this node only
                             yield name, LayerdiffError(f"unreadable dataset ({type(e).__name__}: {e})",
-                                                       file=where), role, slot, "", order, ""
+                                                       file=where), role, slot, "", order, "", op_type, about
+
+
+ABOUT_MAX = 1 << 16      # characters of a call's description kept; a longer one is dropped
+
+
+def _call_about(call) -> tuple[str, str]:
+    """The op type a call's group names (``class`` of a module, ``op`` of an
+    ATen operator) and its ``attrs``/``args`` as one JSON object's text;
+    ('', '') where it says nothing usable. Only JSON is read."""
+    import json
+
+    try:
+        attrs = call.attrs if hasattr(call, "attrs") else {}
+        op = attrs.get("class") or attrs.get("op") or ""
+        about = {}
+        for key in ("attrs", "args"):
+            v = attrs.get(key)
+            if isinstance(v, str) and len(v) <= ABOUT_MAX:
+                about[key] = json.loads(v)
+    except Exception:       # a damaged or foreign attribute: the tensors still stand
+        return "", ""
+    op = op if isinstance(op, str) and len(op) <= 256 else ""
+    text = json.dumps(about) if about else ""
+    return op, text if len(text) <= ABOUT_MAX else ""
 
 
 def _call_order(call, seq: str) -> int:
