@@ -564,5 +564,6 @@ def onnx_attr(a):
 def inherited_words(row) -> str:
     """Why a node's error is what it read (its budget as it stands)."""
     own = row.budget.explains() if row.budget is not None else "its precision"
-    return (f"relative RMS error {fmt(row.rel_err)} here against {fmt(row.read_rel or 0.0)} in what it read: no "
-            f"more than what it read and its own rounding ({own}) explain")
+    masked = f" ({row.masked} mask-like reference values left out)" if row.masked else ""
+    return (f"relative RMS error {fmt(row.rel_err)} here{masked} against {fmt(row.read_rel or 0.0)} in what it "
+            f"read: no more than what it read and its own rounding ({own}) explain")

@@ -149,7 +149,7 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
                               + f"): the quantization scale destroys them (relative RMS error {fmt(row.rel_err)}); "
                               f"a scale for their range (a step of about {fmt(_fitting_step(row))}) keeps them; the "
                               "node reading it gets the wrong input")
-        elif row.inherited and weight_issues.get(row.site.node) and not quantized:
+        elif row.inherited and weight_issues.get(row.site.node) and not quantized and row.rel_err > allowed:
             # what it read explains the size of its error, but its weights are
             # known to differ: it computes something else (impact says if it matters)
             f.verdict = COMPUTATION
@@ -159,8 +159,9 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             f.evidence.append(row.inherited)
         elif _within_own(row, allowed) and not (row.isolated is not None and quantized and row.quant_step):
             f.verdict = ACCUMULATED
-            f.evidence.append(f"relative RMS error {fmt(row.rel_err)}, within what its own arithmetic explains even "
-                              f"from exact inputs ({_explains(budget)}; {EM.FACTOR:g}x allowed)")
+            f.evidence.append(f"relative RMS error {fmt(row.rel_err)}{_masked_words(row)}, within what its own "
+                              f"arithmetic explains even from exact inputs ({_explains(budget)}; {EM.FACTOR:g}x "
+                              "allowed)")
         elif row.isolated is not None and row.own_rel is not None:
             _judge_own(row, f, quantized)
             if row.unit_note:
@@ -255,6 +256,11 @@ def _fitting_step(row) -> float:
     """The step an 8-bit grid over the values' own range would have: about
     8 RMS (a Gaussian's ±4 sigma) over 255 levels."""
     return 8.0 * _core_rms(row) / 255.0
+
+
+def _masked_words(row) -> str:
+    return (f" ({row.masked} mask-like reference values, which a device saturates, left out)" if row.masked
+            else "")
 
 
 def _within_own(row, allowed: float) -> bool:
