@@ -191,16 +191,21 @@ def changed_by_the_build(model: onnx.ModelProto, device: onnx.ModelProto, precis
 
     if precision not in ("fp16", "bf16"):
         return set()
-    ref = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    def weights(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+        out = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+        out.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in m.graph.node
+                    if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+        return out
+
+    ref = weights(model)
     out = set()
-    for init in device.graph.initializer:
-        w = ref.get(init.name)
+    for name, d in weights(device).items():
+        w = ref.get(name)
         if w is None or w.dtype != np.float32:
             continue
-        d = numpy_helper.to_array(init).astype(np.float32)
         plain = w.astype(np.float16).astype(np.float32) if precision == "fp16" else round_like_device(w, "bf16")
-        if d.shape == plain.shape and not np.array_equal(d, plain, equal_nan=True):
-            out |= {n.name for n in model.graph.node if init.name in n.input}
+        if d.shape == plain.shape and not np.array_equal(d.astype(np.float32), plain, equal_nan=True):
+            out |= {n.name for n in model.graph.node if name in n.input}
     return out
 
 

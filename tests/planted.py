@@ -202,7 +202,8 @@ def device_dump(reference: onnx.ModelProto, device: onnx.ModelProto, view: dict[
     sites = [s for s in tensor_sites(reference) if s.op_type != "Constant"]
     have = {t for n in device.graph.node for t in n.output}
     wanted = [s for s in sites if view.get(s.tensor, s.tensor) in have]
-    produced = {s.tensor for s in wanted}
+    given = {i.name for i in reference.graph.input} - {i.name for i in reference.graph.initializer}
+    produced = {s.tensor for s in wanted} | given      # what a node reads that a dump of inputs holds
     m = _copy(device)
     names = list(dict.fromkeys(view.get(s.tensor, s.tensor) for s in wanted))
     del m.graph.output[:]
@@ -219,7 +220,7 @@ def device_dump(reference: onnx.ModelProto, device: onnx.ModelProto, view: dict[
         if inputs and s.output_index == 0:
             for k, t in enumerate(nodes[s.node].input):
                 if t in produced:
-                    v = np.asarray(values[view.get(t, t)])
+                    v = np.asarray(values[view.get(t, t)] if t not in given else feeds[t])
                     records.append(NodeRecord(name=s.node, op_type=s.op_type, order=s.order, array=v, node=s.node,
                                               role="input", slot=k,
                                               source_dtype=source_dtype if v.dtype == np.float32 else ""))

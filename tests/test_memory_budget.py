@@ -10,11 +10,12 @@ import json
 import numpy as np
 import onnx
 import pytest
-from test_impact import FEEDS, encoder
+from test_impact import FEEDS, encoder, scaled
 from test_stream_order import reports
 
 from layerdiff.analyzer.service import AnalyzerServer
 from layerdiff.client.api import run
+from layerdiff.collector.live.onnxrt import to_fp16
 from layerdiff.collector.service import CollectorServer
 
 
@@ -22,6 +23,8 @@ from layerdiff.collector.service import CollectorServer
 def files(tmp_path_factory):
     base = tmp_path_factory.mktemp("budget")
     onnx.save_model(encoder(layers=3), str(base / "model.onnx"))
+    # its FP16 build with a kernel bug in layer 2: the report then has verdicts, diagnoses and impact runs
+    onnx.save_model(to_fp16(scaled(encoder(layers=3), "l2.v.w", 1.8)), str(base / "device.onnx"))
     np.savez(base / "inputs.npz", **FEEDS)
     return base
 
@@ -40,16 +43,17 @@ def _reports(out) -> dict:
 
 @pytest.mark.parametrize("mode", ["output", "all"])
 def test_a_budget_below_the_activations_gives_the_same_report(files, tmp_path, monkeypatch, mode):
-    """The FP16 build of a 3-layer encoder (the converter's clamped mask
-    fails nodes, so the report has verdicts, diagnoses and impact runs):
-    within a budget of a few tensors the reference is a chain of small
-    segments, some values wait on disk, and every report file is the same."""
-    whole = run(files / "model.onnx", files / "inputs.npz", precision="fp16", dump_mode=mode,
+    """The FP16 build of a 3-layer encoder with a kernel bug (the report has
+    verdicts, diagnoses and impact runs): within a budget of a few tensors
+    the reference is a chain of small segments, some values wait on disk,
+    and every report file is the same."""
+    whole = run(files / "model.onnx", files / "inputs.npz", device_model=files / "device.onnx", dump_mode=mode,
                 out=tmp_path / "whole", progress=False)
     assert whole.exit_status == 1 and whole.summary["counts"]["compared"] > 60
+    assert whole.summary["diagnosis"]["impact"]["runs"] >= 1
     assert _summary_memory(tmp_path / "whole")["reference_segments"] == 1
     monkeypatch.setenv("LAYERDIFF_MEMORY_BUDGET", "24K")
-    cut = run(files / "model.onnx", files / "inputs.npz", precision="fp16", dump_mode=mode,
+    cut = run(files / "model.onnx", files / "inputs.npz", device_model=files / "device.onnx", dump_mode=mode,
               out=tmp_path / "cut", progress=False)
     memory = _summary_memory(tmp_path / "cut")
     assert memory["budget_bytes"] == 24 * 1024 and memory["chained"] and memory["reference_segments"] > 10
@@ -79,17 +83,18 @@ def test_a_tiny_model_gives_the_same_report_with_and_without_the_fast_path(files
     """Embedded (files handed over in memory, the collector given a link)
     against services reached over loopback (files uploaded, then, for the
     second job, found on the collector already)."""
-    fast = run(files / "model.onnx", files / "inputs.npz", precision="fp16", out=tmp_path / "fast",
-               progress=False)
+    fast = run(files / "model.onnx", files / "inputs.npz", device_model=files / "device.onnx",
+               out=tmp_path / "fast", progress=False)
     with CollectorServer() as collector, AnalyzerServer() as analyzer:
         held = []
         for k in (1, 2):
-            slow = run(files / "model.onnx", files / "inputs.npz", precision="fp16", out=tmp_path / f"wire{k}",
-                       analyzer=analyzer.address, collector=collector.address, progress=False)
+            slow = run(files / "model.onnx", files / "inputs.npz", device_model=files / "device.onnx",
+                       out=tmp_path / f"wire{k}", analyzer=analyzer.address, collector=collector.address,
+                       progress=False)
             assert _reports(tmp_path / f"wire{k}") == _reports(tmp_path / "fast")
             held.append({p.name: p.stat().st_ino for p in collector.flight.store.root.iterdir()})
-        # the model and the inputs, sent to the collector for the first job only (an upload writes anew)
-        assert len(held[0]) == 2 and held[1] == held[0]
+        # the models and the inputs, sent to the collector for the first job only (an upload writes anew)
+        assert len(held[0]) == 3 and held[1] == held[0]
     assert slow.exit_status == fast.exit_status == 1
 
 

@@ -488,6 +488,7 @@ class NodeExaminer:
                     run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
                 iso = outs[site.output_index]
             row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
+            row.weight_range = self.weights_beyond_range(row)
             if iso.shape == dev_aligned.shape and iso.dtype.kind == "f":
                 with np.errstate(all="ignore"):
                     own = np.subtract(dev_aligned, iso, dtype=np.float32)
@@ -506,6 +507,22 @@ class NodeExaminer:
                 row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
         except (IsolationUnavailable, SkipNode, IndexError, KeyError) as e:
             row.isolation_note = str(e) or type(e).__name__
+
+    def weights_beyond_range(self, row) -> str:
+        """The node's weights that its precision cannot hold (beyond the
+        largest value of what it stores in): a device must clamp them."""
+        prec = self.policy.precision_of(row.site.node, row.site.op_type, row.device_dtype)[0]
+        out = []
+        for t in self.reference.node_inputs.get(row.site.node, []):
+            if not t or t not in self.reference.constants_read(row.site.node):
+                continue
+            w = self._weight(t)
+            if w is None or w.dtype.kind != "f" or not w.size:
+                continue
+            top = float(np.max(np.abs(np.where(np.isfinite(w), w, 0))))
+            if top > prec.max_finite:
+                out.append(f"{t} holds values up to {top:.3g}, beyond the {prec.max_finite:g} {prec.name} can hold")
+        return "; ".join(out)
 
     def _reach_back(self, nodes: list[str], most: int = 8) -> list[str] | None:
         """The unit grown backwards through what it reads that the device did

@@ -206,6 +206,9 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             f.cause = f.cause or ("parameter" if params else "weight")
             f.evidence.append(f"the device model's {'parameters' if params else 'weights'} differ from the "
                               "reference's: " + "; ".join(issues))
+        if row.weight_range and f.verdict == COMPUTATION:
+            f.cause = f.cause or "range"
+            f.evidence.append(f"its weights do not fit what it computes in: {row.weight_range}")
         if row.uneven and f.verdict == COMPUTATION:
             f.evidence.append(row.uneven)
         if bad_weights and f.verdict == COMPUTATION:

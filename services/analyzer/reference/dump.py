@@ -216,6 +216,10 @@ class DumpReference:
         for i, node in enumerate(self.model.graph.node):
             self.node_inputs[node_name(node, i)] = list(node.input)
         self._constants = {i.name: i for i in self.model.graph.initializer}
+        # a Constant node's output is a weight too (Paddle exports hold theirs so)
+        self._constants.update({n.output[0]: n.attribute[0].t for n in self.model.graph.node
+                                if n.op_type == "Constant" and n.output and n.attribute
+                                and n.attribute[0].name == "value"})
         self._model_nodes = {s.node for s in model_sites}
         # the dump's own records of node inputs, where the model's tensors are not dumped
         for (node, slot), key in self._inputs.items():

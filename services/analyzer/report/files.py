@@ -26,6 +26,7 @@ from layerdiff.analyzer.compare import coverage
 from layerdiff.analyzer.compare.node import NodeOutcome
 from layerdiff.analyzer.diagnose import verdicts as diagnose
 from layerdiff.analyzer.diagnose import weights as weights_mod
+from layerdiff.analyzer.diagnose.errormodel import Block, Budget
 from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import TensorSite
 from layerdiff.common.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
@@ -36,7 +37,10 @@ EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", 
                  "max_abs_diff", "mean_abs_diff", "cosine", "mse", "rmse", "pearson", "sqnr_db", "rel_euclidean",
                  "kl_div", "rel_err_lt_0.001", "rel_err_lt_0.005", "ref_nan", "ref_inf", "npu_nan", "npu_inf",
                  "fp16_overflow", "npu_fp16_overflow", "finite_pairs", "both_nan", "nonfinite_errors", "note", "role",
-                 "overflow", "verdict", "cause", "evidence"]
+                 "overflow", "verdict", "cause", "evidence",
+                 # the error model: what the node computes in, the relative RMS error its own arithmetic
+                 # explains and may add (FACTOR times it), the error it adds itself (re-run alone), and read
+                 "precision", "explained_rel_err", "allowed_rel_err", "own_rel_err", "read_rel_err"]
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
 
 
@@ -62,6 +66,7 @@ class Row:
     isolated: object = None          # metrics of the device against the node re-run alone on its device inputs
     isolation_note: str = ""         # why there is no isolated re-run
     unit_note: str = ""              # what it was re-run with (producers the device did not send)
+    weight_range: str = ""           # its weights beyond what its precision holds
     isolated_core: object = None     # the same without mask-like values (|x| >> the rest), where the reference has some
     core_note: str = ""
     quant_step: float = 0.0          # a quantized build: the step of the grid the device values lie on
@@ -73,11 +78,11 @@ class Row:
     # the error model (layerdiff.analyzer.diagnose.errormodel), for node outputs
     precision: str = ""              # what the node is taken to compute in
     precision_from: str = ""         # where that was read from
-    budget: object = None            # errormodel.Budget: the error its own arithmetic explains
-    block: object = None             # errormodel.Block: the part of the tensor with the largest relative error
+    budget: Budget | None = None     # the error its own arithmetic explains
+    block: Block | None = None       # the part of the tensor with the largest relative error
     read_rel: float | None = None    # the largest relative RMS error of what it read (None: unknown)
     own_rel: float | None = None     # the relative RMS error it adds itself (against its isolated re-run)
-    own_block: object = None         # errormodel.Block of that error
+    own_block: Block | None = None   # the part of that error with the largest relative error
     looked: bool = False             # examined: its error was more than its own arithmetic explains
     masked: int = 0                  # mask-like reference values left out of the error model's figures
     err_rel: float | None = None     # relative RMS error without them (None: none left out)
@@ -208,7 +213,13 @@ def _extra_cells(i: int, r: Row) -> list[str]:
             str(m.fp16_overflow), str(m.dev_fp16_overflow), str(m.finite_pairs), str(m.both_nan),
             str(m.nonfinite_errors), r.outcome.note, r.role, r.overflow,
             r.finding.verdict if r.finding else "", r.finding.cause if r.finding else "",
-            " | ".join(r.finding.evidence) if r.finding else ""]
+            " | ".join(r.finding.evidence) if r.finding else "", *_model_cells(r)]
+
+
+def _model_cells(r: Row) -> list[str]:
+    b = r.budget
+    return [r.precision, g6(b.rel) if b is not None else "", g6(b.allowed) if b is not None else "",
+            g6(r.own_rel) if r.own_rel is not None else "", g6(r.read_rel) if r.read_rel is not None else ""]
 
 
 def _json_num(v):
@@ -243,6 +254,16 @@ def node_summary(r: Row) -> dict:
     if r.isolated is not None:
         d["isolated"] = {k: _json_num(getattr(r.isolated, k)) for k in ("errors", "total", "cosine",
                                                                           "mean_rel_err", "max_abs_diff")}
+    if r.budget is not None:
+        b = r.budget
+        d["error_model"] = {"precision": r.precision, "precision_from": r.precision_from, "k": b.k,
+                            "rho": _json_num(b.rho), "explained_rel_err": _json_num(b.rel),
+                            "allowed_rel_err": _json_num(b.allowed), "rel_err": _json_num(r.rel_err),
+                            "own_rel_err": _json_num(r.own_rel) if r.own_rel is not None else None,
+                            "read_rel_err": _json_num(r.read_rel) if r.read_rel is not None else None,
+                            "worst_block": {"where": r.block.where, "rel_err": _json_num(r.block.rel)}
+                            if r.block is not None else None,
+                            "masked": r.masked, "words": b.explains()}
     return d
 
 
