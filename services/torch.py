@@ -16,7 +16,9 @@ group's ``order`` attribute).
 ``level="operator"`` records every ATen operator the forward dispatches
 (``aten.convolution.default``). Tensors are written as they came (moved to
 the CPU; bfloat16 and the float8 types, which NumPy lacks, as float32 with
-the original dtype in the dataset's ``dtype`` attribute).
+the original dtype in the dataset's ``dtype`` attribute; a float32 output of
+a convolution or matrix product a CUDA device computed with TF32 allowed,
+as ``tfloat32``).
 
 What a re-run of the call needs is written beside its tensors, as JSON
 attributes of the call's group (never pickled):
@@ -54,6 +56,11 @@ class _Writer:
         self.max_calls = max_calls
         self.dropped = 0
 
+    # what a CUDA device computes a convolution or a matrix product in when
+    # TF32 is allowed (cuDNN allows it for convolutions by default): float32
+    # tensors, 11-bit products; set by capture() from torch.backends
+    tf32_ops: frozenset = frozenset()
+
     def record(self, op: str, inputs, outputs, about: dict | None = None) -> None:
         """One call: its inputs and outputs, and ``about`` it (JSON-able
         attributes of the call's group: class and attrs, or op and args)."""
@@ -71,11 +78,15 @@ class _Writer:
         for name, value in (about or {}).items():
             group.attrs[name] = value if isinstance(value, str) else json.dumps(value)
         self.order += 1
+        kind = (about or {}).get("class") or (about or {}).get("op") or ""
         for role, values in (("input", inputs), ("output", outputs)):
             side = group.create_group(role, track_order=True)
             for n, t in enumerate(_tensors(values)):
                 arr, dtype = _to_numpy(t)
                 ds = side.create_dataset(str(n), data=arr)
+                if not dtype and role == "output" and arr.dtype == np.float32 and t.is_cuda \
+                        and _base_op(kind) in self.tf32_ops:
+                    dtype = "tfloat32"      # float32 storage, TF32 products
                 if dtype:
                     ds.attrs["dtype"] = dtype
 
@@ -126,6 +137,26 @@ def _spec(values) -> object:
     return walk(values)
 
 
+_CONV_OPS = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose2d", "convolution", "_convolution", "cudnn_convolution")
+_MATMUL_OPS = ("Linear", "mm", "bmm", "addmm", "matmul", "linear", "baddbmm", "addmv", "mv")
+
+
+def _base_op(kind: str) -> str:
+    return kind.split(".")[1] if kind.startswith("aten.") and kind.count(".") >= 1 else kind
+
+
+def _tf32_ops() -> frozenset:
+    """The ops a CUDA device computes in TF32 as torch.backends allows now."""
+    import torch
+
+    ops: tuple = ()
+    if torch.backends.cudnn.allow_tf32:
+        ops += _CONV_OPS
+    if torch.backends.cuda.matmul.allow_tf32:
+        ops += _MATMUL_OPS
+    return frozenset(ops)
+
+
 # what a module's configuration says of its arithmetic (the error model's reduction length)
 _MODULE_ATTRS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
                  "in_features", "out_features", "normalized_shape", "eps", "dim", "num_heads", "embed_dim",
@@ -167,6 +198,7 @@ def capture(model, path, *, level: str = "module", max_calls: int = 64):
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     writer = _Writer(Path(path), max_calls)
+    writer.tf32_ops = _tf32_ops()
     handles = []
     try:
         if level == "module":

@@ -86,7 +86,8 @@ ALIASES = {"float32": "fp32", "fp32": "fp32", "tf32": "tf32", "float16": "fp16",
            "e5m2": "fp8_e5m2", "int8": "int8", "qdq": "int8"}
 # Data types a dump may say a tensor was written in (numpy's, torch's and the
 # runtimes' names), and the precision that says the node stored in.
-DTYPE_PRECISION = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3fn",
+DTYPE_PRECISION = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "tfloat32": "tf32",
+                   "float8_e4m3fn": "fp8_e4m3fn",
                    "float8_e4m3": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "float32": "fp32", "float": "fp32",
                    "float64": "fp32", "double": "fp32"}
 

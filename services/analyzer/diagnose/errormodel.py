@@ -518,8 +518,9 @@ class ErrorPolicy:
             return node_precision(op_type, job=PRECISIONS["int8"], stored_dtype=stored_dtype)
         if not strict and self.job is None and self.inferred is not None and override is None and \
                 (stored is None or stored.name == "fp32"):
-            return self.inferred, (f"the device stores its tensors in {self.inferred.name} (this one "
-                                   f"{stored_dtype or 'float32'}, as converted builds keep some)")
+            p, _ = node_precision(op_type, job=self.inferred)      # TF32 still rounds only products
+            return p, (f"the device stores its tensors in {self.inferred.name} (this one "
+                       f"{stored_dtype or 'float32'}, as converted builds keep some)")
         return node_precision(op_type, job=self.job, stored_dtype=stored_dtype, override=override)
 
 

@@ -1,19 +1,24 @@
-"""Why a node fails: a verdict for every failing node, with its evidence.
+"""Why a node's error is what it is: a verdict for every node whose error
+needed a look, with its evidence, from the error model
+(layerdiff.analyzer.diagnose.errormodel).
 
-- **computation error**: the node itself computes wrongly on the device (a
-  broken kernel, a wrong weight, a layout mix-up, an overflow).
-- **accumulated precision error**: the node computes faithfully; the error
-  came in through its inputs (reduced precision compounding along the graph).
+- **computation error**: the node adds more error than its precision
+  explains by the stated factor, over the whole tensor or a block of it (a
+  broken kernel, a wrong weight, a layout mix-up, an overflow, an INT8 step
+  that destroys what it carries);
+- **accumulated precision error**: its error is what it read plus what its
+  own arithmetic explains;
+- **no verdict**: more error than its own arithmetic explains, and nothing
+  to tell its own part from what it read (what it read was not compared,
+  and it could not be re-run).
 
-The strongest evidence is the *isolated* error: the reference node re-run
-alone (FP32 CPU, reference weights) on the device's own inputs for it (from an
-``input``/``all`` dump, or the device outputs of its producers). If the
-device output agrees with that, the node did its job and inherited the error;
-if not, the node's own computation is wrong. Without the device inputs the
-vendor's rules decide: mean relative error jumping from < 0.1 on its inputs
-to > 1 on its output; Pearson falling from > 0.9 to < 0.1; an error
-concentrated on part of an axis; every input within tolerance while the
-output is not.
+The error a node adds is measured against its *isolated* re-run: the
+reference node (or the group a fused device kernel, or tensors the device
+did not send, make it part of) computed alone in FP32 on the device's own
+inputs, or a PyTorch operator replayed from its recorded arguments. Without
+one (two dumps, no model) it is what its error grew by beyond what it read
+could pass on, per op kind. The seed's allclose (errors/total past
+atol/rtol) is reported beside, never the judgement.
 
 NaN and Inf get their own reasoning: NaN on both sides is a model or input
 problem (named where the reference first has it). On the device only, NaN
@@ -24,12 +29,16 @@ in FP16 it is named at the first node whose reference leaves the FP16 range
 compute in FP16.
 
 A computation error is not yet the answer: its effect on the model's
-outputs is measured (layerdiff.analyzer.diagnose.impact), and the first *harmful*
-one heads the report; the ones the outputs absorb are listed as benign.
+outputs is measured (layerdiff.analyzer.diagnose.impact), and the first
+*harmful* one heads the report; the ones the outputs absorb are listed as
+benign. Rounding the precision explains is never the headline:
+"accumulated precision error" heads it only when the outputs leave their
+tolerance (``outputs_out_of_tolerance``), and the exit status says what the
+headline says (``exit_of``).
 
-Beside this module: the isolated re-run (``isolation``), what a node's own
-tensors show (``evidence``) and what a job gathers for the verdicts while
-tensors stream in (``examiner``).
+Beside this module: the isolated re-run (``isolation``, ``replay``), what a
+node's own tensors show (``evidence``) and what a job gathers for the
+verdicts while tensors stream in (``examiner``).
 """
 from __future__ import annotations
 
@@ -157,7 +166,7 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
         elif row.inherited:
             f.verdict = ACCUMULATED
             f.evidence.append(row.inherited)
-        elif _within_own(row, allowed) and not (row.isolated is not None and quantized and row.quant_step):
+        elif _within_own(row, allowed):
             f.verdict = ACCUMULATED
             f.evidence.append(f"relative RMS error {fmt(row.rel_err)}{_masked_words(row)}, within what its own "
                               f"arithmetic explains even from exact inputs ({_explains(budget)}; {EM.FACTOR:g}x "
