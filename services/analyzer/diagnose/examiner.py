@@ -246,7 +246,7 @@ class NodeExaminer:
         m = row.outcome.metrics
         if row.failed or m.dev_nan + m.dev_inf:
             return True
-        allowed = row.budget.allowed if row.budget is not None else EM.FLOOR
+        allowed = EM.allowed(row.budget)
         return row.rel_err > allowed or (row.block is not None and row.block.rel > allowed)
 
     def reduction_length(self, site) -> int | None:
@@ -380,7 +380,9 @@ class NodeExaminer:
                  for n, k, t in self._external_reads(self.unit(row.site))]
         if m.dev_nan + m.dev_inf > max((x.dev_nan + x.dev_inf for x in reads if x is not None), default=0):
             return ""
-        allowed = row.budget.allowed if row.budget is not None else EM.FLOOR
+        if rel_in > EM.READ_TOO_FAR:
+            return ""
+        allowed = EM.allowed(row.budget)
         carried = max(rel_in, spread)
         if row.rel_err > EM.GROWTH * carried + allowed:
             return ""

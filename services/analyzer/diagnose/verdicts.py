@@ -84,6 +84,7 @@ class Finding:
     evidence: list[str] = field(default_factory=list)
     impact: Impact | None = None      # of a computation error on the model's outputs
     hand_over: list = field(default_factory=list)   # cause quantization: the nodes its INT8 output feeds
+    local: bool = False              # decided by a block of the tensor (a tile, a group of channels)
 
     @property
     def benign(self) -> bool:
@@ -131,7 +132,7 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
         inputs_bad = any(x.dev_nan + x.dev_inf > 0 for x in in_metrics)
         fp16 = row.device_dtype == "float16"      # FP16 range talk only where the device computes in FP16
         budget = row.budget
-        allowed = budget.allowed if budget is not None else EM.FLOOR
+        allowed = EM.allowed(budget)
         if dev_bad and not ref_bad and not inputs_bad:
             f.verdict = COMPUTATION
             read = _inputs_read(row, activations)
@@ -226,7 +227,7 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
                 f"{r.site.tensor} ({r.outcome.metrics.errors}/{r.outcome.metrics.total} outside tolerance"
                 + (f", {r.outcome.metrics.fp16_overflow} beyond the FP16 range" if r.outcome.metrics.fp16_overflow
                    else "") + ")" for r in bad_weights))
-        if f.verdict == COMPUTATION and not f.cause and quantized and (rounded_weights or (
+        if f.verdict == COMPUTATION and not f.cause and quantized and not f.local and (rounded_weights or (
                 row.isolated is not None and _core(row).sqnr_db >= QUANT_LOSS_SQNR_DB)):
             # its weights are the reference's up to rounding, and its own
             # error is quantization noise, only more than the answer tolerates
@@ -277,9 +278,7 @@ def _masked_words(row) -> str:
 
 def _within_own(row, allowed: float) -> bool:
     """The whole error, not just the node's own, is within its budget."""
-    budget = row.budget
-    local = max(EM.LOCAL_FACTOR * (budget.rel if budget is not None else 0.0), EM.FLOOR)
-    return row.rel_err <= allowed and (row.block is None or row.block.rel <= local)
+    return row.rel_err <= allowed and (row.block is None or row.block.rel <= EM.allowed(row.budget, locally=True))
 
 
 def _explains(budget) -> str:
@@ -302,7 +301,7 @@ def _judge_own(row, f: Finding, quantized: bool) -> None:
     the rounding their steps give."""
     budget = row.budget
     own = row.own_rel if row.isolated_core is None else _core_rel(row)
-    allowed = budget.allowed if budget is not None else EM.FLOOR
+    allowed = EM.allowed(budget)
     bound = row.int8_bound if quantized else None
     rounding = quantized and row.quant_step and _core(row).max_abs_diff <= row.quant_step
     if quantized and (bound is not None or rounding or _core(row).sqnr_db >= INT8_SQNR_DB):
@@ -332,9 +331,9 @@ def _judge_own(row, f: Finding, quantized: bool) -> None:
                           f"alone on its device inputs{_core_words(row)}); {_explains(budget)}: {_times(own, budget)}")
         return
     blk = row.own_block
-    local = max(EM.LOCAL_FACTOR * (budget.rel if budget is not None else 0.0), EM.FLOOR)
-    if blk is not None and blk.rel > local and row.isolated_core is None:
+    if blk is not None and blk.rel > EM.allowed(budget, locally=True) and row.isolated_core is None:
         f.verdict = COMPUTATION
+        f.local = True          # a part of its output off, the rest right: no rounding does that
         f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) it adds a relative RMS error of "
                           f"{fmt(blk.rel)} (against the node re-run alone on its device inputs), "
                           f"{fmt(own)} over the whole; {_explains(budget)}: {_times(blk.rel, budget)}")
@@ -358,7 +357,7 @@ def _judge_growth(row, f: Finding, activations: list) -> None:
     op kind, errormodel.DUMP_GROWTH times it), over the whole tensor or its
     worst block against the worst block of what it read."""
     budget = row.budget
-    allowed = budget.allowed if budget is not None else EM.FLOOR
+    allowed = EM.allowed(budget)
     kind = EM.op_kind(row.site.op_type)
     grow = EM.DUMP_GROWTH.get(kind, EM.DUMP_GROWTH_DEFAULT)
     grow_block = EM.DUMP_BLOCK_GROWTH.get(kind, EM.DUMP_BLOCK_GROWTH_DEFAULT)
@@ -376,9 +375,9 @@ def _judge_growth(row, f: Finding, activations: list) -> None:
                           f"({_explains(budget)}): {fmt(row.rel_err - grow * carried)} of its own")
         return
     blk = row.block
-    local = max(EM.LOCAL_FACTOR * (budget.rel if budget is not None else 0.0), EM.FLOOR)
-    if blk is not None and blk.rel > grow_block * max(block_in, carried) + local:
+    if blk is not None and blk.rel > grow_block * max(block_in, carried) + EM.allowed(budget, locally=True):
         f.verdict = COMPUTATION
+        f.local = True
         f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) its relative RMS error is {fmt(blk.rel)}, "
                           f"against at most {fmt(max(block_in, carried))} in any part of what it read, more than a "
                           f"{row.site.op_type or 'node'} passes on ({grow_block:g}x); {_explains(budget)}")
