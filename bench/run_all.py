@@ -14,6 +14,7 @@ import bench_metrics  # noqa: E402
 import bench_perf  # noqa: E402
 import bench_small  # noqa: E402
 import bench_stream  # noqa: E402
+import bench_verdicts  # noqa: E402
 import soak  # noqa: E402
 
 
@@ -21,6 +22,8 @@ def main() -> None:
     results = {"stream": bench_stream.main([]), "metrics": bench_metrics.main([]), "job": bench_job.main([]),
                "fanout": bench_fanout.main([]), "perf": bench_perf.main([]), "compare": bench_compare.main([]),
                "small": bench_small.main([]),
+               # the full calibration (5 precisions, 6 bugs each) takes about an hour on 2 cores
+               "verdicts": bench_verdicts.main(["--quick"]),
                "soak": soak.main([])}
     out = Path("bench-out")
     out.mkdir(exist_ok=True)

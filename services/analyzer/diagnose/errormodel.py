@@ -172,8 +172,8 @@ class Budget:
     k: int | None = None
     rho: float = 1.0
     words: str = ""
-
     kind: str = ""
+    step_rel: float = 0.0      # the part of ``rel`` an output grid's step makes (INT8)
 
     def explains(self) -> str:
         """'bf16 over K=3072 explains 4e-03', or that the op is exact."""
@@ -188,8 +188,11 @@ class Budget:
 
     @property
     def allowed_locally(self) -> float:
-        """The same for the worst block of its output."""
-        return max(LOCAL_FACTOR * self.rel, FLOOR)
+        """The same for the worst block of its output. A grid's step is
+        absolute: over a block of small values (a block's error is taken
+        relative to at least a quarter of the tensor's RMS) it weighs up to
+        4 times what it does over the whole."""
+        return max(LOCAL_FACTOR * math.sqrt(self.rel ** 2 + 15.0 * self.step_rel ** 2), FLOOR)
 
 
 def allowed(budget: Budget | None, locally: bool = False) -> float:
@@ -229,10 +232,13 @@ def budget(op_type: str, precision: Precision, k: int | None = None, rho: float 
         words += f" over K={k}"
     if rho is not None and r > 1.05:
         words += f", terms {r:.3g}x the result"
+    step_rel = 0.0
     if step > 0 and scale > 0 and math.isfinite(step) and math.isfinite(scale):
-        rel = math.sqrt(rel * rel + (step / math.sqrt(12.0) / scale) ** 2)
+        step_rel = step / math.sqrt(12.0) / scale
+        rel = math.sqrt(rel * rel + step_rel ** 2)
         words += f", output step {step:.3g}"
-    return Budget(rel, precision.name, k if kind in ("product", "reduction", "norm") else None, r, words, kind)
+    return Budget(rel, precision.name, k if kind in ("product", "reduction", "norm") else None, r, words, kind,
+                  step_rel)
 
 
 def int8_rms(k: int, s_w: float, s_x: float, rms_x: float, rms_w: float, s_y: float = 0.0) -> float:
