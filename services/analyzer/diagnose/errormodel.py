@@ -173,7 +173,8 @@ class Budget:
     rho: float = 1.0
     words: str = ""
     kind: str = ""
-    step_rel: float = 0.0      # the part of ``rel`` an output grid's step makes (INT8)
+    step: float = 0.0          # the output grid's step (INT8), absolute
+    step_rel: float = 0.0      # the part of ``rel`` that step makes, over the whole tensor
 
     def explains(self) -> str:
         """'bf16 over K=3072 explains 4e-03', or that the op is exact."""
@@ -186,20 +187,24 @@ class Budget:
         """The own error a node may add before it is a computation error."""
         return max(FACTOR * self.rel, FLOOR)
 
-    @property
-    def allowed_locally(self) -> float:
-        """The same for the worst block of its output. A grid's step is
-        absolute: over a block of small values (a block's error is taken
-        relative to at least a quarter of the tensor's RMS) it weighs up to
-        4 times what it does over the whole."""
-        return max(LOCAL_FACTOR * math.sqrt(self.rel ** 2 + 15.0 * self.step_rel ** 2), FLOOR)
+    def allowed_in(self, block: Block | None) -> float:
+        """The same for a block of its output. A grid's step is absolute:
+        over a block of small values it weighs more than over the whole (by
+        the tensor's RMS over the block's, at most 4: a block's error is
+        taken relative to at least a quarter of the tensor's RMS)."""
+        rel = self.rel
+        if self.step > 0 and block is not None and block.scale > 0:
+            step_rel = self.step / math.sqrt(12.0) / block.scale
+            rel = math.sqrt(max(rel * rel - self.step_rel ** 2, 0.0) + step_rel ** 2)
+        return max(LOCAL_FACTOR * rel, FLOOR)
 
 
-def allowed(budget: Budget | None, locally: bool = False) -> float:
-    """What a node may add (``budget`` None: no precision model applies, the floor)."""
+def allowed(budget: Budget | None, block: Block | None = None, locally: bool = False) -> float:
+    """What a node may add, over the whole or (``locally``) in ``block``
+    (``budget`` None: no precision model applies, the floor)."""
     if budget is None:
         return FLOOR
-    return budget.allowed_locally if locally else budget.allowed
+    return budget.allowed_in(block) if locally else budget.allowed
 
 
 def relative_rms(precision: Precision, kind: str, k: int | None = None, rho: float = 1.0) -> float:
@@ -238,7 +243,7 @@ def budget(op_type: str, precision: Precision, k: int | None = None, rho: float 
         rel = math.sqrt(rel * rel + step_rel ** 2)
         words += f", output step {step:.3g}"
     return Budget(rel, precision.name, k if kind in ("product", "reduction", "norm") else None, r, words, kind,
-                  step_rel)
+                  step if step_rel else 0.0, step_rel)
 
 
 def int8_rms(k: int, s_w: float, s_x: float, rms_x: float, rms_w: float, s_y: float = 0.0) -> float:
@@ -389,6 +394,7 @@ class Block:
     where: str
     rel: float
     share: float        # its fraction of the tensor's elements
+    scale: float = 0.0  # the RMS its error is taken relative to (the reference's there, at least a quarter of all)
 
 
 def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 64) -> Block | None:
@@ -445,7 +451,7 @@ def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elem
             continue
         rel = math.sqrt(float(se_b) / n / den)
         if best is None or rel > best.rel:
-            best = Block(where, rel, n / e.size)
+            best = Block(where, rel, n / e.size, math.sqrt(den))
     return best
 
 

@@ -217,6 +217,7 @@ class NodeExaminer:
             grid = quant_grid(d)        # an INT8 hand-over: the step its values lie on
             if grid is not None:
                 row.quant_step, row.quant_levels = grid
+                row.clipped = _clipped(ref, d, row.quant_step)
                 rms = row.abs_err / row.rel_err if row.masked and row.rel_err else row.outcome.metrics.ref_rms
                 if self.injected is not None and not row.is_input and d.shape == ref.shape and \
                         EM.quant_break(row.quant_step, rms, row.rel_err):
@@ -491,6 +492,10 @@ class NodeExaminer:
                 iso = outs[site.output_index]
             row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
             row.weight_range = self.weights_beyond_range(row)
+            if row.quant_step and iso.shape == dev_aligned.shape:
+                # what it computed from what it read, clipped at its grid's ends
+                row.clipped = _clipped(iso, dev_aligned, row.quant_step, "its re-run on its device inputs") \
+                    or row.clipped
             if iso.shape == dev_aligned.shape and iso.dtype.kind == "f":
                 with np.errstate(all="ignore"):
                     own = np.subtract(dev_aligned, iso, dtype=np.float32)
@@ -586,3 +591,25 @@ def inherited_words(row) -> str:
     masked = f" ({row.masked} mask-like reference values left out)" if row.masked else ""
     return (f"relative RMS error {fmt(row.rel_err)} here{masked} against {fmt(row.read_rel or 0.0)} in what it "
             f"read: no more than what it read and its own rounding ({own}) explain")
+
+
+def _clipped(ref: np.ndarray, dev: np.ndarray, step: float, what: str = "the reference") -> str:
+    """Where an INT8 hand-over saturates: device values at the grid's ends
+    whose reference (or the node re-run on its device inputs) lies more
+    than a step beyond them (a range calibrated too narrow clips its
+    outliers). A sentence, or ''."""
+    with np.errstate(all="ignore"):
+        d = np.asarray(dev, np.float64).ravel()
+        r = np.asarray(ref, np.float64).ravel()
+        ok = np.isfinite(d) & np.isfinite(r)
+        if not ok.any():
+            return ""
+        lo, hi = float(d[ok].min()), float(d[ok].max())
+        over = ok & (d >= hi) & (r > hi + step)
+        under = ok & (d <= lo) & (r < lo - step)
+        n = int(over.sum() + under.sum())
+        if not n:
+            return ""
+        reach = float(np.max(np.abs(r[over | under])))
+    return (f"{n} values beyond its INT8 range [{lo:.3g}, {hi:.3g}] are clipped to its ends ({what} reaches "
+            f"{reach:.3g}): the range was calibrated too narrow")

@@ -157,8 +157,8 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
                               f"it carries (RMS {fmt(scale)}"
                               + (f", {row.masked} mask-like values left out" if row.masked else "")
                               + f"): the quantization scale destroys them (relative RMS error {fmt(row.rel_err)}); "
-                              f"a scale for their range (a step of about {fmt(_fitting_step(row))}) keeps them; the "
-                              "node reading it gets the wrong input")
+                              f"a scale for their own range (about ±{fmt(4 * scale)}: a step of about "
+                              f"{fmt(_fitting_step(row))}) keeps them; the node reading it gets the wrong input")
         elif row.inherited and weight_issues.get(row.site.node) and not quantized and row.rel_err > allowed:
             # what it read explains the size of its error, but its weights are
             # known to differ: it computes something else (impact says if it matters)
@@ -216,6 +216,9 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             f.cause = f.cause or ("parameter" if params else "weight")
             f.evidence.append(f"the device model's {'parameters' if params else 'weights'} differ from the "
                               "reference's: " + "; ".join(issues))
+        if row.clipped and f.verdict == COMPUTATION:
+            f.cause = f.cause or "quantization"
+            f.evidence.append(row.clipped)
         if row.weight_range and f.verdict == COMPUTATION:
             f.cause = f.cause or "range"
             f.evidence.append(f"its weights do not fit what it computes in: {row.weight_range}")
@@ -278,7 +281,8 @@ def _masked_words(row) -> str:
 
 def _within_own(row, allowed: float) -> bool:
     """The whole error, not just the node's own, is within its budget."""
-    return row.rel_err <= allowed and (row.block is None or row.block.rel <= EM.allowed(row.budget, locally=True))
+    return row.rel_err <= allowed and (row.block is None
+                                       or row.block.rel <= EM.allowed(row.budget, row.block, locally=True))
 
 
 def _explains(budget) -> str:
@@ -331,7 +335,7 @@ def _judge_own(row, f: Finding, quantized: bool) -> None:
                           f"alone on its device inputs{_core_words(row)}); {_explains(budget)}: {_times(own, budget)}")
         return
     blk = row.own_block
-    if blk is not None and blk.rel > EM.allowed(budget, locally=True) and row.isolated_core is None:
+    if blk is not None and blk.rel > EM.allowed(budget, blk, locally=True) and row.isolated_core is None:
         f.verdict = COMPUTATION
         f.local = True          # a part of its output off, the rest right: no rounding does that
         f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) it adds a relative RMS error of "
@@ -375,7 +379,7 @@ def _judge_growth(row, f: Finding, activations: list) -> None:
                           f"({_explains(budget)}): {fmt(row.rel_err - grow * carried)} of its own")
         return
     blk = row.block
-    if blk is not None and blk.rel > grow_block * max(block_in, carried) + EM.allowed(budget, locally=True):
+    if blk is not None and blk.rel > grow_block * max(block_in, carried) + EM.allowed(budget, blk, locally=True):
         f.verdict = COMPUTATION
         f.local = True
         f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) its relative RMS error is {fmt(blk.rel)}, "

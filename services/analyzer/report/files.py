@@ -71,6 +71,7 @@ class Row:
     core_note: str = ""
     quant_step: float = 0.0          # a quantized build: the step of the grid the device values lie on
     quant_levels: int = 0
+    clipped: str = ""                # an INT8 hand-over that saturates: where and how far
     int8_bound: object = None        # a quantized Conv/Gemm/MatMul: (expected rounding RMSE, how it was had)
     inherited: str = ""              # why no closer look was needed: its error is what it read
     layout: str = ""
