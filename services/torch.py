@@ -55,15 +55,29 @@ class _Writer:
         self.order = 0      # calls recorded so far, of every op: the execution order
         self.max_calls = max_calls
         self.dropped = 0
+        # the call output that last held each tensor's storage: which calls
+        # wrote the model's outputs (model_outputs)
+        self.produced: dict[tuple, tuple] = {}
 
     # what a CUDA device computes a convolution or a matrix product in when
     # TF32 is allowed (cuDNN allows it for convolutions by default): float32
     # tensors, 11-bit products; set by capture() from torch.backends
     tf32_ops: frozenset = frozenset()
 
-    def record(self, op: str, inputs, outputs, about: dict | None = None) -> None:
-        """One call: its inputs and outputs, and ``about`` it (JSON-able
-        attributes of the call's group: class and attrs, or op and args)."""
+    def full(self, op: str) -> bool:
+        """Whether ``op``'s calls are all kept already (the next is dropped)."""
+        return self.calls.get(op, 0) >= self.max_calls
+
+    def snapshot(self, values) -> list:
+        """The tensors of a call's inputs, copied now: an in-place op (a
+        ``ReLU(inplace=True)``, ``aten.relu_``) overwrites them before the
+        call returns."""
+        return [_to_numpy(t, copy=True) for t in _tensors(values)]
+
+    def record(self, op: str, inputs: list, outputs, about: dict | None = None) -> None:
+        """One call: its inputs (``snapshot``-ed before it ran) and outputs,
+        and ``about`` it (JSON-able attributes of the call's group: class and
+        attrs, or op and args)."""
         import json
 
         seq = self.calls.get(op, 0)
@@ -79,16 +93,35 @@ class _Writer:
             group.attrs[name] = value if isinstance(value, str) else json.dumps(value)
         self.order += 1
         kind = (about or {}).get("class") or (about or {}).get("op") or ""
-        for role, values in (("input", inputs), ("output", outputs)):
-            side = group.create_group(role, track_order=True)
-            for n, t in enumerate(_tensors(values)):
-                arr, dtype = _to_numpy(t)
-                ds = side.create_dataset(str(n), data=arr)
-                if not dtype and role == "output" and arr.dtype == np.float32 and t.is_cuda \
-                        and _base_op(kind) in self.tf32_ops:
-                    dtype = "tfloat32"      # float32 storage, TF32 products
-                if dtype:
-                    ds.attrs["dtype"] = dtype
+        side = group.create_group("input", track_order=True)
+        for n, (arr, dtype) in enumerate(inputs):
+            ds = side.create_dataset(str(n), data=arr)
+            if dtype:
+                ds.attrs["dtype"] = dtype
+        side = group.create_group("output", track_order=True)
+        for n, t in enumerate(_tensors(outputs)):
+            arr, dtype = _to_numpy(t)
+            ds = side.create_dataset(str(n), data=arr)
+            if not dtype and arr.dtype == np.float32 and t.is_cuda and _base_op(kind) in self.tf32_ops:
+                dtype = "tfloat32"      # float32 storage, TF32 products
+            if dtype:
+                ds.attrs["dtype"] = dtype
+            self.produced[_identity(t)] = (group, n)
+
+    def model_outputs(self, outputs) -> None:
+        """Mark the recorded outputs that are the model's own (the root
+        module's result): a ``model_output`` attribute on their call's group,
+        the JSON list of their output indices. What a comparison without
+        the model's graph judges the run's outcome by."""
+        import json
+
+        marks: dict = {}
+        for t in _tensors(outputs):
+            hit = self.produced.get(_identity(t))
+            if hit is not None:
+                marks.setdefault(hit[0].name, (hit[0], []))[1].append(hit[1])
+        for group, idx in marks.values():
+            group.attrs["model_output"] = json.dumps(sorted(set(idx)))
 
     def close(self) -> None:
         self.file.attrs["calls_dropped"] = self.dropped
@@ -176,7 +209,9 @@ def _module_attrs(module) -> dict:
 _WIDENED = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
-def _to_numpy(t) -> tuple[np.ndarray, str]:
+def _to_numpy(t, copy: bool = False) -> tuple[np.ndarray, str]:
+    """The tensor on the host (``copy``: never sharing its storage), and the
+    dtype it had where NumPy lacks it."""
     import torch
 
     t = t.detach()
@@ -185,7 +220,14 @@ def _to_numpy(t) -> tuple[np.ndarray, str]:
     name = str(t.dtype).replace("torch.", "")
     if name in _WIDENED:
         return t.to(device="cpu", dtype=torch.float32).contiguous().numpy(), name
-    return t.to("cpu").contiguous().numpy(), ""
+    arr = t.to("cpu").contiguous().numpy()
+    return (arr.copy() if copy and t.device.type == "cpu" else arr), ""
+
+
+def _identity(t) -> tuple:
+    """What tells a tensor from the others alive with it: its storage,
+    shape, strides, dtype and device."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device))
 
 
 @contextmanager
@@ -201,13 +243,29 @@ def capture(model, path, *, level: str = "module", max_calls: int = 64):
     writer.tf32_ops = _tf32_ops()
     handles = []
     try:
+        # the model's result, matched to the call that wrote it
+        handles.append(model.register_forward_hook(lambda mod, inputs, outputs: writer.model_outputs(outputs)))
         if level == "module":
+            pending: dict[str, list] = {}       # name -> the inputs of its calls under way
+
+            def before(mod, inputs, name):
+                pending.setdefault(name, []).append(None if writer.full(name) else writer.snapshot(inputs))
+
+            def after(mod, inputs, outputs, name, about):
+                taken = pending[name].pop()
+                if taken is None:
+                    writer.dropped += 1
+                else:
+                    writer.record(name, taken, outputs, about)
+
             for name, module in model.named_modules():
                 if name and not any(True for _ in module.children()):
                     about = {"class": type(module).__name__, "attrs": _module_attrs(module)}
+                    handles.append(module.register_forward_pre_hook(
+                        lambda mod, inputs, name=name: before(mod, inputs, name)))
                     handles.append(module.register_forward_hook(
-                        lambda mod, inputs, outputs, name=name, about=about: writer.record(name, inputs, outputs,
-                                                                                            about)))
+                        lambda mod, inputs, outputs, name=name, about=about: after(mod, inputs, outputs, name,
+                                                                                   about)))
             with torch.no_grad():
                 yield writer
         else:
@@ -215,9 +273,14 @@ def capture(model, path, *, level: str = "module", max_calls: int = 64):
 
             class _Record(TorchDispatchMode):
                 def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                    out = func(*args, **(kwargs or {}))
+                    op = str(func)
                     call = (args, kwargs or {})
-                    writer.record(str(func), call, out, {"op": str(func), "args": _spec(call)})
+                    taken = None if writer.full(op) else writer.snapshot(call)
+                    out = func(*args, **(kwargs or {}))
+                    if taken is None:
+                        writer.dropped += 1
+                    else:
+                        writer.record(op, taken, out, {"op": op, "args": _spec(call)})
                     return out
 
             with torch.no_grad(), _Record():

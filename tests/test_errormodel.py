@@ -222,3 +222,70 @@ def test_the_worst_block_finds_a_local_error_and_not_spread_noise():
     z = r.copy()
     z[:, :4] *= 1e-6
     assert EM.worst_block(noise, z).rel < 0.01
+
+
+def test_a_block_is_found_at_any_offset():
+    """A broken kernel's block of a sixteenth of the channels need not start
+    where a sixteenth does: found whole, wherever it starts."""
+    rng = np.random.default_rng(1)
+    r = rng.standard_normal((2, 64, 20, 20)).astype(np.float32)
+    noise = r * rng.standard_normal(r.shape).astype(np.float32) * 1e-3
+    for start in (1, 6, 29, 60):
+        bug = noise.copy()
+        bug[:, start:start + 4] += r[:, start:start + 4] * 0.05
+        b = EM.worst_block(bug, r)
+        assert b.where == f"channels {start}..{start + 3}" and 0.045 < b.rel < 0.055, (start, b)
+    t = rng.standard_normal((1, 197, 768)).astype(np.float32)
+    e = np.zeros_like(t)
+    e[..., 301:349] = t[..., 301:349] * 0.05
+    assert EM.worst_block(e, t).where == "features 301..348"
+    tile = noise.copy()
+    tile[..., 3:8, 11:16] = -r[..., 3:8, 11:16]
+    b = EM.worst_block(tile, r)
+    assert b.where == "rows 3..7, columns 11..15" and b.rel == pytest.approx(1.0, abs=1e-2)
+
+
+def test_a_layernorm_reads_its_rows_error_over_their_spread():
+    """A row whose mean dwarfs its spread (a class token) hands a LayerNorm
+    an error many times larger, relative to the output, than relative to
+    the row: the worst sixteenth of the rows says so, the whole less."""
+    rng = np.random.default_rng(2)
+    ref = rng.standard_normal((2, 32, 256)).astype(np.float32)
+    ref[:, 0] += 20.0
+    err = ref * rng.standard_normal(ref.shape).astype(np.float32) * 1e-3
+    whole, worst = EM.normalized_read(err, ref, "std")
+    assert worst == pytest.approx(1e-3 * np.sqrt(401 / 2), rel=0.1)     # row 0: |x| ~ 20 over a spread of 1
+    assert EM.rel_rms(err, ref) < 2e-3 < whole < worst
+    whole_rms, _ = EM.normalized_read(err, ref, "rms")                 # RMSNorm: over the row's RMS
+    assert whole_rms == pytest.approx(1e-3, rel=0.1)
+    assert EM.row_norm("LayerNorm") == "std" and EM.row_norm("aten.native_layer_norm.default") == "std"
+    assert EM.row_norm("RMSNorm") == "rms" and EM.row_norm("BatchNorm2d") == ""
+
+
+@pytest.mark.parametrize("kind, op, want", [("product", "Conv", True), ("elementwise", "Add", True),
+                                            ("reduction", "ReduceMean", False), ("int8", "Conv", False)])
+def test_a_block_that_stands_out_of_its_tensor_is_its_own(kind, op, want):
+    """A block 10x the rest's relative error, past what the precision
+    explains, is the node's own: in a product's channels whatever it read
+    (each channel sums over all it read); elsewhere unless the same window
+    stood out as much in what it read. Never for a mean (cancelling
+    channels) nor an INT8 grid."""
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((1, 64, 16, 16)).astype(np.float32)
+    noise = ref * rng.standard_normal(ref.shape).astype(np.float32) * 4e-3
+    bug = noise.copy()
+    bug[:, 21:25] += ref[:, 21:25] * 0.05
+    prof: list = []
+    blk = EM.worst_block(bug, ref, profile=prof)
+    assert (blk.key, blk.start, blk.stop) == ("channels", 21, 25) and 10 < blk.contrast < 16
+    precision = parse("int8" if kind == "int8" else "bf16")
+    b = EM.budget(op, precision, 576)
+    assert EM.local_own(blk, b, 0.01, None) is want
+    # the same window standing out as much in what it read: carried in (a product's channels excepted)
+    assert EM.local_own(blk, b, 0.01, EM.window_contrast(prof[0], blk)) is (want and kind == "product")
+    plain: list = []
+    EM.worst_block(noise, ref, profile=plain)
+    assert EM.window_contrast(plain[0], blk) < 2
+    assert EM.local_own(blk, b, 0.01, EM.window_contrast(plain[0], blk)) is want
+    quiet = EM.worst_block(noise, ref)
+    assert quiet.contrast < 2 and not EM.local_own(quiet, b, EM.ISOLATED)

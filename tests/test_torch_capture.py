@@ -70,6 +70,50 @@ def test_operators_and_a_bounded_number_of_calls(tmp_path):
     assert conv.shape == (1, 8, 16, 16)
 
 
+class Residual(torch.nn.Module):
+    """A torchvision-style block: in-place ReLUs and a functional residual
+    add that no module records; its result is the last Linear's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.relu(self.bn(self.conv(x)))
+        y = self.relu(y + x)
+        return self.fc(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("level", ["module", "operator"])
+def test_in_place_inputs_are_recorded_as_read_and_the_model_output_is_marked(tmp_path, level):
+    """An in-place ReLU overwrites its input before its call returns: the
+    file holds what it read (negative values too), not what it wrote; the
+    call that wrote the model's result says so (model_output), which a
+    comparison without the graph judges the run by."""
+    import h5py
+
+    from layerdiff.torch import capture
+
+    model, x = Residual().eval(), torch.randn(1, 4, 6, 6)
+    with capture(model, tmp_path / "run.h5", level=level):
+        out = model(x)
+    recs = _records(tmp_path / "run.h5")
+    relu = "relu" if level == "module" else "aten.relu_.default"
+    read = recs[(relu, ROLE_INPUT, 0)].array
+    wrote = recs[(relu, "output", 0)].array
+    assert read.min() < 0 and wrote.min() >= 0
+    np.testing.assert_array_equal(np.maximum(read, 0), wrote)
+    last = "fc" if level == "module" else "aten.addmm.default"
+    np.testing.assert_array_equal(recs[(last, "output", 0)].array, out.detach().numpy())
+    with h5py.File(tmp_path / "run.h5") as f:
+        marked = [f"{op}/{seq}" for op in f for seq in f[op] if "model_output" in f[op][seq].attrs]
+        assert marked == [f"{last}/0"] and f[last]["0"].attrs["model_output"] == "[0]"
+
+
 def test_bfloat16_is_kept_as_float32_with_its_dtype_named(tmp_path):
     import h5py
 

@@ -246,3 +246,92 @@ def test_pytorch_bf16_autocast_captures_with_a_bug_at_a_random_conv(services, tm
         if level == "operator":
             assert "re-run alone on its device inputs" in ev or "added here" in ev, ev
         _agree(r)
+
+
+def _encoder_block(torch, fp32_norms: bool):
+    """A ViT-shaped block: a class-token row whose mean dwarfs its spread,
+    computed in BF16, joined to the tokens (functional ops no module
+    records), LayerNorms
+    that run in FP32 under autocast as CUDA runs them (``fp32_norms``),
+    in-place activations, a residual add, a head on the class token."""
+    nn = torch.nn
+
+    class LayerNorm(nn.LayerNorm):
+        def forward(self, x):
+            if not fp32_norms:
+                return super().forward(x)
+            with torch.autocast("cpu", enabled=False):
+                return super().forward(x.float())
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Linear(64, 256)
+            self.cls = nn.Linear(64, 256)         # the class token's row: mean 20, spread 0.3, in BF16
+            self.cls.weight.data *= 0.5
+            self.cls.bias.data += 20.0
+            self.pos = nn.Parameter(torch.randn(1, 33, 256) * 0.5)
+            self.ln1, self.ln2 = LayerNorm(256), LayerNorm(256)
+            self.fc1, self.act, self.fc2 = nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)
+            self.head = nn.Linear(256, 10)
+
+        def forward(self, x):
+            h = torch.cat([self.cls(x[:, :1]), self.embed(x[:, 1:])], 1) + self.pos
+            h = h + self.fc2(self.act(self.fc1(self.ln1(h))))
+            return self.head(self.ln2(h)[:, 0])
+    return Block().eval()
+
+
+@pytest.mark.parametrize("fp32_norms", [True, False])
+def test_pytorch_encoder_bf16_quiet_on_rounding_and_blocks_of_5_percent_named(services, tmp_path, fp32_norms):
+    """A BF16 autocast capture of an encoder block against its CPU FP32
+    capture, dump against dump. Clean: a LayerNorm that computes in FP32
+    reads the class token's row, whose large mean makes it pass on the
+    Linear's BF16 rounding many times over relative to its output: that is
+    what it read, not its own error. A 5 % bug on a sixteenth of a Linear's
+    features, starting anywhere, is named at that Linear, not at the
+    LayerNorm after it; the model's output is the head's (the capture marks
+    it), not a tensor a functional add reads."""
+    torch = pytest.importorskip("torch")
+    from layerdiff.torch import capture
+
+    x = torch.randn(2, 33, 64, generator=torch.Generator().manual_seed(1))
+    collector, analyzer = services
+
+    def dump(name: str, device: bool, site: str = "", start: int = 0):
+        m = _encoder_block(torch, fp32_norms)
+        hooks = []
+        if site:
+            def hook(mod, inputs, out):
+                out = out.clone()
+                out[..., start:start + out.shape[-1] // 16] *= 1.05
+                return out
+            hooks.append(getattr(m, site).register_forward_hook(hook))
+        path = tmp_path / name
+        path.mkdir()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=device), capture(m, path / "run.h5"):
+            m(x)
+        for h in hooks:
+            h.remove()
+        return path
+
+    # the LayerNorms computing in FP32 are judged so (as a CUDA TF32 or BF16 run's are)
+    norms = {"ln1": "fp32", "ln2": "fp32"} if fp32_norms else None
+    golden = dump("cpu", False)
+    r = compare(str(golden), str(dump("clean", True)), out=tmp_path / "o-clean", progress=False,
+                collector=collector.address, analyzer=analyzer.address, dump_mode="all", node_precision=norms)
+    assert _comp(r.summary) is None, r.summary["diagnosis"]["headline"]
+    _agree(r)
+    for site, start in (("fc1", 77), ("fc2", 201), ("embed", 5)):
+        r = compare(str(golden), str(dump(f"bug-{site}", True, site, start)), out=tmp_path / f"o-{site}",
+                    progress=False, collector=collector.address, analyzer=analyzer.address, dump_mode="all",
+                    node_precision=norms)
+        assert _comp(r.summary) == site, (site, r.summary["diagnosis"]["headline"])
+        ev = " | ".join((r.summary["first_computation_error"] or r.summary["benign_computation_errors"][0])
+                        ["evidence"])
+        width = {"fc1": 512}.get(site, 256) // 16
+        assert f"features {start}..{start + width - 1}" in ev, ev
+        # past the first node the block is told from what came in by how it stands out of its tensor
+        assert site == "embed" or "the rest of the tensor's" in ev, ev
+        _agree(r)

@@ -90,6 +90,17 @@ DUMP_GROWTH = {"product": 12.0, "reduction": 10.0, "norm": 4.0}
 DUMP_GROWTH_DEFAULT = 3.0
 DUMP_BLOCK_GROWTH = {"product": 6.0, "reduction": 10.0}
 DUMP_BLOCK_GROWTH_DEFAULT = 4.0
+# Rounding spreads over a tensor: no part of it carries a relative error
+# many times the rest's (the worst block of clean BF16 captures of seven
+# torchvision models, 1,000 tensors: 2.6x the rest in a product or a
+# normalization, 3.3x after a ReLU that halves a block's values; 5.3x in
+# the channels of a mean whose values cancel, where it is not used). A block past
+# LOCAL_CONTRAST times the rest, and past what the precision explains in
+# a block, is an error of its own unless what the node
+# read carries it (local_own: where it can, the same window must stand out
+# LOCAL_CONTRAST times less there).
+LOCAL_CONTRAST = 4.0
+ISOLATED = -1.0     # local_own's block_in for an error measured against the node re-run alone
 # a tensor too small to cut into blocks may hold all its error in one: a
 # block of 1/16 of it then carries 4 times its relative RMS error
 UNCUT_BLOCK = 4.0
@@ -205,6 +216,38 @@ def allowed(budget: Budget | None, block: Block | None = None, locally: bool = F
     if budget is None:
         return FLOOR
     return budget.allowed_in(block) if locally else budget.allowed
+
+
+def local_own(block: Block | None, budget: Budget | None, block_in: float | None = None,
+              contrast_in: float | None = None) -> bool:
+    """Whether ``block`` holds an error no rounding spreads that way: its
+    relative error LOCAL_CONTRAST times the rest of the tensor's and past
+    what the precision explains in a block (LOCAL_FACTOR times E1: a
+    product's channels that cancel carry more than the whole's E1), and
+    not carried in. ``block_in``: ISOLATED where the node's error was
+    measured alone (nothing came in); else the worst block of what it read,
+    on the output's scale (None: unknown). ``contrast_in``: how much the same window stood out in what it
+    read (window_contrast; None: no such window there): the block must
+    stand out LOCAL_CONTRAST times more than that. A product's channels or
+    features mix every channel it read: a block there cannot have come in
+    through its input (a depthwise convolution, K of a kernel's size, keeps
+    channels apart). Never for an INT8 grid, whose step weighs differently
+    over small and large values, nor for a sum or a mean over an axis: the
+    channels whose values cancel there carry many times the others'
+    relative error (5.2x in a clean BF16 EfficientNet's squeeze)."""
+    if block is None or budget is None or budget.step > 0 or budget.precision == "int8" \
+            or budget.kind == "reduction":
+        return False
+    if block.contrast <= LOCAL_CONTRAST or block.rel <= budget.allowed_in(block):
+        return False
+    if block_in is not None and block_in < 0:
+        return True
+    if budget.kind == "product" and block.key in ("channels", "features") and (budget.k is None or budget.k > 49):
+        return True
+    if contrast_in is not None:
+        return block.contrast > LOCAL_CONTRAST * max(1.0, contrast_in)
+    grow = DUMP_BLOCK_GROWTH.get(budget.kind, DUMP_BLOCK_GROWTH_DEFAULT)
+    return block_in is not None and block.rel > grow * block_in
 
 
 def relative_rms(precision: Precision, kind: str, k: int | None = None, rho: float = 1.0) -> float:
@@ -395,17 +438,49 @@ class Block:
     rel: float
     share: float        # its fraction of the tensor's elements
     scale: float = 0.0  # the RMS its error is taken relative to (the reference's there, at least a quarter of all)
+    rest: float = -1.0  # the relative RMS error of the rest of the tensor, alike (-1: the block is all of it)
+    key: str = ""       # a window along one axis: that axis ("channels"...), and its indices [start, stop)
+    start: int = 0
+    stop: int = 0
+
+    @property
+    def contrast(self) -> float:
+        """How many times the rest's relative error the block's is (inf where
+        the rest is exact; 0 where there is no rest)."""
+        if self.rest < 0:
+            return 0.0
+        return self.rel / self.rest if self.rest > 0 else (math.inf if self.rel > 0 else 0.0)
 
 
-def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 64) -> Block | None:
-    """The block of a tensor whose relative RMS error is the largest: one of
-    16 groups of channels or 16 spatial tiles of an image tensor (NCHW, or
-    NHWC for TensorFlow), of 16 groups of features (last axis) or of rows
-    (the axis before it) of anything else. A block's error is taken
-    relative to the reference's RMS there, but never to less than a quarter
-    of the tensor's RMS, so that near-zero values do not read as a large
-    relative error. Two passes over the squares (marginal sums), float64
-    sums. None for a tensor too small to cut (under 4 blocks' worth)."""
+@dataclass
+class Profile:
+    """A tensor's squared errors and squared reference values summed over
+    every axis but one (channels, features, rows: 1-D and small), and in
+    all: what tells whether a block of a node's output stood out already in
+    what the node read (window_contrast)."""
+    sums: dict          # axis label ("channels", "features", "rows of axis 1") -> (error², reference²) per index
+    e_all: float
+    r_all: float
+    size: int
+
+    @property
+    def floor(self) -> float:
+        return self.r_all / self.size / 16.0 if self.size else 0.0
+
+
+def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 8,
+                profile: list | None = None) -> Block | None:
+    """The block of a tensor whose relative RMS error is the largest: a
+    sixteenth of the channels or a tile of a quarter of the rows by a quarter
+    of the columns of an image tensor (NCHW, or NHWC for TensorFlow), a
+    sixteenth of the features (last axis) or of the rows (the axis before
+    it) of anything else, at every offset (a broken kernel's block need not
+    start where a sixteenth does). A block's error is taken relative to the
+    reference's RMS there, but never to less than a quarter of the tensor's
+    RMS, so that near-zero values do not read as a large relative error.
+    Marginal sums of the squares (float64) and their running sums; the 1-D
+    ones are appended to ``profile`` (a Profile) where a list is given.
+    None for a tensor too small to cut (under 4 blocks' worth)."""
     e = np.asarray(err)
     r = np.asarray(ref)
     if e.shape != r.shape or e.size < 4 * min_elements or e.ndim == 0:
@@ -415,50 +490,94 @@ def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elem
         r2 = np.square(r, dtype=np.float32) if r.dtype != np.float64 else np.square(r)
     e2 = np.where(np.isfinite(e2), e2, 0)
     r2 = np.where(np.isfinite(r2), r2, 0)
-    floor = float(np.sum(r2, dtype=np.float64)) / r2.size / 16.0
+    e_all = float(np.sum(e2, dtype=np.float64))
+    r_all = float(np.sum(r2, dtype=np.float64))
+    floor = r_all / r2.size / 16.0
     nd = e.ndim
-    cuts: list[tuple[str, np.ndarray, np.ndarray, int]] = []     # (where, error sum, reference sum, elements)
+    best: Block | None = None
+    kept = Profile({}, e_all, r_all, int(e.size))
 
     def along(axes_kept: tuple[int, ...]):
         others = tuple(a for a in range(nd) if a not in axes_kept)
         return (np.sum(e2, axis=others, dtype=np.float64), np.sum(r2, axis=others, dtype=np.float64),
                 e.size // int(np.prod([e.shape[a] for a in axes_kept])))
 
-    def groups(axis: int, label: str) -> None:
+    def consider(se_w: np.ndarray, sr_w: np.ndarray, n: int, label, span=None) -> None:
+        """The worst of windows of ``n`` elements each, their sums given."""
+        nonlocal best
+        if n < min_elements or se_w.size == 0:
+            return
+        den = np.maximum(sr_w / n, floor)
+        with np.errstate(all="ignore"):
+            rel = np.where(den > 0, np.sqrt(se_w / n / np.where(den > 0, den, 1.0)), -1.0)
+        i = int(np.argmax(rel))
+        if rel.flat[i] >= 0 and (best is None or rel.flat[i] > best.rel):
+            at = np.unravel_index(i, rel.shape)
+            best = Block(label(at), float(rel.flat[i]), n / e.size, math.sqrt(float(den.flat[i])),
+                         _rest_rel(e_all - float(se_w.flat[i]), r_all - float(sr_w.flat[i]), e.size - n, floor),
+                         *(span(at) if span else ("", 0, 0)))
+
+    def windows(axis: int, key: str) -> None:
         se, sr, per = along((axis,))
-        for a, b in _groups(e.shape[axis], 16):
-            cuts.append((label.format(f"{a}..{b - 1}"), se[a:b].sum(), sr[a:b].sum(), per * (b - a)))
+        kept.sums[key] = (se, sr)
+        w = max(1, round(e.shape[axis] / 16))
+        consider(_window_sums(se, (w,)), _window_sums(sr, (w,)), per * w,
+                 lambda at: f"{key} {at[0]}..{at[0] + w - 1}" if not key.startswith("rows of") else
+                 f"rows {at[0]}..{at[0] + w - 1} of{key[len('rows of'):]}",
+                 lambda at: (key, int(at[0]), int(at[0]) + w))
 
     if nd == 4:
         c_axis, (h_axis, w_axis) = (3, (1, 2)) if layout == "NHWC" else (1, (2, 3))
-        groups(c_axis, "channels {}")
+        windows(c_axis, "channels")
         se, sr, per = along((h_axis, w_axis))
-        for ha, hb in _groups(e.shape[h_axis], 4):
-            for wa, wb in _groups(e.shape[w_axis], 4):
-                cuts.append((f"rows {ha}..{hb - 1}, columns {wa}..{wb - 1}", se[ha:hb, wa:wb].sum(),
-                             sr[ha:hb, wa:wb].sum(), per * (hb - ha) * (wb - wa)))
+        th, tw = max(1, round(e.shape[h_axis] / 4)), max(1, round(e.shape[w_axis] / 4))
+        consider(_window_sums(se, (th, tw)), _window_sums(sr, (th, tw)), per * th * tw,
+                 lambda at: f"rows {at[0]}..{at[0] + th - 1}, columns {at[1]}..{at[1] + tw - 1}")
     else:
-        groups(nd - 1, "features {}" if nd > 1 else "elements {}")
+        windows(nd - 1, "features" if nd > 1 else "elements")
         rows = next((ax for ax in range(nd - 2, -1, -1) if e.shape[ax] > 1), None)
         if rows is not None:
-            groups(rows, "rows {} of axis " + str(rows))
-    best: Block | None = None
-    for where, se_b, sr_b, n in cuts:
-        if n < min_elements:
-            continue
-        den = max(float(sr_b) / n, floor)
-        if den <= 0.0:
-            continue
-        rel = math.sqrt(float(se_b) / n / den)
-        if best is None or rel > best.rel:
-            best = Block(where, rel, n / e.size, math.sqrt(den))
+            windows(rows, f"rows of axis {rows}")
+    if profile is not None:
+        profile.append(kept)
     return best
 
 
-def _groups(size: int, parts: int) -> list[tuple[int, int]]:
-    parts = max(1, min(parts, size))
-    edges = [round(i * size / parts) for i in range(parts + 1)]
-    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+def _rest_rel(e_rest: float, r_rest: float, m: int, floor: float) -> float:
+    """The relative RMS error of what lies outside a block (-1: nothing does)."""
+    if m <= 0:
+        return -1.0
+    den = max(r_rest / m, floor)
+    return math.sqrt(max(e_rest, 0.0) / m / den) if den > 0 else -1.0
+
+
+def window_contrast(profile: Profile | None, block: Block | None) -> float | None:
+    """How much the same window as ``block`` stood out in another tensor
+    (what a node read): its relative error there over the rest's, as
+    Block.contrast; None where that tensor has no such axis of that length."""
+    if profile is None or block is None or not block.key or block.key not in profile.sums:
+        return None
+    se, sr = profile.sums[block.key]
+    if block.stop > se.size:
+        return None
+    n = profile.size // se.size * (block.stop - block.start)
+    e_w, r_w = float(se[block.start:block.stop].sum()), float(sr[block.start:block.stop].sum())
+    den = max(r_w / n, profile.floor) if n else 0.0
+    if den <= 0:
+        return None
+    inside = Block("", math.sqrt(e_w / n / den), 0.0, 0.0,
+                   _rest_rel(profile.e_all - e_w, profile.r_all - r_w, profile.size - n, profile.floor))
+    return inside.contrast
+
+
+def _window_sums(x: np.ndarray, size: tuple[int, ...]) -> np.ndarray:
+    """Sums of ``x`` over every window of ``size`` (running sums, one axis
+    at a time): entry i is the sum over x[i : i + size]."""
+    for axis, w in enumerate(size):
+        c = np.cumsum(x, axis=axis, dtype=np.float64)
+        c = np.concatenate([np.zeros_like(np.take(c, [0], axis=axis)), c], axis=axis)
+        x = np.take(c, range(w, c.shape[axis]), axis=axis) - np.take(c, range(0, c.shape[axis] - w), axis=axis)
+    return x
 
 
 # ------------------------------------------------------------ magnitudes
@@ -557,6 +676,45 @@ def quant_break(step: float, rms: float, rel_err: float) -> bool:
     (half a step above their RMS ``rms``: most of them round to one or two
     levels), and that loses them (relative RMS error above 0.1)."""
     return bool(step) and math.isfinite(rms) and step / 2 > rms > 0 and rel_err > 0.1
+
+
+# Normalizations over each row (the last axis): what scales a row's error.
+# A LayerNorm divides what it read by the row's standard deviation: a row
+# whose mean dwarfs its spread (a ViT's class token, a residual stream's
+# offset) passes its error on many times over, relative to the output.
+ROW_NORMS = {"LayerNormalization": "std", "LayerNorm": "std", "layer_norm": "std", "native_layer_norm": "std",
+             "SimplifiedLayerNormalization": "rms", "RMSNorm": "rms", "rms_norm": "rms"}
+
+
+def row_norm(op_type: str) -> str:
+    """'std' or 'rms' for a normalization over each row, else ''."""
+    return ROW_NORMS.get(aten_name(op_type), "")
+
+
+def normalized_read(err: np.ndarray, ref: np.ndarray, by: str, eps: float = 1e-6) -> tuple[float, float] | None:
+    """The error a row normalization reads, in the units of its output:
+    each row's RMS error over the row's standard deviation (``std``) or RMS
+    (``rms``), with ``eps`` added to its square as the normalization does
+    (the smallest usual one: the most a row can pass on). Its RMS over the whole tensor, and the largest over a
+    sixteenth of the rows (the axis before the last, as worst_block cuts).
+    None for a tensor with fewer than 2 elements a row."""
+    e = np.asarray(err)
+    r = np.asarray(ref)
+    if e.shape != r.shape or e.ndim == 0 or e.shape[-1] < 2:
+        return None
+    with np.errstate(all="ignore"):
+        r64 = r.astype(np.float64)
+        scale2 = np.var(r64, axis=-1) if by == "std" else np.mean(np.square(r64), axis=-1)
+        e2 = np.mean(np.square(e, dtype=np.float64), axis=-1)
+        a2 = e2 / (scale2 + eps)
+    a2 = np.where(np.isfinite(a2), a2, 0.0)
+    whole = math.sqrt(float(np.mean(a2)))
+    if a2.ndim == 0 or a2.size < 2:
+        return whole, whole
+    per_row = np.mean(a2.reshape(-1, a2.shape[-1]), axis=0)         # rows of the axis before the last
+    w = max(1, round(per_row.size / 16))
+    worst = float(np.max(_window_sums(per_row, (w,)))) / w
+    return whole, max(whole, math.sqrt(worst))
 
 
 def scale_ratio(rms_in: float, rms_out: float) -> float:

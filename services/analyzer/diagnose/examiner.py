@@ -60,6 +60,8 @@ class NodeExaminer:
         self.reference = reference
         self.policy = policy or EM.ErrorPolicy(quantized=quantized, layout=getattr(reference, "layout", "NCHW"))
         self.blocks_of: dict = {}      # tensor, or (node, input index), -> the worst block of its error
+        self.norms_of: dict = {}       # (node, 0) of a row normalization -> the error it read, in its units
+        self.profiles_of: dict = {}    # tensor, or (node, input index), -> its errors along each axis
         self.errors_of: dict = {}      # the same -> (relative RMS error, RMS error), mask-like values left out
         self._k: dict[str, int | None] = {}
         self.injected = injected
@@ -157,6 +159,10 @@ class NodeExaminer:
             self.policy.seen(row.device_dtype)
         self._error_stats(row, ref, dev, force_compare)
         self.blocks_of[key] = row.block
+        if row.norm_read is not None:
+            self.norms_of[key] = row.norm_read
+        if row.profile is not None:
+            self.profiles_of[key] = row.profile
         self.errors_of[key] = (row.rel_err, row.abs_err, row.outcome.metrics.ref_rms if not row.masked else 0.0)
         if not row.is_input and not row.is_constant:
             self.judge_budget(row)
@@ -211,8 +217,13 @@ class NodeExaminer:
                 row.masked = int(ref.size - n)
                 row.err_rel = EM.rel_rms(err, r)
                 row.err_rms = float(np.sqrt(np.sum(np.square(err, dtype=np.float64)) / max(n, 1)))
-        if ref.size >= 256:
-            row.block = EM.worst_block(err, r, self.policy.layout if ref.ndim == 4 else "")
+        if ref.size >= 64:
+            prof: list = []
+            row.block = EM.worst_block(err, r, self.policy.layout if ref.ndim == 4 else "", profile=prof)
+            row.profile = prof[0] if prof else None
+        by = EM.row_norm(row.site.op_type) if row.is_input and row.site.output_index == 0 else ""
+        if by:
+            row.norm_read = EM.normalized_read(err, r, by)
         if self.policy.quantized and not row.is_constant:
             grid = quant_grid(d)        # an INT8 hand-over: the step its values lie on
             if grid is not None:
@@ -248,7 +259,8 @@ class NodeExaminer:
         if row.failed or m.dev_nan + m.dev_inf:
             return True
         allowed = EM.allowed(row.budget)
-        return row.rel_err > allowed or (row.block is not None and row.block.rel > allowed)
+        return row.rel_err > allowed or (row.block is not None and row.block.rel > allowed) \
+            or EM.local_own(row.block, row.budget, None)
 
     def reduction_length(self, site) -> int | None:
         """K of the reference node (its reduction length), from the model's
@@ -356,6 +368,9 @@ class NodeExaminer:
             if x is None:
                 return None
             seen = True
+            n = self.norms_of.get(key)
+            if n is not None:       # a row normalization: what it read, in its output's units
+                rel, block = max(rel, n[0]), max(block, n[1])
             if math.isfinite(x[0]):
                 rel = max(rel, x[0])
             if math.isfinite(x[1]):
@@ -366,6 +381,17 @@ class NodeExaminer:
             return None
         spread = abs_sum / out_rms if out_rms > 0 and math.isfinite(out_rms) else rel
         return rel, spread, block
+
+    def contrast_read(self, row) -> float | None:
+        """How much the window of the node's worst block stood out in what it
+        read (the most of any input that has that axis; None: none has)."""
+        reads = list(self._external_reads(self.unit(row.site)))
+        if any((n, k) in self.norms_of for n, k, _ in reads):
+            return None     # a row normalization: what it read is measured in its units (normalized_read)
+        found = [EM.window_contrast(self.profiles_of.get((n, k)) or self.profiles_of.get(t), row.block)
+                 for n, k, t in reads]
+        found = [c for c in found if c is not None]
+        return max(found) if found else None
 
     def inherited(self, row) -> str:
         """A sentence when the node's error is no more than what it read and
@@ -388,6 +414,8 @@ class NodeExaminer:
         if row.rel_err > EM.GROWTH * carried + allowed:
             return ""
         if row.block is not None and row.block.rel > EM.GROWTH * max(block_in, carried) + allowed:
+            return ""
+        if EM.local_own(row.block, row.budget, max(block_in, carried), self.contrast_read(row)):
             return ""
         return inherited_words(row)
 

@@ -282,7 +282,8 @@ def _masked_words(row) -> str:
 def _within_own(row, allowed: float) -> bool:
     """The whole error, not just the node's own, is within its budget."""
     return row.rel_err <= allowed and (row.block is None
-                                       or row.block.rel <= EM.allowed(row.budget, row.block, locally=True))
+                                       or row.block.rel <= EM.allowed(row.budget, row.block, locally=True)) \
+        and not EM.local_own(row.block, row.budget, None)
 
 
 def _explains(budget) -> str:
@@ -335,12 +336,14 @@ def _judge_own(row, f: Finding, quantized: bool) -> None:
                           f"alone on its device inputs{_core_words(row)}); {_explains(budget)}: {_times(own, budget)}")
         return
     blk = row.own_block
-    if blk is not None and blk.rel > EM.allowed(budget, blk, locally=True) and row.isolated_core is None:
+    if blk is not None and row.isolated_core is None and (blk.rel > EM.allowed(budget, blk, locally=True)
+                                                         or EM.local_own(blk, budget, EM.ISOLATED)):
         f.verdict = COMPUTATION
         f.local = True          # a part of its output off, the rest right: no rounding does that
         f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) it adds a relative RMS error of "
                           f"{fmt(blk.rel)} (against the node re-run alone on its device inputs), "
-                          f"{fmt(own)} over the whole; {_explains(budget)}: {_times(blk.rel, budget)}")
+                          f"{fmt(own)} over the whole{_contrast_words(blk)}; {_explains(budget)}: "
+                          f"{_times(blk.rel, budget)}")
         return
     f.verdict = ACCUMULATED
     f.evidence.append(f"re-run alone on its device inputs it adds a relative RMS error of {fmt(own)}, within what "
@@ -372,6 +375,12 @@ def _judge_growth(row, f: Finding, activations: list) -> None:
     block_in = max(((r.block.rel if r.block is not None else EM.UNCUT_BLOCK * r.rel_err)
                     * EM.scale_ratio(r.outcome.metrics.ref_rms if not r.masked else 0.0, out_rms)
                     for r in activations), default=0.0)
+    # a row normalization passes on what it read over each row's spread
+    normed = [r.norm_read for r in activations if r.norm_read is not None]
+    if normed:
+        rel_in = max(rel_in, max(n[0] for n in normed))
+        carried = max(carried, rel_in)
+        block_in = max(block_in, max(n[1] for n in normed))
     if row.rel_err > grow * carried + allowed:
         f.verdict = COMPUTATION
         f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read, more "
@@ -386,9 +395,35 @@ def _judge_growth(row, f: Finding, activations: list) -> None:
                           f"against at most {fmt(max(block_in, carried))} in any part of what it read, more than a "
                           f"{row.site.op_type or 'node'} passes on ({grow_block:g}x); {_explains(budget)}")
         return
+    # a row normalization's input is measured in its own units (normalized_read), not by its window
+    found = [EM.window_contrast(r.profile, blk) for r in activations] if not normed else []
+    found = [c for c in found if c is not None]
+    if EM.local_own(blk, budget, max(block_in, carried), max(found) if found else None):
+        f.verdict = COMPUTATION
+        f.local = True
+        f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) its relative RMS error is {fmt(blk.rel)}"
+                          f"{_contrast_words(blk)}; what it read carries at most {fmt(max(block_in, carried))} in "
+                          f"any part{_mixed_words(blk, budget)}; {_explains(budget)}: {_times(blk.rel, budget)}")
+        return
     f.verdict = ACCUMULATED
     f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: no "
                       f"more than what it read and its own rounding ({_explains(budget)}) explain")
+
+
+def _contrast_words(blk) -> str:
+    """', 12x the rest of the tensor's (4.1e-3): ...' for a block that
+    stands out of its tensor."""
+    if blk.contrast <= EM.LOCAL_CONTRAST:
+        return ""
+    times = "infinitely many times" if math.isinf(blk.contrast) else f"{blk.contrast:.3g}x"
+    return (f", {times} the rest of the tensor's ({fmt(blk.rest)}): rounding spreads over a tensor "
+            f"(no part of a clean run's passes {EM.LOCAL_CONTRAST:g}x the rest)")
+
+
+def _mixed_words(blk, budget) -> str:
+    if budget is not None and budget.kind == "product" and blk.where.startswith(("channels", "features")):
+        return ", and each of its output channels sums over every channel it read"
+    return ""
 
 
 def _core(row):
@@ -534,22 +569,29 @@ class Spent:
     added: float = 0.0
 
 
-def outputs_out_of_tolerance(rows: list, node_inputs: dict[str, list[str]]) -> Spent | None:
-    """The graph's outputs (tensors no node reads; the last one of a dump
-    that records no reads) past the seed's atol/rtol, and the node that adds
+def outputs_out_of_tolerance(rows: list, node_inputs: dict[str, list[str]],
+                             outputs: set[str] | frozenset = frozenset()) -> Spent | None:
+    """The model's outputs past the seed's atol/rtol, and the node that adds
     the most relative error on the way (its own error where it was re-run
     alone, else what its error grew by beyond what it read); None when the
-    outputs are within tolerance."""
+    outputs are within tolerance. The outputs are ``outputs`` (the graph's,
+    or those a PyTorch capture marks) where any of them was compared, else
+    the tensors no node reads (the last one of a dump that records no
+    reads)."""
     outs = [r for r in rows if not r.is_input and not r.is_constant]
     if not outs:
         return None
-    read = {t for ins in node_inputs.values() for t in ins if t}
-    finals = [r for r in outs if r.site.tensor not in read] if read else [outs[-1]]
+    finals = [r for r in outs if r.site.tensor in outputs]
+    if not finals:
+        read = {t for ins in node_inputs.values() for t in ins if t}
+        finals = [r for r in outs if r.site.tensor not in read] if read else [outs[-1]]
     failing = [r for r in finals if r.failed]
     if not failing:
         return None
     most, added = None, 0.0
     for r in outs:
+        if r.own_rel is None and EM.op_kind(r.site.op_type) == "exact":
+            continue        # a ReLU or a reshape adds nothing: what its error grew by is its scale's change
         own = r.own_rel if r.own_rel is not None else max(0.0, r.rel_err - (r.read_rel or 0.0))
         if own > added:
             most, added = r, own

@@ -391,7 +391,8 @@ class JobRunner:
                                    all_sites=p.reference.sites, aligner=p.aligner,
                                    node_inputs=p.reference.node_inputs, sections=sections,
                                    min_coverage=p.min_coverage, impact=impact, weights=p.weights,
-                                   presumed=getattr(p.reference, "presumed", None))
+                                   presumed=getattr(p.reference, "presumed", None),
+                                   outputs=getattr(p.reference, "model_outputs", frozenset()))
         finally:
             if injected is not None:
                 injected.release()

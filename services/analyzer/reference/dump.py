@@ -82,6 +82,7 @@ class DumpReference:
         self._constants: dict = {}
         self._model_nodes: set[str] = set()     # the model's own nodes (re-run alone), with a model
         self._about: dict[str, str] = {}        # node -> what the dump recorded of its call (JSON text)
+        self._marked: set[str] = set()          # outputs the dump marks as the model's own (model_output)
         self.bytes = 0
         self.records = 0
         self._sealed = False
@@ -113,6 +114,8 @@ class DumpReference:
                     about=rec.attributes)
         if rec.attributes:
             self._about.setdefault(g.node, rec.attributes)
+            if '"model_output"' in rec.attributes and rec.slot in _listed(rec.attributes, "model_output"):
+                self._marked.add(rec.name)
         if rec.status != STATUS_OK or rec.array is None:
             g.error = rec.message or "unreadable"
         else:
@@ -128,6 +131,15 @@ class DumpReference:
         np.save(path, np.ascontiguousarray(arr), allow_pickle=False)
         self._spilled[key] = path
         self.bytes += arr.nbytes
+
+    @property
+    def model_outputs(self) -> frozenset:
+        """What the run's outcome is judged by: the model's graph outputs
+        where a model lends its graph, else the outputs the dump marks as
+        the model's own (a PyTorch capture's ``model_output``)."""
+        if self.model is not None:
+            return frozenset(o.name for o in self.model.graph.output)
+        return frozenset(self._marked)
 
     @property
     def tensors(self) -> int:
@@ -362,3 +374,15 @@ class DumpReference:
     def close(self) -> None:
         if self.spill is not None:
             shutil.rmtree(self.spill, ignore_errors=True)
+
+
+def _listed(about: str, key: str) -> list[int]:
+    """The integers listed under ``key`` of a call's JSON description
+    ([] where it is not a list of integers)."""
+    import json
+
+    try:
+        v = json.loads(about).get(key)
+    except (ValueError, AttributeError):
+        return []
+    return [x for x in v if isinstance(x, int) and not isinstance(x, bool)] if isinstance(v, list) else []

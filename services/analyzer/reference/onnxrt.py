@@ -53,6 +53,11 @@ class OnnxReference:
     # computed in segments of its own nodes (layerdiff.analyzer.reference.segments)
     chainable = True
 
+    @property
+    def model_outputs(self) -> frozenset:
+        """The graph's outputs: what the run's outcome is judged by."""
+        return frozenset(o.name for o in self.model.graph.output)
+
     def __init__(self, model_bytes: bytes, name: str = "model.onnx") -> None:
         self.name = name
         self.model = load_model(model_bytes, name)

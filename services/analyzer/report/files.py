@@ -81,7 +81,10 @@ class Row:
     precision_from: str = ""         # where that was read from
     budget: Budget | None = None     # the error its own arithmetic explains
     block: Block | None = None       # the part of the tensor with the largest relative error
+    profile: object = None           # its errors summed along each axis (errormodel.Profile)
     read_rel: float | None = None    # the largest relative RMS error of what it read (None: unknown)
+    # a row normalization's input: its error over each row's spread (errormodel.normalized_read)
+    norm_read: tuple[float, float] | None = None
     own_rel: float | None = None     # the relative RMS error it adds itself (against its isolated re-run)
     own_block: Block | None = None   # the part of that error with the largest relative error
     looked: bool = False             # examined: its error was more than its own arithmetic explains
@@ -333,7 +336,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                  node_inputs: dict[str, list[str]] | None = None,
                  sections: dict | Callable[[], dict | None] | None = None,
                  min_coverage: float | None = None, impact=None, weights: list | None = None,
-                 presumed: dict[str, str] | None = None) -> dict:
+                 presumed: dict[str, str] | None = None, outputs: set[str] | frozenset = frozenset()) -> dict:
     """``sections``: further top-level parts of summary.json (the performance
     data, its per-node view), written by their own modules; a callable is
     called once every row carries its diagnosis. The coverage comes first:
@@ -416,7 +419,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                        and not r.finding.benign), None)
     benign = [r for r in rows if r.finding and r.finding.benign]
     undecided = [r for r in rows if r.finding and r.finding.verdict == diagnose.UNDECIDED]
-    spent = diagnose.outputs_out_of_tolerance(rows, node_inputs or {})
+    spent = diagnose.outputs_out_of_tolerance(rows, node_inputs or {}, outputs)
     text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided, spent)
     answer = coverage.outcome(rep, cov, diagnose.exit_of(first_comp, nan_overflow, benign, undecided, spent,
                                                          first))

@@ -269,7 +269,8 @@ ABOUT_MAX = 1 << 16      # characters of a call's description kept; a longer one
 
 def _call_about(call) -> tuple[str, str]:
     """The op type a call's group names (``class`` of a module, ``op`` of an
-    ATen operator) and its ``attrs``/``args`` as one JSON object's text;
+    ATen operator) and its ``attrs``/``args``/``model_output`` (which of its
+    outputs are the model's own) as one JSON object's text;
     ('', '') where it says nothing usable. Only JSON is read."""
     import json
 
@@ -277,7 +278,7 @@ def _call_about(call) -> tuple[str, str]:
         attrs = call.attrs if hasattr(call, "attrs") else {}
         op = attrs.get("class") or attrs.get("op") or ""
         about = {}
-        for key in ("attrs", "args"):
+        for key in ("attrs", "args", "model_output"):
             v = attrs.get(key)
             if isinstance(v, str) and len(v) <= ABOUT_MAX:
                 about[key] = json.loads(v)
