@@ -61,7 +61,6 @@ class NodeExaminer:
         self.policy = policy or EM.ErrorPolicy(quantized=quantized, layout=getattr(reference, "layout", "NCHW"))
         self.blocks_of: dict = {}      # tensor, or (node, input index), -> the worst block of its error
         self.norms_of: dict = {}       # (node, 0) of a row normalization -> the error it read, in its units
-        self.profiles_of: dict = {}    # tensor, or (node, input index), -> its errors along each axis
         self.errors_of: dict = {}      # the same -> (relative RMS error, RMS error), mask-like values left out
         self._k: dict[str, int | None] = {}
         self.injected = injected
@@ -161,8 +160,6 @@ class NodeExaminer:
         self.blocks_of[key] = row.block
         if row.norm_read is not None:
             self.norms_of[key] = row.norm_read
-        if row.profile is not None:
-            self.profiles_of[key] = row.profile
         self.errors_of[key] = (row.rel_err, row.abs_err, row.outcome.metrics.ref_rms if not row.masked else 0.0)
         if not row.is_input and not row.is_constant:
             self.judge_budget(row)
@@ -260,7 +257,7 @@ class NodeExaminer:
             return True
         allowed = EM.allowed(row.budget)
         return row.rel_err > allowed or (row.block is not None and row.block.rel > allowed) \
-            or EM.local_own(row.block, row.budget, None)
+            or any(EM.local_own(b, row.budget, k_unknown=True) for b in row.blocks)
 
     def reduction_length(self, site) -> int | None:
         """K of the reference node (its reduction length), from the model's
@@ -382,17 +379,6 @@ class NodeExaminer:
         spread = abs_sum / out_rms if out_rms > 0 and math.isfinite(out_rms) else rel
         return rel, spread, block
 
-    def contrast_read(self, row) -> float | None:
-        """How much the window of the node's worst block stood out in what it
-        read (the most of any input that has that axis; None: none has)."""
-        reads = list(self._external_reads(self.unit(row.site)))
-        if any((n, k) in self.norms_of for n, k, _ in reads):
-            return None     # a row normalization: what it read is measured in its units (normalized_read)
-        found = [EM.window_contrast(self.profiles_of.get((n, k)) or self.profiles_of.get(t), row.block)
-                 for n, k, t in reads]
-        found = [c for c in found if c is not None]
-        return max(found) if found else None
-
     def inherited(self, row) -> str:
         """A sentence when the node's error is no more than what it read and
         its own rounding explain, so it needs no closer look; '' when it
@@ -415,7 +401,7 @@ class NodeExaminer:
             return ""
         if row.block is not None and row.block.rel > EM.GROWTH * max(block_in, carried) + allowed:
             return ""
-        if EM.local_own(row.block, row.budget, max(block_in, carried), self.contrast_read(row)):
+        if any(EM.local_own(b, row.budget, k_unknown=True) for b in row.blocks):
             return ""
         return inherited_words(row)
 

@@ -283,7 +283,7 @@ def _within_own(row, allowed: float) -> bool:
     """The whole error, not just the node's own, is within its budget."""
     return row.rel_err <= allowed and (row.block is None
                                        or row.block.rel <= EM.allowed(row.budget, row.block, locally=True)) \
-        and not EM.local_own(row.block, row.budget, None)
+        and not any(EM.local_own(b, row.budget) for b in row.blocks)
 
 
 def _explains(budget) -> str:
@@ -337,7 +337,7 @@ def _judge_own(row, f: Finding, quantized: bool) -> None:
         return
     blk = row.own_block
     if blk is not None and row.isolated_core is None and (blk.rel > EM.allowed(budget, blk, locally=True)
-                                                         or EM.local_own(blk, budget, EM.ISOLATED)):
+                                                         or EM.local_own(blk, budget)):
         f.verdict = COMPUTATION
         f.local = True          # a part of its output off, the rest right: no rounding does that
         f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) it adds a relative RMS error of "
@@ -395,16 +395,16 @@ def _judge_growth(row, f: Finding, activations: list) -> None:
                           f"against at most {fmt(max(block_in, carried))} in any part of what it read, more than a "
                           f"{row.site.op_type or 'node'} passes on ({grow_block:g}x); {_explains(budget)}")
         return
-    # a row normalization's input is measured in its own units (normalized_read), not by its window
-    found = [EM.window_contrast(r.profile, blk) for r in activations] if not normed else []
-    found = [c for c in found if c is not None]
-    if EM.local_own(blk, budget, max(block_in, carried), max(found) if found else None):
-        f.verdict = COMPUTATION
-        f.local = True
-        f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) its relative RMS error is {fmt(blk.rel)}"
-                          f"{_contrast_words(blk)}; what it read carries at most {fmt(max(block_in, carried))} in "
-                          f"any part{_mixed_words(blk, budget)}; {_explains(budget)}: {_times(blk.rel, budget)}")
-        return
+    for blk in row.blocks:
+        if EM.local_own(blk, budget):
+            f.verdict = COMPUTATION
+            f.local = True
+            f.evidence.append(f"in {blk.where} ({blk.share:.0%} of the tensor) its relative RMS error is "
+                              f"{fmt(blk.rel)}{_contrast_words(blk)}; each of its output channels sums over every "
+                              f"channel it read, and what it read carries at most {fmt(max(block_in, carried))} in "
+                              f"any part: nothing it read singles these out; {_explains(budget)}: "
+                              f"{_times(blk.rel, budget)}")
+            return
     f.verdict = ACCUMULATED
     f.evidence.append(f"relative RMS error {fmt(row.rel_err)} here against {fmt(rel_in)} in what it read: no "
                       f"more than what it read and its own rounding ({_explains(budget)}) explain")
@@ -416,14 +416,8 @@ def _contrast_words(blk) -> str:
     if blk.contrast <= EM.LOCAL_CONTRAST:
         return ""
     times = "infinitely many times" if math.isinf(blk.contrast) else f"{blk.contrast:.3g}x"
-    return (f", {times} the rest of the tensor's ({fmt(blk.rest)}): rounding spreads over a tensor "
-            f"(no part of a clean run's passes {EM.LOCAL_CONTRAST:g}x the rest)")
-
-
-def _mixed_words(blk, budget) -> str:
-    if budget is not None and budget.kind == "product" and blk.where.startswith(("channels", "features")):
-        return ", and each of its output channels sums over every channel it read"
-    return ""
+    return (f", {times} the rest of the tensor's ({fmt(blk.rest)}): rounding spreads over a product's channels "
+            f"(no window of a clean run's passes {EM.LOCAL_CONTRAST:g}x the rest)")
 
 
 def _core(row):

@@ -82,6 +82,15 @@ class Row:
     budget: Budget | None = None     # the error its own arithmetic explains
     block: Block | None = None       # the part of the tensor with the largest relative error
     profile: object = None           # its errors summed along each axis (errormodel.Profile)
+
+    @property
+    def blocks(self) -> list:
+        """Its worst block, and its worst window of channels (features)
+        where that differs (measured without a part that stands out)."""
+        axis = getattr(self.profile, "axis_block", None)
+        same = axis is None or self.block is None or (axis.key, axis.start, axis.stop, axis.where) == \
+            (self.block.key, self.block.start, self.block.stop, self.block.where)
+        return [b for b in ([self.block] if same else [self.block, axis]) if b is not None]
     read_rel: float | None = None    # the largest relative RMS error of what it read (None: unknown)
     # a row normalization's input: its error over each row's spread (errormodel.normalized_read)
     norm_read: tuple[float, float] | None = None
