@@ -348,8 +348,9 @@ def onnx_reduction_length(node, shapes: dict[str, tuple], weight_shapes: dict[st
 
 
 def torch_reduction_length(op_type: str, input_shapes: list[tuple], attrs: dict) -> int | None:
-    """K of a PyTorch module call or ATen operator, from its input shapes and
-    the arguments or module attributes a capture recorded (``attrs``)."""
+    """K of a PyTorch module call or ATen operator (or of an ONNX MatMul in a
+    dump without its model), from its input shapes and the arguments or
+    module attributes a capture recorded (``attrs``)."""
     op = aten_name(op_type)
     cls = attrs.get("class", "")
     x = input_shapes[0] if input_shapes else None
@@ -370,7 +371,8 @@ def torch_reduction_length(op_type: str, input_shapes: list[tuple], attrs: dict)
     if op in ("convolution", "_convolution", "conv2d", "conv1d"):
         w = input_shapes[1] if len(input_shapes) > 1 else None
         return int(np.prod(w[1:])) if w and len(w) > 1 else None
-    if op in ("mm", "bmm", "matmul", "linear", "addmv", "mv"):
+    if op in ("mm", "bmm", "matmul", "linear", "addmv", "mv", "MatMul"):
+        # an ONNX MatMul in a dump without its model too: A's last axis, from the input it recorded
         return int(x[-1]) if x else None
     if op in ("addmm", "baddbmm"):
         m = input_shapes[1] if len(input_shapes) > 1 else None
