@@ -20,6 +20,11 @@ the original dtype in the dataset's ``dtype`` attribute; a float32 output of
 a convolution or matrix product a CUDA device computed with TF32 allowed,
 as ``tfloat32``).
 
+A call's inputs are copied before it runs (an in-place op overwrites
+them: the file holds what it read). The call that wrote the model's result
+says so: a ``model_output`` attribute, the JSON list of its output indices,
+which a comparison without the model's graph judges the run by.
+
 What a re-run of the call needs is written beside its tensors, as JSON
 attributes of the call's group (never pickled):
 

@@ -112,3 +112,25 @@ def test_unknown_precision_and_device(client, services, cnn_files):
     job = _submit(client, services, model, _npz(input=GOOD), device="warp-drive")
     ev = list(client.watch(job, timeout=60))[-1]
     assert ev.state == pb.FAILED and "warp-drive" in ev.message and "available" in ev.message
+
+
+def test_an_input_size_written_as_minus_one_takes_any_size():
+    """Some exporters write a dynamic size as -1: any size fits there; the
+    rank and the fixed sizes are still checked, with the input named."""
+    from onnx import TensorProto, helper
+
+    from layerdiff.common.errors import LayerdiffError
+    from layerdiff.common.onnxgraph import check_inputs
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8])
+    x.type.tensor_type.shape.dim[2].dim_value = -1
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    assert m.graph.input[0].type.tensor_type.shape.dim[2].dim_value == -1
+    for n in (1, 8, 77):
+        assert check_inputs(m, {"x": np.zeros((1, 3, n), np.float32)}, "in.npz")["x"].shape == (1, 3, n)
+    with pytest.raises(LayerdiffError, match="'x' has shape \\(1, 4, 8\\)"):
+        check_inputs(m, {"x": np.zeros((1, 4, 8), np.float32)}, "in.npz")
+    with pytest.raises(LayerdiffError, match="rank 3"):
+        check_inputs(m, {"x": np.zeros((3, 8), np.float32)}, "in.npz")

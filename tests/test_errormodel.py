@@ -262,9 +262,9 @@ def test_a_layernorm_reads_its_rows_error_over_their_spread():
     assert EM.row_norm("RMSNorm") == "rms" and EM.row_norm("BatchNorm2d") == ""
 
 
-@pytest.mark.parametrize("precision, op, k, want", [("bf16", "Conv", 576, True), ("bf16", "aten.addmm.default", 256, True),
-                                                     ("bf16", "Conv", 9, False), ("bf16", "Conv", None, False),
-                                                     ("bf16", "Add", None, False), ("int8", "Conv", 576, False)])
+@pytest.mark.parametrize("precision, op, k, want", [
+    ("bf16", "Conv", 576, True), ("bf16", "aten.addmm.default", 256, True), ("bf16", "Conv", 9, False),
+    ("bf16", "Conv", None, False), ("bf16", "Add", None, False), ("int8", "Conv", 576, False)])
 def test_a_window_of_a_products_channels_that_stands_out_is_its_own(precision, op, k, want):
     """A window of a product's output channels 10x the rest's relative
     error, past what the precision explains, is the product's own: each of
