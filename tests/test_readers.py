@@ -138,6 +138,67 @@ def test_convert_writes_npy_txt_and_sidecars(live_records, tmp_path):
     assert [r.name for r in again] == [r.name for r in live_records]
 
 
+def _convert_cli(dump, out):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "layerdiff.client.cli", "convert", str(dump), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_convert_names_every_file_it_cannot_read_and_fails_on_nothing_readable(live_records, tmp_path):
+    """No silent skip: a file named as the runtime names its dumps but
+    holding random bytes, and a file no reader takes, are each named with
+    why in convert_skip.log (the terminal says where); a dump with nothing
+    readable exits 2 with the reason on one line."""
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "Conv.conv1.3.1.1700000000000000").write_bytes(np.random.default_rng(0).bytes(300))
+    r = _convert_cli(junk, tmp_path / "o1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "no readable tensor: 1 skipped" in r.stderr, r.stderr
+    log = (tmp_path / "o1" / "convert_skip.log").read_text()
+    assert "Conv.conv1.3.1.1700000000000000" in log, log
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("hello")
+    r = _convert_cli(empty, tmp_path / "o2")
+    assert r.returncode == 2 and "notes.txt: not a dump file" in r.stderr, r.stderr
+    # readable tensors beside one unreadable and one foreign file: converted, both named
+    dump = write_dump(tmp_path / "d", live_records, fmt="npy")
+    (dump / "broken.npy").write_bytes(b"\x93NUMPY garbage")
+    (dump / "readme.md").write_text("x")
+    r = _convert_cli(dump, tmp_path / "o3")
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "o3" / "convert_skip.log").read_text()
+    assert "readme.md: not a dump file" in log and "broken" in log, log
+    assert f"converted {len(live_records)} tensors, skipped 2" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("fmt", ["h5", "npz", "npy"])
+def test_a_single_file_is_a_dump(live_records, tmp_path, fmt):
+    """An .h5 or .npz archive, or one .npy tensor, is read wherever a dump
+    directory is; a missing path says 'file or directory'."""
+    if fmt == "npy":
+        path = tmp_path / "one.npy"
+        np.save(path, live_records[0].array)
+        names = ["one"]
+    else:
+        dump = write_dump(tmp_path / "d", live_records, fmt=fmt)
+        path = next(p for p in dump.iterdir() if p.suffix == f".{fmt}")
+        names = [r.name for r in DumpDirectory(str(dump)).records()]      # as its directory reads
+        assert len(names) == len(live_records)
+    got = [r for r in DumpDirectory(str(path)).records()]
+    assert [r.name for r in got] == names and all(r.array is not None for r in got)
+    res = convert(path, tmp_path / "out")
+    assert res["converted"] == len(names) and res["skipped"] == 0
+    with pytest.raises(LayerdiffError, match="dump file or directory"):
+        DumpDirectory(str(tmp_path / "nothing.h5"))
+    (tmp_path / "x.csv").write_text("1,2")
+    with pytest.raises(LayerdiffError, match="not one layerdiff reads as a dump"):
+        DumpDirectory(str(tmp_path / "x.csv"))
+
+
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

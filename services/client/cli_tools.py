@@ -4,12 +4,15 @@ imports what it needs only when it runs.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from layerdiff.common.precision import NAMES as PRECISION_NAMES
 
 
 def add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a dump to .npy (and .txt) files with shape and dtype sidecars")
-    p.add_argument("dump", help="dump directory")
+    p.add_argument("dump", help="dump directory, or one dump file (.h5, .npz, .npy, .pb)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--txt", action="store_true", help="also write each tensor flattened as text")
     p.add_argument("--dump-format", "--dump_format", default="",
@@ -23,7 +26,16 @@ def _cmd_convert(a) -> int:
     from layerdiff.collector.dumps.convert import convert
 
     res = convert(a.dump, a.out, txt=a.txt, fmt=a.dump_format, default_concat_dim=a.default_concat_dim)
-    print(f"converted {res['converted']} tensors, skipped {res['skipped']} (see convert_skip.log) into {res['out']}")
+    log = Path(res["out"]) / "convert_skip.log"
+    if not res["converted"]:
+        first = f" ({res['skips'][0]})" if res["skips"] else ""
+        print(f"layerdiff convert: {a.dump}: no readable tensor: {res['skipped']} skipped{first}; every one with its "
+              f"reason in {log}", file=sys.stderr)
+        return 2
+    print(f"converted {res['converted']} tensors, skipped {res['skipped']}"
+          + (f" (each with its reason in {log})" if res["skipped"] else "") + f" into {res['out']}")
+    for line in res["skips"]:
+        print(f"  skipped {line}")
     return 0
 
 
@@ -100,7 +112,7 @@ def add_histogram(sub) -> None:
                                    "(a tensor_min_max.txt range file, lines 'name min max') where it names the "
                                    "tensor, else the tensor's own. An existing output directory that holds files "
                                    "is left as it is: the histograms then go to a fresh Histograms_N beside it.")
-    p.add_argument("dump", help="dump directory")
+    p.add_argument("dump", help="dump directory, or one dump file (.h5, .npz, .npy, .pb)")
     p.add_argument("--min-max", "--min_max", help="range file (tensor_min_max.txt): 'name min max' per line")
     p.add_argument("--out", default="Histograms", help="output directory (default ./Histograms)")
     p.add_argument("--max-bins", "--max_bins", type=int, help="most bins per histogram (default 128)")

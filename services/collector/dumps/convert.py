@@ -2,7 +2,8 @@
 flattened ``.txt``), each with a JSON sidecar keeping name, op type, order,
 dtype and shape, plus a manifest so the result is itself a dump directory.
 File names come from node names through layerdiff.common.names.safe_filename and
-never leave the output directory; unreadable nodes go to convert_skip.log."""
+never leave the output directory; unreadable nodes, and files no reader
+takes, go to convert_skip.log with their reasons."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = 
     out.mkdir(parents=True, exist_ok=True)
     taken: set[str] = set()
     nodes, skipped = [], []
-    for rec in DumpDirectory(str(dump), fmt=fmt, default_concat_dim=default_concat_dim).records():
+    reader = DumpDirectory(str(dump), fmt=fmt, default_concat_dim=default_concat_dim)
+    skipped.extend(reader.unread())
+    for rec in reader.records():
         if rec.status != STATUS_OK or rec.array is None:
             skipped.append((rec.name, rec.message))
             continue
@@ -40,4 +43,5 @@ def convert(dump: str | Path, out: str | Path, *, txt: bool = False, fmt: str = 
     with open(out / "convert_skip.log", "w", encoding="utf-8") as f:
         for name, reason in skipped:
             f.write(f"{name}: {reason}\n".replace("\r", "\\r"))
-    return {"converted": len(nodes), "skipped": len(skipped), "out": str(out)}
+    return {"converted": len(nodes), "skipped": len(skipped), "out": str(out),
+            "skips": [f"{name}: {reason}" for name, reason in skipped[:3]]}

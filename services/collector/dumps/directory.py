@@ -57,7 +57,8 @@ _EXTENSIONS = {".npy": "npy", ".npz": "npz", ".pb": "onnx", ".tensor": "onnx", "
 
 
 class DumpDirectory:
-    """A directory of node dumps, read where it lies."""
+    """A directory of node dumps, or one file that is a dump (an HDF5 or
+    .npz archive, a single .npy or .pb tensor), read where it lies."""
 
     def __init__(self, path: str, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, fmt: str = "",
                  default_concat_dim: int = 0, entries: list[dict] | None = None) -> None:
@@ -67,13 +68,24 @@ class DumpDirectory:
         if fmt and fmt not in FORMATS:
             raise LayerdiffError(f"unknown dump format {fmt!r} (one of {', '.join(FORMATS)})", field="format")
         self.root = Path(path)
-        if not self.root.is_dir():
-            raise NotFoundError(f"dump directory {path!r} does not exist on the collector host", field="dump_path")
+        single: str | None = None
+        if self.root.is_file():
+            kind = fmt or _EXTENSIONS.get(self.root.suffix.lower(), "")
+            if kind not in ("npy", "npz", "onnx", "h5"):
+                raise LayerdiffError(f"dump file {path!r} is not one layerdiff reads as a dump (.h5, .npz, .npy, .pb; "
+                                     "or give the directory)", field="dump_path")
+            single, self.root = self.root.name, self.root.parent
+        elif not self.root.is_dir():
+            raise NotFoundError(f"dump file or directory {path!r} does not exist on the collector host",
+                                field="dump_path")
         self.max_tensor_bytes = max_tensor_bytes
         self.fmt = fmt
         self.default_concat_dim = default_concat_dim
         self.ascend_files: list[Path] | None = None
         self.graph_inputs: list[str] = []     # the manifest's top-level "inputs" (see collector.dumpgraph)
+        if entries is None and single is not None:
+            entries = [{"name": Path(single).stem, "file": single, "order": 0, "op_type": ""}]
+        self.single = single
         self.entries = entries if entries is not None else self._entries()
 
     def _entries(self) -> list[dict]:
@@ -84,7 +96,11 @@ class DumpDirectory:
             from layerdiff.collector.dumps import ascend
 
             files = ascend.dump_files(self.root)
-            if self.fmt == "ascend" or any(ascend.looks_like_dump(p) for p in files[:8]):
+            # files named as the runtime names its dumps, and nothing else
+            # layerdiff reads: read as such, so that an unreadable one is said
+            others = any(_EXTENSIONS.get(p.suffix.lower()) in ("npy", "npz", "onnx", "h5")
+                         for p in self.root.iterdir() if p.is_file())
+            if self.fmt == "ascend" or any(ascend.looks_like_dump(p) for p in files[:8]) or (files and not others):
                 self.ascend_files = files
                 return []
         if not mpath.exists():
@@ -103,6 +119,28 @@ class DumpDirectory:
         if not isinstance(nodes, list):
             raise LayerdiffError("must hold {\"nodes\": [...]}", file=str(mpath), field="nodes")
         return nodes
+
+    def unread(self) -> list[tuple[str, str]]:
+        """The files of the directory no reader takes, each with why (what
+        ``convert`` reports): (path relative to the directory, reason)."""
+        if self.single is not None:
+            return []
+        taken = {MANIFEST}
+        if self.ascend_files is not None:
+            taken |= {str(p.relative_to(self.root)) for p in self.ascend_files}
+        else:
+            taken |= {e["file"] for e in self.entries if isinstance(e, dict) and isinstance(e.get("file"), str)}
+        stems = {Path(t).stem for t in taken}
+        out = []
+        for p in sorted(self.root.iterdir()):
+            # a tensor's sidecars (its .json, .txt) and the logs layerdiff writes beside them are no tensors
+            if p.is_file() and p.name not in taken and p.suffix.lower() != ".log" \
+                    and not (p.suffix.lower() in (".json", ".txt") and p.stem in stems):
+                kind = _EXTENSIONS.get(p.suffix.lower())
+                why = (f"a {kind} file, while the dump is read as {self.fmt or 'another format'}" if kind else
+                       "not a dump file (no dump format has this name or extension)")
+                out.append((p.name, why))
+        return out
 
     def records(self) -> Iterator[NodeRecord]:
         if self.ascend_files is not None:

@@ -25,6 +25,10 @@ _WATCHED = (".npy", ".pb", ".tensor")
 def watch_records(path: str, *, poll_s: float = 0.2, idle_s: float = 10.0, fmt: str = "",
                   default_concat_dim: int = 0) -> Iterator[NodeRecord]:
     root = Path(path)
+    if root.is_file():
+        # a runtime writes a watched dump file by file into a directory; one file is read once, whole
+        raise LayerdiffError(f"--watch follows a dump directory while it is written; {path!r} is a file (compare "
+                             "it without --watch)", field="dump_path")
     if not root.is_dir():
         raise NotFoundError(f"dump directory {path!r} does not exist on the collector host", field="dump_path")
     sizes: dict[str, int] = {}
