@@ -331,3 +331,49 @@ def test_hostile_op_names_never_leave_the_dump_directory(tmp_path):
     assert recs["a/b\\c d"].status == "ok" and recs["x" * 400].status == "ok"
     bad = [r for r in recs.values() if r.status != "ok"]
     assert len(bad) == 2 and all("'op_name'" in r.message for r in bad)
+
+
+@pytest.mark.parametrize("name, reference", [("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2"),
+                                             ("float8_e8m0", "float8_e8m0fnu")])
+def test_every_fp8_code_point_decodes_as_the_reference_decoder_does(name, reference):
+    """FP8 E4M3FN, E5M2 and the E8M0 block scale, every one of the 256
+    codes, bit for bit against ml_dtypes (NaN where it has NaN, Inf where it
+    has Inf, signed zeros and subnormals)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from layerdiff.collector.dumps import narrow
+
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(getattr(ml_dtypes, reference)).astype(np.float32)
+    got = narrow.decode(name, codes)
+    assert got.dtype == np.float32
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))     # -0.0 is -0.0
+
+
+def test_an_ascend_dump_of_fp8_tensors_is_read_with_its_type(tmp_path):
+    """A runtime dump file whose tensors are FP8 (OutputDataType 35 and 34,
+    the vendor proto's numbers) is read exactly, widened to float32, and
+    says what the device wrote it in; a HiFloat8 tensor (33) is refused on
+    its own with its type named, and the file's other tensors still read."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    e4 = x.astype(ml_dtypes.float8_e4m3fn)
+    e5 = (x * 100).astype(ml_dtypes.float8_e5m2)
+    header = dd.DumpData(version="2.0", dump_time=1, op_name="mm")
+    blobs = []
+    for code, arr in ((35, e4), (34, e5), (33, e4)):
+        t = header.output.add()
+        t.data_type, t.format, t.size = code, 2, arr.nbytes
+        t.shape.dim.extend(arr.shape)
+        blobs.append(arr.view(np.uint8).tobytes())
+    raw = header.SerializeToString()
+    leaf = tmp_path / "dump"
+    leaf.mkdir()
+    path = leaf / ascend.file_name("MatMul", "mm", 3, 1, 1_700_000_000_000_000)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    recs = {r.name: r for r in DumpDirectory(str(leaf)).records()}
+    assert np.array_equal(recs["mm"].array, e4.astype(np.float32)) and recs["mm"].source_dtype == "float8_e4m3fn"
+    assert np.array_equal(recs["mm:1"].array, e5.astype(np.float32)) and recs["mm:1"].source_dtype == "float8_e5m2"
+    assert recs["mm:2"].array is None and "hifloat8 (33) is not decoded" in recs["mm:2"].message

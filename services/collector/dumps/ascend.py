@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from layerdiff.collector.dumps import narrow
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.schema import DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, NodeRecord, span_bytes
 
@@ -111,10 +112,23 @@ def read_header(path: Path, shown: str | None = None):
     return header, 8 + hlen, size
 
 
+def source_dtype(data_type: int) -> str:
+    """The type the runtime dumped a tensor in, where it is read widened to
+    float32 ('' for the types NumPy holds as they are)."""
+    return "bfloat16" if data_type == DT_BF16 else narrow.DECODED.get(data_type, "")
+
+
 def _tensor(path: Path, t, offset: int, shown: str, max_bytes: int) -> np.ndarray:
     """One tensor of the file, validated, in its original layout."""
+    dtype: np.dtype
     if t.data_type == DT_BF16:
         dtype, itemsize = np.dtype("uint16"), 2
+    elif t.data_type in narrow.DECODED:
+        dtype, itemsize = np.dtype("uint8"), 1
+    elif t.data_type in narrow.NOT_DECODED:
+        raise LayerdiffError(f"data type {narrow.NOT_DECODED[t.data_type]} ({t.data_type}) is not decoded: its "
+                             "packing in a dump is not fixed; dump this tensor as float16 or float32",
+                             file=shown, field="data_type")
     elif t.data_type in DTYPES:
         dtype = np.dtype(DTYPES[t.data_type])
         itemsize = dtype.itemsize
@@ -125,13 +139,15 @@ def _tensor(path: Path, t, offset: int, shown: str, max_bytes: int) -> np.ndarra
     if span_bytes(dims, itemsize) > max_bytes:
         raise LayerdiffError(f"shape {dims} is over the tensor limit of {max_bytes} bytes", file=shown, field="shape")
     if count * itemsize != t.size:
-        raise LayerdiffError(f"shape {dims} of {dtype if t.data_type != DT_BF16 else 'bfloat16'} is "
+        raise LayerdiffError(f"shape {dims} of {source_dtype(t.data_type) or dtype} is "
                              f"{count * itemsize} bytes, the header says {t.size}", file=shown, field="size")
     if t.size > max_bytes:
         raise LayerdiffError(f"{t.size} bytes is over the tensor limit of {max_bytes}", file=shown, field="size")
     raw = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count else np.zeros(0, dtype)
     if t.data_type == DT_BF16:   # the upper half of a float32
         raw = (raw.astype(np.uint32) << 16).view(np.float32)
+    elif t.data_type in narrow.DECODED:
+        raw = narrow.decode(narrow.DECODED[t.data_type], raw)
     original = [int(d) for d in t.original_shape.dim] if t.HasField("original_shape") else []
     return _restore_layout(np.asarray(raw), t.format, dims, original, shown)
 
@@ -284,6 +300,9 @@ def records(root: Path, files: list[Path], max_bytes: int = DEFAULT_MAX_TENSOR_B
             else:
                 rec = NodeRecord(name=rec_name, op_type=name.op_type, order=order, array=arr, node=node, role=role,
                                  slot=slot)
+                # what the device computed it in, where it is read widened (the error model's precision)
+                side = header.input if role == ROLE_INPUT else header.output
+                rec.source_dtype = source_dtype(side[slot].data_type) if slot < len(side) else ""
             rec.overflow = why
             yield rec
         order += 1
