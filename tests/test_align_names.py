@@ -83,6 +83,33 @@ def test_output_suffixes_and_repeated_dumps():
     assert al.match("npu_model/split@2:1").site is sites[1]
 
 
+def test_a_nodes_name_pairs_with_its_output_tensors_either_way():
+    """One dump names nodes (``/Clip``, an HDF5 dump), the other the tensors
+    they write (``/Clip_output_0``, sanitized by a user's script as
+    ``_Clip_output_0``): the same thing, paired either way round, output N
+    as ``node:N``, and said so in the alignment note; an exact name still
+    wins, and a name that fits two is left unmatched."""
+    golden = [TensorSite("_Clip_output_0", "_Clip_output_0", "", 0, 0),
+              TensorSite("_Split_output_1", "_Split_output_1", "", 1, 0),
+              TensorSite("_Mul", "_Mul", "", 2, 0)]
+    al = Aligner(golden)
+    d = al.match("/Clip")
+    assert d.site is golden[0] and d.confidence < 1.0 and "read as its output tensor" in d.note
+    d = al.match("/Mul_output_0")
+    assert d.site is golden[2] and "read as output 0 of its node" in d.note
+    nodes = [TensorSite("/Split", "/Split", "Split", 0, 0), TensorSite("/Split:1", "/Split", "Split", 0, 1),
+             TensorSite("/Relu", "/Relu", "Relu", 1, 0)]
+    al = Aligner(nodes)
+    assert al.match("_Split_output_1").site is nodes[1] and al.match("_Split_output_0").site is nodes[0]
+    assert al.match("_Relu_output_0").site is nodes[2]
+    both = [TensorSite("a_output_0", "n1", "", 0, 0), TensorSite("a", "n2", "", 1, 0)]
+    al = Aligner(both)
+    assert al.match("a").site is both[1] and al.match("a_output_0").site is both[0]     # exact names first
+    amb = Aligner([TensorSite("b_output_0", "n1", "", 0, 0), TensorSite("b:0", "n3", "", 1, 0),
+                   TensorSite("b", "n2", "", 2, 0)])
+    assert amb.match("B_OUTPUT_0").site is None
+
+
 def test_a_repeated_dump_is_a_duplicate_not_a_missing_node(cnn_sites):
     """The consumer reports the second call of an op as a duplicate of the
     tensor already paired: op@k must find the op."""

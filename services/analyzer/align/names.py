@@ -44,6 +44,8 @@ _SEP = re.compile(r"[/.\\ ]")
 _TOKEN_SEP = re.compile(r"[_-]+")
 _AT = re.compile(r"^(.*)@\d+((?::\d+)?)$")
 _COLON0 = re.compile(r"^(.*):0+$")
+# an ONNX exporter's output tensor of a node (``/Clip_output_0``, ``X.output.1``, sanitized alike)
+_OUTPUT = re.compile(r"^(.+?)_output_(\d+)$")
 _TAIL = re.compile(r"^(.*?)((?::\d+)?)$")
 _LETTER = re.compile(r"[^\W\d_]")
 
@@ -397,7 +399,16 @@ class Aligner:
             base = m.group(1) + m.group(2)
             shown_base = raw[:len(m.group(1))] + raw[len(raw) - len(m.group(2)):] if len(raw) == len(c) else base
             forms.append((base, _C_REPEAT, (f"repeated dump {raw!r} read as {shown_base!r}",)))
-        # 1. case, whitespace, ':0', '@k'
+        # a node's name against its output tensor's, either way round (one
+        # dump names nodes, the other the tensors they write)
+        out = _OUTPUT.match(c)
+        if out:
+            n = int(out.group(2))
+            forms.append((out.group(1) if n == 0 else f"{out.group(1)}:{n}", _C_NODE,
+                          (f"the output tensor {raw!r} read as output {n} of its node",)))
+        else:
+            forms.append((f"{c}_output_0", _C_NODE, (f"the node {raw!r} read as its output tensor",)))
+        # 1. case, whitespace, ':0', '@k', node against tensor
         found = self._gather((f, conf, notes, ()) for f, conf, notes in forms)
         if found:
             return self._one(found, device_name)
