@@ -95,6 +95,7 @@ def test_a_nodes_name_pairs_with_its_output_tensors_either_way():
     al = Aligner(golden)
     d = al.match("/Clip")
     assert d.site is golden[0] and d.confidence < 1.0 and "read as its output tensor" in d.note
+    assert "case" not in d.note
     d = al.match("/Mul_output_0")
     assert d.site is golden[2] and "read as output 0 of its node" in d.note
     nodes = [TensorSite("/Split", "/Split", "Split", 0, 0), TensorSite("/Split:1", "/Split", "Split", 0, 1),

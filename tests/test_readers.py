@@ -175,6 +175,35 @@ def test_convert_names_every_file_it_cannot_read_and_fails_on_nothing_readable(l
     assert f"converted {len(live_records)} tensors, skipped 2" in r.stdout, r.stdout
 
 
+def test_a_dump_without_a_manifest_is_read_in_the_order_it_was_written(tmp_path):
+    """A user's script writes one .npy per tensor in execution order, named
+    after the tensors (which sort otherwise): the modification times give
+    the order. Copied with equal times, a sequence number every name
+    carries does; with neither, the names, and the reader says so."""
+    import os
+
+    order = ["_embed_output_0", "_layer_2_Div_output_0", "_layer_10_Add_output_0", "_pool_Div_output_0"]
+    d = tmp_path / "user"
+    d.mkdir()
+    for i, name in enumerate(order):
+        np.save(d / f"{name}.npy", np.full(3, i, np.float32))
+        os.utime(d / f"{name}.npy", ns=(1_700_000_000_000_000_000 + i * 1000,) * 2)
+    reader = DumpDirectory(str(d))
+    assert [r.name for r in reader.records()] == order and reader.order_from == "modification times"
+    for p in d.iterdir():
+        os.utime(p, ns=(1_700_000_000_000_000_000,) * 2)           # copied: every time equal
+    reader = DumpDirectory(str(d))
+    assert reader.order_from == "file names" and [r.name for r in reader.records()] == sorted(order)
+    s = tmp_path / "seq"
+    s.mkdir()
+    for i, name in enumerate(order):
+        np.save(s / f"{i * 5}_{name}.npy", np.full(3, i, np.float32))
+        os.utime(s / f"{i * 5}_{name}.npy", ns=(1_700_000_000_000_000_000,) * 2)
+    reader = DumpDirectory(str(s))
+    assert reader.order_from == "sequence numbers in the names"
+    assert [r.name for r in reader.records()] == [f"{i * 5}_{n}" for i, n in enumerate(order)]
+
+
 @pytest.mark.parametrize("fmt", ["h5", "npz", "npy"])
 def test_a_single_file_is_a_dump(live_records, tmp_path, fmt):
     """An .h5 or .npz archive, or one .npy tensor, is read wherever a dump

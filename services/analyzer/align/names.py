@@ -477,7 +477,8 @@ class Aligner:
         raw = device_name.strip()
         notes = list(cand.notes)
         letters = _letters(raw)
-        if not any(_letters(x) in letters for x in (cand.site.tensor, cand.site.node)):
+        # (either way round: a node's name is part of its output tensor's)
+        if not any(_letters(x) in letters or letters in _letters(x) for x in (cand.site.tensor, cand.site.node)):
             notes.insert(0, "case ignored")
             cand.confidence *= _C_CASE
         if raw != device_name:

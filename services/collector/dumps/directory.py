@@ -26,6 +26,7 @@ that node only: the rest of the dump streams on.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -56,6 +57,29 @@ _EXTENSIONS = {".npy": "npy", ".npz": "npz", ".pb": "onnx", ".tensor": "onnx", "
                ".hdf5": "h5"}
 
 
+_SEQ = re.compile(r"^(\d+)[_.-]|[_.-](\d+)$")
+
+
+def execution_order(files: list[Path]) -> tuple[list[str], str]:
+    """The names of a manifest-less dump's files in execution order, and
+    what the order came from: the files' modification times (nanoseconds)
+    where no two are equal (a script writes its tensors one after the
+    other); else a sequence number every name carries (``00012_conv.npy``,
+    ``conv.12.npy``: msprobe's and most scripts' convention), by its value;
+    else the names, which say nothing of the order ('file names')."""
+    if len(files) > 1:
+        times = [p.stat().st_mtime_ns for p in files]
+        if len(set(times)) == len(times):
+            return [p.name for _, p in sorted(zip(times, files))], "modification times"
+    seqs = []
+    for p in files:
+        m = _SEQ.search(p.stem)
+        seqs.append(int(m.group(1) or m.group(2)) if m else None)
+    if files and all(q is not None for q in seqs) and len(set(seqs)) == len(seqs):
+        return [p.name for _, p in sorted(zip(seqs, files))], "sequence numbers in the names"
+    return sorted(p.name for p in files), "file names"
+
+
 class DumpDirectory:
     """A directory of node dumps, or one file that is a dump (an HDF5 or
     .npz archive, a single .npy or .pb tensor), read where it lies."""
@@ -83,6 +107,8 @@ class DumpDirectory:
         self.default_concat_dim = default_concat_dim
         self.ascend_files: list[Path] | None = None
         self.graph_inputs: list[str] = []     # the manifest's top-level "inputs" (see collector.dumpgraph)
+        # where the execution order of a directory without a manifest came from (execution_order)
+        self.order_from = ""
         if entries is None and single is not None:
             entries = [{"name": Path(single).stem, "file": single, "order": 0, "op_type": ""}]
         self.single = single
@@ -104,9 +130,10 @@ class DumpDirectory:
                 self.ascend_files = files
                 return []
         if not mpath.exists():
-            names = sorted(p.name for p in self.root.iterdir() if p.is_file() and p.name != MANIFEST and
-                           (_EXTENSIONS.get(p.suffix.lower()) == self.fmt if self.fmt else
-                            _EXTENSIONS.get(p.suffix.lower()) in ("npy", "npz", "onnx", "h5")))
+            files = [p for p in self.root.iterdir() if p.is_file() and p.name != MANIFEST and
+                     (_EXTENSIONS.get(p.suffix.lower()) == self.fmt if self.fmt else
+                      _EXTENSIONS.get(p.suffix.lower()) in ("npy", "npz", "onnx", "h5"))]
+            names, self.order_from = execution_order(files)
             return [{"name": Path(f).stem, "file": f, "order": i, "op_type": ""} for i, f in enumerate(names)]
         try:
             doc = json.loads(mpath.read_text(encoding="utf-8"))
