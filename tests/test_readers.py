@@ -314,3 +314,40 @@ def test_empty_shape_with_unaddressable_dimensions_is_refused(tmp_path):
     with pytest.raises(LayerdiffError, match="over the limit"):
         read_raw(path, "float32", [0, 1_518_494_220, 1_518_506_280], 0, max_bytes=1 << 20)
     assert read_raw(path, "float32", [0, 4, 4], 0).shape == (0, 4, 4)
+
+
+def test_dump_names_what_it_cannot_write(tmp_path):
+    """A live run's string tensor has no numbers: `layerdiff dump` writes
+    the rest, names it with why in dump_skip.log (the terminal says where),
+    and exits 2 when nothing at all could be written; never a traceback."""
+    import subprocess
+    import sys
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    def model(path, with_relu: bool):
+        nodes = [helper.make_node("Cast", ["x"], ["s"], to=TensorProto.STRING, name="tostr")]
+        outs = [helper.make_tensor_value_info("s", TensorProto.STRING, [2, 3])]
+        if with_relu:
+            nodes.append(helper.make_node("Relu", ["x"], ["y"], name="relu"))
+            outs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]))
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])], outs)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        onnx.save(m, str(path))
+
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 3), np.float32))
+    for with_relu, want in ((True, 0), (False, 2)):
+        d = tmp_path / f"run{int(with_relu)}"
+        d.mkdir()
+        model(d / "m.onnx", with_relu)
+        (d / "acl.json").write_text(json.dumps({"dump": {"dump_path": str(d / "out"), "dump_list": [],
+                                                         "dump_mode": "output"}}))
+        r = subprocess.run([sys.executable, "-m", "layerdiff.client.cli", "dump", str(d / "m.onnx"), "--inputs",
+                            str(tmp_path / "in.npz"), "--config", str(d / "acl.json"), "--format", "npy"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == want and "Traceback" not in r.stderr, r.stderr
+        log = (d / "out" / "dump_skip.log").read_text()
+        assert log.startswith("s: holds string (object) values"), log
+        assert str(d / "out" / "dump_skip.log") in (r.stdout if want == 0 else r.stderr)

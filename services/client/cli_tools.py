@@ -61,7 +61,15 @@ def _cmd_dump(a) -> int:
 
     res = dump_live_run(a.model, a.inputs, a.config, precision=a.precision, device=a.device,
                         device_model=a.device_model, fmt=a.format)
-    print(f"wrote {res['records']} tensors ({res['mode']}, {res['format']}) into {res['dump_path']}")
+    if not res["records"]:
+        first = f" ({res['skips'][0]})" if res["skips"] else ""
+        print(f"layerdiff dump: {a.model}: no tensor to write: {res['skipped']} skipped{first}"
+              + (f"; every one with its reason in {res['skip_log']}" if res["skip_log"] else ""), file=sys.stderr)
+        return 2
+    print(f"wrote {res['records']} tensors ({res['mode']}, {res['format']}) into {res['dump_path']}"
+          + (f"; skipped {res['skipped']}, each with its reason in {res['skip_log']}" if res["skipped"] else ""))
+    for line in res["skips"]:
+        print(f"  skipped {line}")
     if res["overflowing_nodes"]:
         print(f"overflowing nodes: {', '.join(res['overflowing_nodes'])}")
     return 0

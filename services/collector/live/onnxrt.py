@@ -43,7 +43,7 @@ from layerdiff.common.onnxgraph import (
 )
 from layerdiff.common.precision import NAMES
 from layerdiff.common.precision import parse as parse_precision
-from layerdiff.common.schema import ROLE_INPUT, NodeRecord, check_dump_mode
+from layerdiff.common.schema import ALLOWED_DTYPES, ROLE_INPUT, NodeRecord, check_dump_mode
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +363,9 @@ def node_records(sites: list[TensorSite], reads: dict[str, list[str]], dump_mode
                 if arr is None:
                     yield NodeRecord.error(s.node, f"the device run produced no value for input {k} ({t!r})",
                                            s.op_type, s.order, s.node, role=ROLE_INPUT, slot=k)
+                elif _not_numeric(arr):
+                    yield NodeRecord.error(s.node, _not_numeric(arr), s.op_type, s.order, s.node, role=ROLE_INPUT,
+                                           slot=k)
                 else:
                     yield NodeRecord(name=s.node, op_type=s.op_type, order=s.order, array=np.asarray(arr),
                                      node=s.node, role=ROLE_INPUT, slot=k)
@@ -374,6 +377,9 @@ def node_records(sites: list[TensorSite], reads: dict[str, list[str]], dump_mode
             yield NodeRecord.error(s.tensor, no_value, s.op_type, s.order, s.node, slot=s.output_index)
             continue
         arr = np.asarray(arr)
+        if _not_numeric(arr):
+            yield NodeRecord.error(s.tensor, _not_numeric(arr), s.op_type, s.order, s.node, slot=s.output_index)
+            continue
         rec = NodeRecord(name=s.tensor, op_type=s.op_type, order=s.order, array=arr, node=s.node,
                          slot=s.output_index)
         # A float output holding Inf/NaN that none of its inputs held is
@@ -411,3 +417,12 @@ def _by_position(ref: onnx.ModelProto, device: onnx.ModelProto, feeds: dict[str,
     if set(dev_names) == set(feeds) or len(dev_names) != len(ref_names) or set(ref_names) != set(feeds):
         return feeds
     return {dev: feeds[r] for r, dev in zip(ref_names, dev_names)}
+
+
+def _not_numeric(arr) -> str:
+    """Why a value the run produced cannot be compared ('' when it can): a
+    string or other object tensor has no numbers to compare."""
+    dt = np.asarray(arr).dtype
+    if dt.hasobject or dt.name not in ALLOWED_DTYPES:
+        return f"holds {dt.name if not dt.hasobject else 'string (object)'} values, not numbers: not compared"
+    return ""
