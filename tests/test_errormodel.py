@@ -287,16 +287,14 @@ def test_a_window_of_a_products_channels_that_stands_out_is_its_own(precision, o
 
 def test_a_block_of_channels_is_measured_without_a_row_that_stands_out():
     """A class token's row inherits 40 times the others' error: a 5 %
-    block of features is measured without it too (the profile's
-    axis_block), where it stands out again."""
+    block of features is measured without it too (worst_blocks' second),
+    where it stands out again."""
     rng = np.random.default_rng(4)
     ref = rng.standard_normal((2, 33, 512)).astype(np.float32)
     err = ref * rng.standard_normal(ref.shape).astype(np.float32) * 4e-3
     err[:, 0] *= 40
     err[..., 77:109] += ref[..., 77:109] * 0.05
-    prof: list = []
-    blk = EM.worst_block(err, ref, profile=prof)
-    axis = prof[0].axis_block
+    blk, axis = EM.worst_blocks(err, ref)
     assert blk.where == "rows 0..1 of axis 1" and axis.where == "features 77..108 (outside rows 0..1 of axis 1)"
     assert axis.contrast > EM.LOCAL_CONTRAST and axis.rel > 0.045
     assert EM.local_own(axis, EM.budget("Linear", parse("bf16"), 256))

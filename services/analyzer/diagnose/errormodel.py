@@ -440,43 +440,31 @@ class Block:
         return self.rel / self.rest if self.rest > 0 else (math.inf if self.rel > 0 else 0.0)
 
 
-@dataclass
-class Profile:
-    """A tensor's squared errors and squared reference values summed over
-    every axis but one (channels, features, rows: 1-D and small), and in
-    all; and the worst window of its channels measured without a part of
-    the tensor that stands out elsewhere."""
-    sums: dict          # axis label ("channels", "features", "rows of axis 1") -> (error², reference²) per index
-    e_all: float
-    r_all: float
-    size: int
-    # the worst window of the channels (features) where the rest of the
-    # tensor holds a part that stands out (a class token's row, a tile): the
-    # channels measured without that part, whose error would hide theirs
-    axis_block: Block | None = None
-
-    @property
-    def floor(self) -> float:
-        return self.r_all / self.size / 16.0 if self.size else 0.0
+def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 8) -> Block | None:
+    """The block of a tensor whose relative RMS error is the largest (see
+    worst_blocks)."""
+    return worst_blocks(err, ref, layout, min_elements)[0]
 
 
-def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 8,
-                profile: list | None = None) -> Block | None:
+def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
+                 min_elements: int = 8) -> tuple[Block | None, Block | None]:
     """The block of a tensor whose relative RMS error is the largest: a
     sixteenth of the channels or a tile of a quarter of the rows by a quarter
     of the columns of an image tensor (NCHW, or NHWC for TensorFlow), a
     sixteenth of the features (last axis) or of the rows (the axis before
     it) of anything else, at every offset (a broken kernel's block need not
-    start where a sixteenth does). A block's error is taken relative to the
-    reference's RMS there, but never to less than a quarter of the tensor's
-    RMS, so that near-zero values do not read as a large relative error.
-    Marginal sums of the squares (float64) and their running sums; the 1-D
-    ones are appended to ``profile`` (a Profile) where a list is given.
-    None for a tensor too small to cut (under 4 blocks' worth)."""
+    start where a sixteenth does); and the worst window of the channels
+    (features), measured without the worst tile (rows) where that stands
+    out, whose error would hide theirs (a class token's inherited row). A
+    block's error is taken relative to the reference's RMS there, but never
+    to less than a quarter of the tensor's RMS, so that near-zero values do
+    not read as a large relative error. Marginal sums of the squares
+    (float64) and their running sums. (None, None) for a tensor too small to
+    cut (under 4 blocks' worth)."""
     e = np.asarray(err)
     r = np.asarray(ref)
     if e.shape != r.shape or e.size < 4 * min_elements or e.ndim == 0:
-        return None
+        return None, None
     with np.errstate(all="ignore"):
         e2 = np.square(e, dtype=np.float32) if e.dtype != np.float64 else np.square(e)
         r2 = np.square(r, dtype=np.float32) if r.dtype != np.float64 else np.square(r)
@@ -486,8 +474,7 @@ def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elem
     r_all = float(np.sum(r2, dtype=np.float64))
     floor = r_all / r2.size / 16.0
     nd = e.ndim
-    best: Block | None = None
-    kept = Profile({}, e_all, r_all, int(e.size))
+    sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}     # axis -> (error², reference²) per index
 
     def along(axes_kept: tuple[int, ...]):
         others = tuple(a for a in range(nd) if a not in axes_kept)
@@ -512,10 +499,10 @@ def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elem
                      _rest_rel(e_tot - float(se_w.flat[i]), r_tot - float(sr_w.flat[i]), size - n, fl),
                      *(span(at) if span else ("", 0, 0)))
 
-    def windows(axis: int, key: str, sums=None, whole=None) -> Block | None:
-        se, sr, per = sums or along((axis,))
-        if sums is None:
-            kept.sums[key] = (se, sr)
+    def windows(axis: int, key: str, given=None, whole=None) -> Block | None:
+        se, sr, per = given or along((axis,))
+        if given is None:
+            sums[key] = (se, sr)
         w = max(1, round(e.shape[axis] / 16))
         return consider(_window_sums(se, (w,)), _window_sums(sr, (w,)), per * w,
                         lambda at: f"{key} {at[0]}..{at[0] + w - 1}" if not key.startswith("rows of") else
@@ -545,7 +532,7 @@ def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elem
         region = tuple(slice(other.start, other.stop) if a == rows else slice(None) for a in range(nd)) \
             if other is not None else None
     best = max((b for b in (mixed, other) if b is not None), key=lambda b: b.rel, default=None)
-    kept.axis_block = mixed
+    axis_block = mixed
     if other is not None and region is not None and other.contrast > LOCAL_CONTRAST and mixed is not None:
         # a part that stands out elsewhere (inherited, most often) would hide
         # a block of channels: those are measured without it too
@@ -553,19 +540,16 @@ def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elem
         se_x = np.sum(e2[region], axis=keep, dtype=np.float64)
         sr_x = np.sum(r2[region], axis=keep, dtype=np.float64)
         n_x = int(np.prod([len(range(*sl.indices(e.shape[a]))) for a, sl in enumerate(region)]))
-        se_m, sr_m = kept.sums[mix_key]
+        se_m, sr_m = sums[mix_key]
         rest_e, rest_r = se_m - se_x, sr_m - sr_x
         left = e.size - n_x
         if left > 0:
             without = windows(mix_axis, mix_key, (rest_e, rest_r, left // e.shape[mix_axis]),
                               (float(rest_e.sum()), float(rest_r.sum()), left, floor))
             if without is not None and without.contrast > mixed.contrast:
-                kept.axis_block = Block(f"{without.where} (outside {other.where})", without.rel,
-                                        without.share, without.scale, without.rest, without.key,
-                                        without.start, without.stop)
-    if profile is not None:
-        profile.append(kept)
-    return best
+                axis_block = Block(f"{without.where} (outside {other.where})", without.rel, without.share,
+                                   without.scale, without.rest, without.key, without.start, without.stop)
+    return best, axis_block
 
 
 def _rest_rel(e_rest: float, r_rest: float, m: int, floor: float) -> float:
@@ -580,9 +564,13 @@ def _window_sums(x: np.ndarray, size: tuple[int, ...]) -> np.ndarray:
     """Sums of ``x`` over every window of ``size`` (running sums, one axis
     at a time): entry i is the sum over x[i : i + size]."""
     for axis, w in enumerate(size):
-        c = np.cumsum(x, axis=axis, dtype=np.float64)
-        c = np.concatenate([np.zeros_like(np.take(c, [0], axis=axis)), c], axis=axis)
-        x = np.take(c, range(w, c.shape[axis]), axis=axis) - np.take(c, range(0, c.shape[axis] - w), axis=axis)
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (1, 0)
+        c = np.pad(np.cumsum(x, axis=axis, dtype=np.float64), pad)
+        hi = [slice(None)] * x.ndim
+        lo = [slice(None)] * x.ndim
+        hi[axis], lo[axis] = slice(w, None), slice(None, c.shape[axis] - w)
+        x = c[tuple(hi)] - c[tuple(lo)]
     return x
 
 

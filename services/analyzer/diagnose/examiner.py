@@ -215,9 +215,7 @@ class NodeExaminer:
                 row.err_rel = EM.rel_rms(err, r)
                 row.err_rms = float(np.sqrt(np.sum(np.square(err, dtype=np.float64)) / max(n, 1)))
         if ref.size >= 64:
-            prof: list = []
-            row.block = EM.worst_block(err, r, self.policy.layout if ref.ndim == 4 else "", profile=prof)
-            row.profile = prof[0] if prof else None
+            row.block, row.axis_block = EM.worst_blocks(err, r, self.policy.layout if ref.ndim == 4 else "")
         by = EM.row_norm(row.site.op_type) if row.is_input and row.site.output_index == 0 else ""
         if by:
             row.norm_read = EM.normalized_read(err, r, by)

@@ -81,16 +81,7 @@ class Row:
     precision_from: str = ""         # where that was read from
     budget: Budget | None = None     # the error its own arithmetic explains
     block: Block | None = None       # the part of the tensor with the largest relative error
-    profile: object = None           # its errors summed along each axis (errormodel.Profile)
-
-    @property
-    def blocks(self) -> list:
-        """Its worst block, and its worst window of channels (features)
-        where that differs (measured without a part that stands out)."""
-        axis = getattr(self.profile, "axis_block", None)
-        same = axis is None or self.block is None or (axis.key, axis.start, axis.stop, axis.where) == \
-            (self.block.key, self.block.start, self.block.stop, self.block.where)
-        return [b for b in ([self.block] if same else [self.block, axis]) if b is not None]
+    axis_block: Block | None = None  # the worst window of its channels (features), without what stands out
     read_rel: float | None = None    # the largest relative RMS error of what it read (None: unknown)
     # a row normalization's input: its error over each row's spread (errormodel.normalized_read)
     norm_read: tuple[float, float] | None = None
@@ -103,6 +94,12 @@ class Row:
     constants_read: frozenset = frozenset()    # the weights the node reads
     reads: tuple = ()                          # the tensors it reads from other nodes and weights
     finding: diagnose.Finding | None = None     # set when the report is written
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Its worst block, and its worst window of channels (features)
+        where that is another."""
+        return [b for b in dict.fromkeys((self.block, self.axis_block)) if b is not None]
 
     @property
     def failed(self) -> bool:

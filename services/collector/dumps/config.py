@@ -146,14 +146,12 @@ def dump_live_run(model: str | Path, inputs: str | Path, config: str | Path, *, 
         flagged = {r.node for r in records if r.overflow}
         records = [r for r in records if r.node in flagged]
     # what the run could not give is said, not dropped: dump_skip.log beside the tensors
-    unreadable = [r for r in records if r.array is None]
+    skips = [f"{r.name}: {r.message or 'no value'}".replace("\r", "\\r") for r in records if r.array is None]
     written = [r for r in records if r.array is not None]
     out = write_dump(cfg.dump_path, written, fmt)
     log = Path(cfg.dump_path) / "dump_skip.log"
-    if unreadable:
-        log.write_text("".join(f"{r.name}: {r.message or 'no value'}\n".replace("\r", "\\r")
-                               for r in unreadable), encoding="utf-8")
+    if skips:
+        log.write_text("".join(f"{line}\n" for line in skips), encoding="utf-8")
     return {"dump_path": str(out), "records": len(written), "mode": cfg.dump_mode, "format": fmt,
-            "skipped": len(unreadable), "skip_log": str(log) if unreadable else "",
-            "skips": [f"{r.name}: {r.message or 'no value'}" for r in unreadable[:3]],
+            "skipped": len(skips), "skip_log": str(log) if skips else "", "skips": skips[:3],
             "overflowing_nodes": sorted({r.node for r in written if r.overflow})}

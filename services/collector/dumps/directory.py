@@ -57,6 +57,8 @@ _EXTENSIONS = {".npy": "npy", ".npz": "npz", ".pb": "onnx", ".tensor": "onnx", "
                ".hdf5": "h5"}
 
 
+# the formats a file's extension alone says how to read (bin needs a manifest's dtype and shape)
+_SELF_DESCRIBING = ("npy", "npz", "onnx", "h5")
 _SEQ = re.compile(r"^(\d+)[_.-]|[_.-](\d+)$")
 
 
@@ -95,7 +97,7 @@ class DumpDirectory:
         single: str | None = None
         if self.root.is_file():
             kind = fmt or _EXTENSIONS.get(self.root.suffix.lower(), "")
-            if kind not in ("npy", "npz", "onnx", "h5"):
+            if kind not in _SELF_DESCRIBING:
                 raise LayerdiffError(f"dump file {path!r} is not one layerdiff reads as a dump (.h5, .npz, .npy, .pb; "
                                      "or give the directory)", field="dump_path")
             single, self.root = self.root.name, self.root.parent
@@ -124,7 +126,7 @@ class DumpDirectory:
             files = ascend.dump_files(self.root)
             # files named as the runtime names its dumps, and nothing else
             # layerdiff reads: read as such, so that an unreadable one is said
-            others = any(_EXTENSIONS.get(p.suffix.lower()) in ("npy", "npz", "onnx", "h5")
+            others = any(_EXTENSIONS.get(p.suffix.lower()) in _SELF_DESCRIBING
                          for p in self.root.iterdir() if p.is_file())
             if self.fmt == "ascend" or any(ascend.looks_like_dump(p) for p in files[:8]) or (files and not others):
                 self.ascend_files = files
@@ -132,7 +134,7 @@ class DumpDirectory:
         if not mpath.exists():
             files = [p for p in self.root.iterdir() if p.is_file() and p.name != MANIFEST and
                      (_EXTENSIONS.get(p.suffix.lower()) == self.fmt if self.fmt else
-                      _EXTENSIONS.get(p.suffix.lower()) in ("npy", "npz", "onnx", "h5"))]
+                      _EXTENSIONS.get(p.suffix.lower()) in _SELF_DESCRIBING)]
             names, self.order_from = execution_order(files)
             return [{"name": Path(f).stem, "file": f, "order": i, "op_type": ""} for i, f in enumerate(names)]
         try:
