@@ -211,7 +211,7 @@ def _module_attrs(module) -> dict:
 
 
 # NumPy has no such types: written as float32, the original named in the dataset's dtype attribute
-_WIDENED = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+_WIDENED = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
 def _to_numpy(t, copy: bool = False) -> tuple[np.ndarray, str]:

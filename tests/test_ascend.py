@@ -354,7 +354,7 @@ def test_every_fp8_code_point_decodes_as_the_reference_decoder_does(name, refere
 def test_an_ascend_dump_of_fp8_tensors_is_read_with_its_type(tmp_path):
     """A runtime dump file whose tensors are FP8 (OutputDataType 35 and 34,
     the vendor proto's numbers) is read exactly, widened to float32, and
-    says what the device wrote it in; a HiFloat8 tensor (33) is refused on
+    says what the device wrote it in; a COMPLEX32 tensor (32) is refused on
     its own with its type named, and the file's other tensors still read."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(0)
@@ -363,7 +363,7 @@ def test_an_ascend_dump_of_fp8_tensors_is_read_with_its_type(tmp_path):
     e5 = (x * 100).astype(ml_dtypes.float8_e5m2)
     header = dd.DumpData(version="2.0", dump_time=1, op_name="mm")
     blobs = []
-    for code, arr in ((35, e4), (34, e5), (33, e4)):
+    for code, arr in ((35, e4), (34, e5), (32, e4)):
         t = header.output.add()
         t.data_type, t.format, t.size = code, 2, arr.nbytes
         t.shape.dim.extend(arr.shape)
@@ -376,4 +376,4 @@ def test_an_ascend_dump_of_fp8_tensors_is_read_with_its_type(tmp_path):
     recs = {r.name: r for r in DumpDirectory(str(leaf)).records()}
     assert np.array_equal(recs["mm"].array, e4.astype(np.float32)) and recs["mm"].source_dtype == "float8_e4m3fn"
     assert np.array_equal(recs["mm:1"].array, e5.astype(np.float32)) and recs["mm:1"].source_dtype == "float8_e5m2"
-    assert recs["mm:2"].array is None and "hifloat8 (33) is not decoded" in recs["mm:2"].message
+    assert recs["mm:2"].array is None and "complex32 (32) is not decoded" in recs["mm:2"].message

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from layerdiff.analyzer.align.names import normalize
 from layerdiff.collector.dumps.convert import convert
-from layerdiff.collector.dumps.directory import DumpDirectory, write_dump
+from layerdiff.collector.dumps.directory import ORDER_SEQUENCE, ORDER_TIMES, ORDER_UNKNOWN, DumpDirectory, write_dump
 from layerdiff.collector.dumps.readers import read_npy, read_npz, read_raw, read_tensor_proto
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.collector.service import CollectorClient, CollectorServer
@@ -189,18 +189,19 @@ def test_a_dump_without_a_manifest_is_read_in_the_order_it_was_written(tmp_path)
         np.save(d / f"{name}.npy", np.full(3, i, np.float32))
         os.utime(d / f"{name}.npy", ns=(1_700_000_000_000_000_000 + i * 1000,) * 2)
     reader = DumpDirectory(str(d))
-    assert [r.name for r in reader.records()] == order and reader.order_from == "modification times"
+    assert [r.name for r in reader.records()] == order and reader.order_from == ORDER_TIMES
     for p in d.iterdir():
         os.utime(p, ns=(1_700_000_000_000_000_000,) * 2)           # copied: every time equal
     reader = DumpDirectory(str(d))
-    assert reader.order_from == "file names" and [r.name for r in reader.records()] == sorted(order)
+    assert reader.order_from == ORDER_UNKNOWN and not reader.order_known
+    assert [r.name for r in reader.records()] == sorted(order)
     s = tmp_path / "seq"
     s.mkdir()
     for i, name in enumerate(order):
         np.save(s / f"{i * 5}_{name}.npy", np.full(3, i, np.float32))
         os.utime(s / f"{i * 5}_{name}.npy", ns=(1_700_000_000_000_000_000,) * 2)
     reader = DumpDirectory(str(s))
-    assert reader.order_from == "sequence numbers in the names"
+    assert reader.order_from == ORDER_SEQUENCE
     assert [r.name for r in reader.records()] == [f"{i * 5}_{n}" for i, n in enumerate(order)]
 
 

@@ -20,8 +20,15 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
         lines.append(f"NO ANSWER: {answer.get('reason')}")
     elif diagnosis.get("headline"):
         lines.append(f"VERDICT: {diagnosis['headline']}")
+    # without an execution order (a golden dump's copied files) no node is called first
+    unordered = (summary.get("execution_order") or {}).get("known") is False
     comp = summary.get("first_computation_error")
-    if comp:
+    if comp and unordered:
+        comps = summary.get("computation_errors") or [comp]
+        lines.append("COMPUTATION ERRORS (no execution order, none is called first): "
+                     + ", ".join(f"{c['node']} ({c.get('op_type') or '?'})" for c in comps[:top])
+                     + (f" and {len(comps) - top} more" if len(comps) > top else ""))
+    elif comp:
         lines.append(f"FIRST COMPUTATION ERROR: {comp['node']} ({_place(comp)}): "
                      + "; ".join(comp.get("evidence") or []))
     for b in (summary.get("benign_computation_errors") or [])[:top]:
@@ -37,6 +44,8 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
         # past the seed's atol/rtol: a detail, named as such where the precision explains it
         label = "FIRST NODE PAST ATOL/RTOL (rounding its precision explains)" if answer.get("status") == "pass" \
             else "FIRST FAILING NODE"
+        if unordered:
+            label = label.replace("FIRST ", "A ", 1) + " (by name: no execution order)"
         lines.append(f"{label}: {first['node']} ({_place(first)}, tensor {first['tensor']})")
         lines.append(f"  errors/total {first['errors']}/{first['total']} outside atol={first['atol']:g} "
                      f"rtol={first['rtol']:g}; max_abs_err {_f(first['max_abs_err'])}, "
@@ -49,7 +58,10 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     if golden:
         lines.append(f"reference: dump {golden.get('dump_path')} on collector {golden.get('collector')} "
                      f"({golden.get('tensors')} tensors, {golden.get('bytes')} bytes"
-                     + (f", graph from {golden.get('model')}" if golden.get("model") else "") + "); device: dump "
+                     + (f", graph from {golden.get('model')}" if golden.get("model") else "")
+                     + (f", order from {golden['order_from']}" if golden.get("order_from") and not unordered else "")
+                     + (f", no execution order: {golden['order_unknown']}" if golden.get("order_unknown") else "")
+                     + "); device: dump "
                      f"{summary.get('dump_path')} on collector {summary.get('collector')}")
     lines.append(f"{summary.get('model')} on {summary.get('device')} "
                  f"({summary.get('device_precision') or summary.get('precision')}, "
@@ -69,7 +81,8 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     failing = [n for n in summary.get("nodes", []) if not n["passed"] and not n.get("constant")
                and n.get("role") != "input"]
     if failing:
-        lines.append(f"first {min(top, len(failing))} failing nodes in execution order:")
+        lines.append(f"{min(top, len(failing))} of {len(failing)} failing nodes by name (no execution order):"
+                     if unordered else f"first {min(top, len(failing))} failing nodes in execution order:")
         lines.append(f"  {'#':>5}  {'node':40.40}  {'op':14.14}  {'errors/total':>16}  {'max_abs_err':>11}  "
                      f"{'cosine':>9}  verdict")
         for n in failing[:top]:

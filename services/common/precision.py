@@ -26,6 +26,18 @@ else FP32.
 ``int8`` is not a float format: its error is the quantization step of the
 tensor (read from the data or the QDQ scale), handled by the error model;
 between quantized ops the float parts compute in FP32.
+
+A tensor a device dumped in a narrow type was stored at that type's
+rounding: ``of_dtype`` gives for it a precision of its own (``STORED``,
+named as the type is: ``float8_e4m3fn``, ``hifloat8``, ``float4_e2m1``...)
+whose unit roundoff is that type's, 2^-(mantissa bits + 1); ``int4`` is a
+quantized build's precision as ``int8`` is, its weights coarser.
+HiFloat8 keeps 3 mantissa bits near 1 and fewer further out (2 for
+exponents 4..7, 1 for 8..15, none in its denormal range): it counts as its
+coarsest normal one, 1 bit (u = 2^-2), the bound that holds over the
+whole normal range. The element ranges of these types say nothing of the
+tensor's (they come scaled, the scales held apart): their largest finite
+value is left at FP32's.
 """
 from __future__ import annotations
 
@@ -41,6 +53,8 @@ U_E4M3 = 2.0 ** -4      # 3 stored significand bits
 U_E5M2 = 2.0 ** -3      # 2 stored significand bits
 BF16_MAX = 3.3895313892515355e38
 U_INT8_WEIGHT = 2.0 ** -6   # half an INT8 step of a weight, relative to its RMS (see PRECISIONS)
+# half an INT4 step of a weight (max/7, its largest value 4 times its RMS): 2/7 of its RMS, about 2^-1.8
+U_INT4_WEIGHT = 2.0 ** -2
 
 # the ops whose operands TF32 rounds: the products a tensor core computes
 PRODUCT_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "ConvInteger", "MatMulInteger",
@@ -61,7 +75,7 @@ class Precision:
 
     @property
     def quantized(self) -> bool:
-        return self.name == "int8"
+        return self.name in ("int8", "int4")
 
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
@@ -80,16 +94,37 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
               "from the data)"),
 )}
 NAMES = tuple(PRECISIONS)
+
+
+def _stored(name: str, mantissa_bits: int, what: str) -> Precision:
+    """A node whose output a device stored in the narrow float ``name``:
+    its products read that type too, sum in FP32, store at its rounding."""
+    u = 2.0 ** -(mantissa_bits + 1)
+    return Precision(name, u, U_FP32, u, f"{what} outputs (FP32 sums)")
+
+
+# What a tensor stored in a narrow type was rounded to (of_dtype), apart from
+# PRECISIONS: no job or node is set to compute in these.
+STORED: dict[str, Precision] = {p.name: p for p in (
+    _stored("float8_e4m3fn", 3, "FP8 E4M3"), _stored("float8_e4m3fnuz", 3, "FP8 E4M3 (FNUZ)"),
+    _stored("float8_e5m2", 2, "FP8 E5M2"), _stored("float8_e5m2fnuz", 2, "FP8 E5M2 (FNUZ)"),
+    _stored("float8_e8m0", 0, "E8M0 (powers of two)"), _stored("hifloat8", 1, "HiFloat8 (1 mantissa bit at worst)"),
+    _stored("float6_e3m2", 2, "FP6 E3M2"), _stored("float6_e2m3", 3, "FP6 E2M3"),
+    _stored("float4_e2m1", 1, "FP4 E2M1"), _stored("float4_e1m2", 2, "FP4 E1M2"), _stored("hifloat4", 2, "HiFloat4"),
+    # as int8 (an output's step is read from the data), with INT4's coarser weights
+    Precision("int4", U_INT4_WEIGHT, U_FP32, U_FP32, "INT4 QDQ (weights ~1/4 of their RMS, output steps read from "
+              "the data)"),
+)}
 ALIASES = {"float32": "fp32", "fp32": "fp32", "tf32": "tf32", "float16": "fp16", "half": "fp16", "fp16": "fp16",
            "bfloat16": "bf16", "bf16": "bf16", "float8_e4m3fn": "fp8_e4m3fn", "fp8_e4m3fn": "fp8_e4m3fn",
            "e4m3": "fp8_e4m3fn", "fp8_e4m3": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "fp8_e5m2": "fp8_e5m2",
            "e5m2": "fp8_e5m2", "int8": "int8", "qdq": "int8"}
 # Data types a dump may say a tensor was written in (numpy's, torch's and the
 # runtimes' names), and the precision that says the node stored in.
-DTYPE_PRECISION = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "tfloat32": "tf32",
-                   "float8_e4m3fn": "fp8_e4m3fn",
-                   "float8_e4m3": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "float32": "fp32", "float": "fp32",
-                   "float64": "fp32", "double": "fp32"}
+DTYPE_PRECISION = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "tfloat32": "tf32", "float32": "fp32",
+                   "float": "fp32", "float64": "fp32", "double": "fp32",
+                   **{name: name for name in STORED}, "float8_e4m3": "float8_e4m3fn", "float8_e8m0fnu": "float8_e8m0",
+                   "float6_e3m2fn": "float6_e3m2", "float6_e2m3fn": "float6_e2m3", "float4_e2m1fn": "float4_e2m1"}
 
 
 def parse(name: str | None, field: str = "precision") -> Precision | None:
@@ -106,7 +141,7 @@ def parse(name: str | None, field: str = "precision") -> Precision | None:
 def of_dtype(dtype: str) -> Precision | None:
     """The precision a tensor stored in ``dtype`` was at least rounded to."""
     name = DTYPE_PRECISION.get((dtype or "").lower())
-    return PRECISIONS[name] if name else None
+    return (PRECISIONS.get(name) or STORED[name]) if name else None
 
 
 def coarser(a: Precision, b: Precision) -> Precision:
@@ -132,7 +167,7 @@ def node_precision(op_type: str, *, job: Precision | None, stored_dtype: str = "
     if job is None or job.name == "fp32":
         return PRECISIONS["fp32"], ("its output was written in float32" if stored is not None and job is None
                                     else "FP32")
-    if job.name in ("tf32", "int8"):
+    if job.name == "tf32" or job.quantized:
         base = op_type.split(".")[1] if op_type.startswith("aten.") and "." in op_type[5:] else op_type
         return (job, f"{job.name.upper()} products (the job's precision)") if base in PRODUCT_OPS else \
             (PRECISIONS["fp32"], f"FP32 ({job.name.upper()} changes only products)")

@@ -48,6 +48,7 @@ _COLON0 = re.compile(r"^(.*):0+$")
 _OUTPUT = re.compile(r"^(.+?)_output_(\d+)$")
 _TAIL = re.compile(r"^(.*?)((?::\d+)?)$")
 _LETTER = re.compile(r"[^\W\d_]")
+_SIGN = re.compile(r"[^\w]")
 
 METHODS = ("map", "graph", "fused", "name", "value")
 
@@ -69,6 +70,7 @@ _C_AFFIX = 0.85
 _C_LEARNED = 0.92
 _C_SCOPE = 0.75
 _C_NODE = 0.9
+_C_SIGNS = 0.93
 
 
 def normalize(name: str) -> str:
@@ -78,6 +80,12 @@ def normalize(name: str) -> str:
 def canonical(name: str) -> str:
     """The relaxed spelling: normalized, trimmed, case folded."""
     return normalize(name.strip()).casefold()
+
+
+def plain(name: str) -> str:
+    """A canonical name as scripts sanitize names for file names: every sign
+    ('/', ':', '-', ...) written as '_'."""
+    return _SIGN.sub("_", name)
 
 
 @dataclass(frozen=True)
@@ -203,6 +211,7 @@ class Aligner:
         self._skip_folded = [(k, k.casefold(), canonical(k) or k.casefold()) for k in self.skip_keys]
         self._by_key: dict[str, TensorSite] = {}
         self._canon: dict[str, list[TensorSite]] = {}
+        self._plain: dict[str, list[TensorSite]] = {}    # plain(canonical key) -> sites
         self._shown: dict[str, str] = {}     # canonical -> the reference's own spelling
         self._tensor: dict[str, TensorSite] = {}
         self._vocab: set[str] = set()
@@ -217,6 +226,9 @@ class Aligner:
                     bucket.append(s)
                     words, gaps = _shape(ck)
                     self._shapes.setdefault(words, []).append((s, gaps))
+                signless = self._plain.setdefault(plain(ck), [])
+                if all(x.tensor != s.tensor for x in signless):
+                    signless.append(s)
                 self._vocab.update(_tokens(ck))
             self._vocab.add(s.op_type.casefold())
             for shown in (s.tensor, s.node):
@@ -410,6 +422,15 @@ class Aligner:
             forms.append((f"{c}_output_0", _C_NODE, (f"the node {raw!r} read as its output tensor",)))
         # 1. case, whitespace, ':0', '@k', node against tensor
         found = self._gather((f, conf, notes, ()) for f, conf, notes in forms)
+        if found:
+            return self._one(found, device_name)
+        # 1b. either side's names sanitized for file names ('conv1/Relu:0' as 'conv1_Relu_0')
+        for f, conf, notes in forms:
+            for s in self._plain.get(plain(f), []):
+                prev = found.get(s.tensor)
+                if s.tensor not in self._claimed and (prev is None or prev.confidence < conf * _C_SIGNS):
+                    found[s.tensor] = _Cand(s, conf * _C_SIGNS, notes + (
+                        f"spelled as {s.tensor!r} with its signs written as '_'",))
         if found:
             return self._one(found, device_name)
         # 2. converter affixes: learned ones first

@@ -613,26 +613,58 @@ def exit_of(first_comp, diagnosis: dict, benign: list, undecided: list, spent: S
     return "pass", "every compared node is within tolerance"
 
 
-def _place(site) -> str:
-    """"Conv, execution #2"; a dump without op types gives only the order."""
-    return f"{site.op_type}, execution #{site.order}" if site.op_type else f"execution #{site.order}"
+def _place(site, order: ExecutionOrder | None = None) -> str:
+    """"Conv, execution #2"; a dump without op types gives only the order,
+    a dump without an order only the op type."""
+    if order is not None and order.unknown:
+        return site.op_type or "op type unknown"
+    where = f"execution #{site.order}" + (f" by {order.source}" if order is not None and order.source else "")
+    return f"{site.op_type}, {where}" if site.op_type else where
+
+
+@dataclass(frozen=True)
+class ExecutionOrder:
+    """What the sites' execution order was read from (a golden dump's
+    manifest, its files' modification times...; '' for a model's), and
+    why there is none ('' where there is one)."""
+    source: str = ""
+    unknown: str = ""
+
+
+LISTED_AT_MOST = 5
+
+
+def _unordered(comps: list, order: ExecutionOrder) -> str:
+    """Computation errors where no execution order says which comes first."""
+    names = ", ".join(f"{r.site.node} ({_place(r.site, order)})" for r in comps[:LISTED_AT_MOST])
+    more = f" and {len(comps) - LISTED_AT_MOST} more" if len(comps) > LISTED_AT_MOST else ""
+    return (f"Computation error{'s' if len(comps) > 1 else ''} at {names}{more}; the reference dump has no execution "
+            f"order ({order.unknown}), so none is called first")
 
 
 def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None,
-             undecided: list | None = None, spent: Spent | None = None) -> str:
+             undecided: list | None = None, spent: Spent | None = None,
+             order: ExecutionOrder | None = None, comps: list | None = None) -> str:
     """The sentence the job answers with: the first computation error that
     changes the outputs (``first_comp``); computation errors the outputs
     absorb (``benign``) are named after it, never as the answer. Failing
     nodes that could not be judged (``undecided``) forbid saying that no
     node computes wrongly on its own. Rounding that each node's precision
     explains is never the headline: "accumulated precision error" is, only
-    when the outputs leave their tolerance (``spent``)."""
+    when the outputs leave their tolerance (``spent``). ``order``: where the
+    execution order came from; without one, every computation error that
+    changes the outputs (``comps``) is listed and none is called first."""
     benign = benign or []
     undecided = undecided or []
+    order = order or ExecutionOrder()
     absorbed = (f"{len(benign)} computation error{'s' if len(benign) > 1 else ''} the outputs absorb (first at "
                 f"{benign[0].site.node})") if benign else ""
+    if order.unknown:
+        absorbed = absorbed.replace("(first at ", "(one at ")
+    if first_comp is not None and order.unknown:
+        return _unordered(comps or [first_comp], order) + (f"; besides, {absorbed}" if absorbed else "")
     if first_comp is not None:
-        text = f"Computation error at {first_comp.site.node} ({_place(first_comp.site)})"
+        text = f"Computation error at {first_comp.site.node} ({_place(first_comp.site, order)})"
         if first_comp.finding.cause:
             text += f", cause: {first_comp.finding.cause}"
         if first_comp.finding.hand_over:
@@ -644,7 +676,7 @@ def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None
         u = undecided[0]
         more = f" and {len(undecided) - 1} more node{'s' if len(undecided) > 2 else ''}" \
             if len(undecided) > 1 else ""
-        return (f"No verdict: {u.site.node} ({_place(u.site)}){more} could not be "
+        return (f"No verdict: {u.site.node} ({_place(u.site, order)}){more} could not be "
                 "judged (what they read was not compared or is in neither dump); no other node is shown to compute "
                 "wrongly on its own" + (f"; besides, {absorbed}" if absorbed else ""))
     if absorbed:
@@ -655,9 +687,9 @@ def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None
         out = spent.outputs[0]
         where = ""
         if spent.most is not None:
-            where = (f"; most of it is added at {spent.most.site.node} ({_place(spent.most.site)}: relative RMS "
-                     f"error {fmt(spent.added)} of its own, within what {spent.most.precision or 'its precision'} "
-                     "explains)")
+            where = (f"; most of it is added at {spent.most.site.node} ({_place(spent.most.site, order)}: "
+                     f"relative RMS error {fmt(spent.added)} of its own, within what "
+                     f"{spent.most.precision or 'its precision'} explains)")
         return (f"Accumulated precision error: the outputs leave their tolerance ({out.site.tensor}: "
                 f"{out.outcome.metrics.errors}/{out.outcome.metrics.total} past atol/rtol, relative RMS error "
                 f"{fmt(out.rel_err)}) while every node stays within what its precision explains{where}")

@@ -27,6 +27,7 @@ import pyarrow as pa
 from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.compare.coverage import MIN_COVERAGE_DEFAULT
 from layerdiff.analyzer.diagnose.impact import ImpactRunner, InjectedValues
+from layerdiff.analyzer.diagnose.verdicts import ExecutionOrder
 from layerdiff.analyzer.execute.local import LocalPool
 from layerdiff.analyzer.jobs.budget import DEFAULT_BUDGET, MemoryBudget
 from layerdiff.analyzer.jobs.consumer import StreamConsumer
@@ -392,7 +393,9 @@ class JobRunner:
                                    node_inputs=p.reference.node_inputs, sections=sections,
                                    min_coverage=p.min_coverage, impact=impact, weights=p.weights,
                                    presumed=getattr(p.reference, "presumed", None),
-                                   outputs=getattr(p.reference, "model_outputs", frozenset()))
+                                   outputs=getattr(p.reference, "model_outputs", frozenset()),
+                                   order=ExecutionOrder(getattr(p.reference, "order_from", ""),
+                                                        getattr(p.reference, "order_unknown", "")))
         finally:
             if injected is not None:
                 injected.release()
@@ -430,7 +433,8 @@ class JobRunner:
         assert isinstance(g, DumpReference)    # p.golden: prepared with a DumpReference
         return {**g.provenance, "records": g.records, "tensors": g.tensors, "bytes": g.bytes,
                 "duplicates": len(g.duplicates), "model": p.reference.name if g.model is not None else None,
-                "structure": "model" if g.model is not None else "dump"}
+                "structure": "model" if g.model is not None else "dump",
+                "order_from": g.order_from or None, "order_unknown": g.order_unknown or None}
 
     def _capture_perf(self, job: Job, p: Prepared):
         """The collector's performance stream for this job's source: the
@@ -504,8 +508,18 @@ class JobRunner:
         golden.start(self.workdir / SPILL_DIR / job.id)
         limit = env_limit("LAYERDIFF_REFERENCE_DUMP_BYTES", REFERENCE_DUMP_BYTES_DEFAULT, size=True)
         assembler = TensorAssembler(pool=BufferPool())
+        def read_order(collector: CollectorClient) -> None:
+            if spec.reference_dump.dump.watch:
+                return      # read as the runtime writes it: no order to ask for yet
+            try:
+                graph = collector.dump_graph(spec.reference_dump.dump)
+            except LayerdiffError as e:    # the stream says what is wrong with the dump itself
+                log.warning("the %s's execution order could not be read (%s)", where, e)
+                return
+            golden.read_order(graph.order_from, graph.order_unknown)
+
         try:
-            with self._stream(job, golden=True) as stream:
+            with self._stream(job, golden=True, on_ready=read_order) as stream:
                 for batch in stream:
                     if job.cancelled.is_set():
                         break

@@ -86,6 +86,16 @@ class DumpReference:
         self.bytes = 0
         self.records = 0
         self._sealed = False
+        # what the sites' order was read from, and why there is none ("" where
+        # there is one): the golden collector's word (DeviceGraph), or the model
+        self.order_from = "the model's graph" if model is not None else ""
+        self.order_unknown = ""
+
+    def read_order(self, order_from: str, order_unknown: str) -> None:
+        """Where the golden dump's collector read its execution order from
+        (before ``seal``); a model's order stands over the dump's."""
+        if self.model is None:
+            self.order_from, self.order_unknown = order_from, order_unknown
 
     # ------------------------------------------------------------ receiving
 
@@ -188,7 +198,9 @@ class DumpReference:
         vendor's rules (an error that jumps, a correlation that falls) need
         to tell a node's own error from an inherited one on a chain. Never
         used to pair device input records (``presumed``), and said in the
-        evidence."""
+        evidence. Without an execution order nothing is presumed."""
+        if self.order_unknown:
+            return
         before = ""       # the first output of the node before
         node = None
         for s in self.sites:

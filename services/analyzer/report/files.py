@@ -342,7 +342,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                  node_inputs: dict[str, list[str]] | None = None,
                  sections: dict | Callable[[], dict | None] | None = None,
                  min_coverage: float | None = None, impact=None, weights: list | None = None,
-                 presumed: dict[str, str] | None = None, outputs: set[str] | frozenset = frozenset()) -> dict:
+                 presumed: dict[str, str] | None = None, outputs: set[str] | frozenset = frozenset(),
+                 order: diagnose.ExecutionOrder | None = None) -> dict:
     """``sections``: further top-level parts of summary.json (the performance
     data, its per-node view), written by their own modules; a callable is
     called once every row carries its diagnosis. The coverage comes first:
@@ -353,7 +354,9 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     (weights.csv), which name "cause: weight" without the node's inputs.
     ``presumed``: node -> the tensor it is presumed to read (a golden dump
     that records no inputs: the node before it in execution order), said
-    in its evidence."""
+    in its evidence. ``order``: what the execution order was read from
+    (without one, no node is called first)."""
+    order = order or diagnose.ExecutionOrder()
     out.mkdir(parents=True, exist_ok=True)
     rep.in_graph_order(all_sites)
     rows = rep.ordered()
@@ -421,12 +424,12 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     (out / "consumer_map.json").write_text(json.dumps(consumers, indent=1), encoding="utf-8")
 
     first = rep.first_failing()
-    first_comp = next((r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION
-                       and not r.finding.benign), None)
+    comps = [r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION and not r.finding.benign]
+    first_comp = comps[0] if comps else None
     benign = [r for r in rows if r.finding and r.finding.benign]
     undecided = [r for r in rows if r.finding and r.finding.verdict == diagnose.UNDECIDED]
     spent = diagnose.outputs_out_of_tolerance(rows, node_inputs or {}, outputs)
-    text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided, spent)
+    text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided, spent, order, comps)
     answer = coverage.outcome(rep, cov, diagnose.exit_of(first_comp, nan_overflow, benign, undecided, spent,
                                                          first))
     if answer["status"] == "no_answer":
@@ -452,6 +455,10 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "outcome": answer,
         "coverage": cov,
         "diagnosis": diagnosis,
+        # without an execution order the "first" ones are the first listed, by name (execution_order.known)
+        "execution_order": {"from": order.source or None, "known": not order.unknown,
+                            "why_unknown": order.unknown or None},
+        "computation_errors": [node_summary(r) for r in comps],
         "first_computation_error": node_summary(first_comp) if first_comp else None,
         "device_precision": device_precision(rows, rep.quantized),
         "first_failing_node": node_summary(first) if first else None,

@@ -549,11 +549,15 @@ def render(out_dir: Path, summary: dict) -> str:
     comp = summary.get("first_computation_error")
     same = isinstance(first, dict) and isinstance(comp, dict) and \
         (first.get("node"), first.get("tensor")) == (comp.get("node"), comp.get("tensor"))
+    # without an execution order no node is called first: the cards show the first by name
+    unordered = _mapping(summary.get("execution_order")).get("known") is False
+    first_word = "A" if unordered else "First"
     if same:
-        cards = _node_card("First failing node, and the first computation error", first, row_of, plots_of, "")
+        cards = _node_card(f"{first_word} failing node, and {first_word.lower()} computation error", first, row_of,
+                           plots_of, "")
     else:
-        cards = (_node_card("First failing node", first, row_of, plots_of, "No node fails.")
-                 + _node_card("First computation error", comp, row_of, plots_of,
+        cards = (_node_card(f"{first_word} failing node", first, row_of, plots_of, "No node fails.")
+                 + _node_card(f"{first_word} computation error", comp, row_of, plots_of,
                               "No node is diagnosed as a computation error."
                               if "first_computation_error" in summary else "No diagnosis in this summary."))
     body = [

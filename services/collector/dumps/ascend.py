@@ -114,21 +114,23 @@ def read_header(path: Path, shown: str | None = None):
 
 def source_dtype(data_type: int) -> str:
     """The type the runtime dumped a tensor in, where it is read widened to
-    float32 ('' for the types NumPy holds as they are)."""
+    float32 (bfloat16, the FP8/FP6/FP4/HiFloat formats, the sub-byte
+    integers; '' for the types NumPy holds as they are)."""
     return "bfloat16" if data_type == DT_BF16 else narrow.DECODED.get(data_type, "")
 
 
 def _tensor(path: Path, t, offset: int, shown: str, max_bytes: int) -> np.ndarray:
     """One tensor of the file, validated, in its original layout."""
     dtype: np.dtype
+    narrow_name = narrow.DECODED.get(t.data_type, "")
     if t.data_type == DT_BF16:
         dtype, itemsize = np.dtype("uint16"), 2
-    elif t.data_type in narrow.DECODED:
+    elif narrow_name:
         dtype, itemsize = np.dtype("uint8"), 1
     elif t.data_type in narrow.NOT_DECODED:
-        raise LayerdiffError(f"data type {narrow.NOT_DECODED[t.data_type]} ({t.data_type}) is not decoded: its "
-                             "packing in a dump is not fixed; dump this tensor as float16 or float32",
-                             file=shown, field="data_type")
+        raise LayerdiffError(f"data type {narrow.NOT_DECODED[t.data_type]} ({t.data_type}) is not decoded: it is "
+                             "not a real tensor; dump this tensor as float16 or float32", file=shown,
+                             field="data_type")
     elif t.data_type in DTYPES:
         dtype = np.dtype(DTYPES[t.data_type])
         itemsize = dtype.itemsize
@@ -138,16 +140,22 @@ def _tensor(path: Path, t, offset: int, shown: str, max_bytes: int) -> np.ndarra
     count = int(np.prod(dims, dtype=object)) if dims else 1
     if span_bytes(dims, itemsize) > max_bytes:
         raise LayerdiffError(f"shape {dims} is over the tensor limit of {max_bytes} bytes", file=shown, field="shape")
-    if count * itemsize != t.size:
-        raise LayerdiffError(f"shape {dims} of {source_dtype(t.data_type) or dtype} is "
-                             f"{count * itemsize} bytes, the header says {t.size}", file=shown, field="size")
+    # sub-byte codes come packed or one to a byte: the size the header gives says which
+    packed = narrow.layout(narrow_name, count, int(t.size)) if narrow_name else \
+        (False if count * itemsize == t.size else None)
+    if packed is None:
+        what = f"{narrow.packed_size(narrow_name, count)} bytes packed or {count} one per byte" \
+            if narrow_name in narrow.WIDTH else f"{count * itemsize} bytes"
+        raise LayerdiffError(f"shape {dims} of {source_dtype(t.data_type) or dtype} is {what}, the header says "
+                             f"{t.size}", file=shown, field="size")
     if t.size > max_bytes:
         raise LayerdiffError(f"{t.size} bytes is over the tensor limit of {max_bytes}", file=shown, field="size")
-    raw = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count else np.zeros(0, dtype)
+    n = int(t.size) // itemsize
+    raw = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(n,)) if n else np.zeros(0, dtype)
     if t.data_type == DT_BF16:   # the upper half of a float32
         raw = (raw.astype(np.uint32) << 16).view(np.float32)
-    elif t.data_type in narrow.DECODED:
-        raw = narrow.decode(narrow.DECODED[t.data_type], raw)
+    elif narrow_name:
+        raw = narrow.widen(narrow_name, raw, count, packed)
     original = [int(d) for d in t.original_shape.dim] if t.HasField("original_shape") else []
     return _restore_layout(np.asarray(raw), t.format, dims, original, shown)
 
@@ -310,25 +318,55 @@ def records(root: Path, files: list[Path], max_bytes: int = DEFAULT_MAX_TENSOR_B
 
 # ------------------------------------------------------------------ writing
 
-def _tensor_header(msg, arr: np.ndarray) -> bytes:
-    arr = np.require(arr, requirements="C")  # keeps 0-d tensors 0-d
-    code = _TO_CODE.get(arr.dtype.name)
-    if code is None:
-        raise LayerdiffError(f"dtype {arr.dtype} has no Ascend data type", field="dtype")
-    msg.data_type = code
-    msg.format = FORMAT_ND if arr.ndim != 4 else FORMAT_NCHW
-    msg.shape.dim.extend(int(d) for d in arr.shape)
-    msg.original_shape.dim.extend(int(d) for d in arr.shape)
-    msg.size = arr.nbytes
-    return arr.tobytes()
+def _tensor_header(msg, arr: np.ndarray | narrow.Codes, packed: bool = True) -> bytes:
+    """Fill ``msg`` (an OpOutput/OpInput) for ``arr`` and return its bytes:
+    a NumPy array, bfloat16 and ml_dtypes' narrow types included (written
+    with the vendor's code, the sub-byte ones ``packed`` as the runtime
+    packs them, else one code per byte), or ``narrow.Codes`` for the
+    formats no NumPy type holds."""
+    name, data = _narrow_bytes(arr, packed)
+    if name:
+        msg.data_type, shape = narrow.CODE[name], arr.codes.shape if isinstance(arr, narrow.Codes) else arr.shape
+    else:
+        assert isinstance(arr, np.ndarray)
+        arr = np.require(arr, requirements="C")  # keeps 0-d tensors 0-d
+        code = DT_BF16 if arr.dtype.name == "bfloat16" else _TO_CODE.get(arr.dtype.name)
+        if code is None:
+            raise LayerdiffError(f"dtype {arr.dtype} has no Ascend data type", field="dtype")
+        msg.data_type, shape, data = code, arr.shape, arr.tobytes()
+    msg.format = FORMAT_ND if len(shape) != 4 else FORMAT_NCHW
+    msg.shape.dim.extend(int(d) for d in shape)
+    msg.original_shape.dim.extend(int(d) for d in shape)
+    msg.size = len(data)
+    return data
 
 
-def write_dump_file(path: Path, op_name: str, inputs: list[np.ndarray], outputs: list[np.ndarray],
-                    dump_time: int | None = None) -> Path:
+def _narrow_bytes(arr: np.ndarray | narrow.Codes, packed: bool) -> tuple[str, bytes]:
+    """(format name, bytes) of a tensor in one of the narrow formats, ('', b'') of any other."""
+    if isinstance(arr, narrow.Codes):
+        name, codes = arr.name, np.asarray(arr.codes)
+        if name not in narrow.CODE or codes.dtype != np.uint8:
+            raise LayerdiffError(f"codes of {name} ({codes.dtype}) have no Ascend data type: one of "
+                                 f"{', '.join(narrow.CODE)}, as uint8", field="dtype")
+    else:
+        name = narrow.ML_DTYPES.get(np.asarray(arr).dtype.name, "")
+        if not name:
+            return "", b""
+        codes = np.ascontiguousarray(arr).view(np.uint8)
+    if packed and name in narrow.WIDTH:
+        return name, narrow.pack(name, codes)
+    return name, np.ascontiguousarray(codes).tobytes()
+
+
+def write_dump_file(path: Path, op_name: str, inputs: list, outputs: list, dump_time: int | None = None,
+                    packed: bool = True) -> Path:
+    """A runtime dump file of ``inputs`` and ``outputs`` (NumPy arrays or
+    ``narrow.Codes``; ``packed``: sub-byte codes as the runtime packs them,
+    else one to a byte)."""
     pb = _pb()
     header = pb.DumpData(version="2.0", dump_time=dump_time or int(time.time() * 1e6), op_name=op_name)
-    blobs = [_tensor_header(header.input.add(), a) for a in inputs]
-    blobs += [_tensor_header(header.output.add(), a) for a in outputs]
+    blobs = [_tensor_header(header.input.add(), a, packed) for a in inputs]
+    blobs += [_tensor_header(header.output.add(), a, packed) for a in outputs]
     raw = header.SerializeToString()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))

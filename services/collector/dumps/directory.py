@@ -62,24 +62,38 @@ _SELF_DESCRIBING = ("npy", "npz", "onnx", "h5")
 _SEQ = re.compile(r"^(\d+)[_.-]|[_.-](\d+)$")
 
 
+# What a dump's execution order was read from (DumpDirectory.order_from,
+# DeviceGraph.order_from): every source but the last is trusted; by the names
+# alone no order is known, and no node is called first.
+ORDER_MANIFEST = "the manifest's order"
+ORDER_RUNTIME = "the runtime's timestamps"
+ORDER_ARCHIVE = "the archive's order"
+ORDER_CALLS = "the HDF5 calls' order"
+ORDER_ONE = "its one tensor"
+ORDER_TIMES = "the files' modification times"
+ORDER_SEQUENCE = "the sequence numbers in the file names"
+ORDER_UNKNOWN = "the file names"
+ORDER_UNKNOWN_WHY = "its files carry equal modification times and no sequence numbers in their names"
+
+
 def execution_order(files: list[Path]) -> tuple[list[str], str]:
     """The names of a manifest-less dump's files in execution order, and
     what the order came from: the files' modification times (nanoseconds)
     where no two are equal (a script writes its tensors one after the
     other); else a sequence number every name carries (``00012_conv.npy``,
     ``conv.12.npy``: msprobe's and most scripts' convention), by its value;
-    else the names, which say nothing of the order ('file names')."""
+    else the names, which say nothing of the order (ORDER_UNKNOWN)."""
     if len(files) > 1:
         times = [p.stat().st_mtime_ns for p in files]
         if len(set(times)) == len(times):
-            return [p.name for _, p in sorted(zip(times, files))], "modification times"
+            return [p.name for _, p in sorted(zip(times, files))], ORDER_TIMES
     seqs = []
     for p in files:
         m = _SEQ.search(p.stem)
         seqs.append(int(m.group(1) or m.group(2)) if m else None)
     if files and all(q is not None for q in seqs) and len(set(seqs)) == len(seqs):
-        return [p.name for _, p in sorted(zip(seqs, files))], "sequence numbers in the names"
-    return sorted(p.name for p in files), "file names"
+        return [p.name for _, p in sorted(zip(seqs, files))], ORDER_SEQUENCE
+    return sorted(p.name for p in files), ORDER_UNKNOWN
 
 
 class DumpDirectory:
@@ -95,12 +109,13 @@ class DumpDirectory:
             raise LayerdiffError(f"unknown dump format {fmt!r} (one of {', '.join(FORMATS)})", field="format")
         self.root = Path(path)
         single: str | None = None
+        single_kind = ""
         if self.root.is_file():
             kind = fmt or _EXTENSIONS.get(self.root.suffix.lower(), "")
             if kind not in _SELF_DESCRIBING:
                 raise LayerdiffError(f"dump file {path!r} is not one layerdiff reads as a dump (.h5, .npz, .npy, .pb; "
                                      "or give the directory)", field="dump_path")
-            single, self.root = self.root.name, self.root.parent
+            single, single_kind, self.root = self.root.name, kind, self.root.parent
         elif not self.root.is_dir():
             raise NotFoundError(f"dump file or directory {path!r} does not exist on the collector host",
                                 field="dump_path")
@@ -109,12 +124,18 @@ class DumpDirectory:
         self.default_concat_dim = default_concat_dim
         self.ascend_files: list[Path] | None = None
         self.graph_inputs: list[str] = []     # the manifest's top-level "inputs" (see collector.dumpgraph)
-        # where the execution order of a directory without a manifest came from (execution_order)
-        self.order_from = ""
+        # what the execution order was read from (ORDER_*)
+        self.order_from = ORDER_MANIFEST
         if entries is None and single is not None:
             entries = [{"name": Path(single).stem, "file": single, "order": 0, "op_type": ""}]
+            self.order_from = {"h5": ORDER_CALLS, "npz": ORDER_ARCHIVE}.get(single_kind, ORDER_ONE)
         self.single = single
         self.entries = entries if entries is not None else self._entries()
+
+    @property
+    def order_known(self) -> bool:
+        """Can the dump's first failing node be called first?"""
+        return self.order_from != ORDER_UNKNOWN
 
     def _entries(self) -> list[dict]:
         mpath = self.root / MANIFEST
@@ -130,6 +151,7 @@ class DumpDirectory:
                          for p in self.root.iterdir() if p.is_file())
             if self.fmt == "ascend" or any(ascend.looks_like_dump(p) for p in files[:8]) or (files and not others):
                 self.ascend_files = files
+                self.order_from = ORDER_RUNTIME
                 return []
         if not mpath.exists():
             files = [p for p in self.root.iterdir() if p.is_file() and p.name != MANIFEST and

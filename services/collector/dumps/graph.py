@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.collector.dumps.directory import DumpDirectory
+from layerdiff.collector.dumps.directory import ORDER_UNKNOWN_WHY, DumpDirectory
 from layerdiff.collector.dumps.manifest import MANIFEST, check_node_name, resolve_inside
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.net import MAX_MESSAGE_BYTES
@@ -37,16 +37,19 @@ _MAX_INPUTS = 4096
 
 
 def dump_graph(source: pb.DumpSource) -> pb.DeviceGraph:
-    """The graph of the dump's manifest (an empty DeviceGraph where the
-    manifest names no inputs, or there is no manifest)."""
+    """The graph of the dump's manifest (no nodes where the manifest names no
+    inputs, or there is no manifest) and where its execution order came
+    from (always)."""
     d = DumpDirectory(source.path, fmt=source.format, default_concat_dim=source.default_concat_dim)
+    order = pb.DeviceGraph(order_from=d.order_from, order_unknown="" if d.order_known else ORDER_UNKNOWN_WHY)
     mpath = d.root / MANIFEST
-    graph = pb.DeviceGraph(source=str(mpath))
-    if d.ascend_files is not None or not mpath.exists():
-        return pb.DeviceGraph()
+    if d.ascend_files is not None or d.single is not None or not mpath.exists():
+        return order
     entries = [(i, e) for i, e in enumerate(d.entries) if isinstance(e, dict)]
     if not any("inputs" in e for _, e in entries):
-        return pb.DeviceGraph()
+        return order
+    graph = pb.DeviceGraph(source=str(mpath))
+    graph.MergeFrom(order)
     nodes: dict[str, pb.DeviceNode] = {}
     outputs: dict[str, dict[int, pb.DeviceTensor]] = {}
     for _, entry in sorted(entries, key=lambda ie: _order(ie[1], ie[0])):
