@@ -111,6 +111,31 @@ def test_a_nodes_name_pairs_with_its_output_tensors_either_way():
     assert amb.match("B_OUTPUT_0").site is None
 
 
+def test_names_sanitized_for_file_names_pair_either_way():
+    """A user's script writes every sign of a name as '_' (``conv1/Relu:0``
+    as ``conv1_Relu_0``, ``blk-2/add`` as ``blk_2_add``): paired with the
+    original either way round, said so; TensorFlow's ``X:1`` pairs with an
+    exporter's ``X_output_1``; a sanitized name that fits two stays
+    unmatched, and an exact name still wins."""
+    tf = [TensorSite("conv1/Relu:0", "conv1/Relu", "Relu", 0, 0), TensorSite("blk-2/add:0", "blk-2/add", "Add", 1, 0),
+          TensorSite("split:1", "split", "Split", 2, 1)]
+    al = Aligner(tf)
+    d = al.match("conv1_Relu_0")
+    assert d.site is tf[0] and d.confidence < 1.0 and "signs written as '_'" in d.note, d
+    assert al.match("blk_2_add_0").site is tf[1] and al.match("split_1").site is tf[2]
+    sanitized = [TensorSite("conv1_Relu_0", "conv1_Relu_0", "", 0, 0),
+                 TensorSite("blk_2_add_0", "blk_2_add_0", "", 1, 0)]
+    al = Aligner(sanitized)
+    assert al.match("conv1/Relu:0").site is sanitized[0] and al.match("blk-2/add:0").site is sanitized[1]
+    exported = [TensorSite("_Split_output_1", "_Split_output_1", "", 0, 0)]
+    d = Aligner(exported).match("/Split:1")
+    assert d.site is exported[0] and "read as output 1 of its node" in d.note, d
+    amb = Aligner([TensorSite("a-b", "n1", "", 0, 0), TensorSite("a:b", "n2", "", 1, 0)])
+    assert amb.match("a_b").site is None and "ambiguous" in amb.match("a_b").note
+    exact = [TensorSite("x_0", "n1", "", 0, 0), TensorSite("x:0", "n2", "", 1, 0)]
+    assert Aligner(exact).match("x_0").site is exact[0]
+
+
 def test_a_repeated_dump_is_a_duplicate_not_a_missing_node(cnn_sites):
     """The consumer reports the second call of an op as a duplicate of the
     tensor already paired: op@k must find the op."""

@@ -44,6 +44,7 @@ _SEP = re.compile(r"[/.\\ ]")
 _TOKEN_SEP = re.compile(r"[_-]+")
 _AT = re.compile(r"^(.*)@\d+((?::\d+)?)$")
 _COLON0 = re.compile(r"^(.*):0+$")
+_COLON = re.compile(r"^(.+):(\d+)$")
 # an ONNX exporter's output tensor of a node (``/Clip_output_0``, ``X.output.1``, sanitized alike)
 _OUTPUT = re.compile(r"^(.+?)_output_(\d+)$")
 _TAIL = re.compile(r"^(.*?)((?::\d+)?)$")
@@ -414,10 +415,14 @@ class Aligner:
         # a node's name against its output tensor's, either way round (one
         # dump names nodes, the other the tensors they write)
         out = _OUTPUT.match(c)
+        colon = _COLON.match(c)
         if out:
             n = int(out.group(2))
             forms.append((out.group(1) if n == 0 else f"{out.group(1)}:{n}", _C_NODE,
                           (f"the output tensor {raw!r} read as output {n} of its node",)))
+        elif colon:      # 'X:1' (TensorFlow's spelling) against 'X_output_1' (an ONNX exporter's)
+            forms.append((f"{colon.group(1)}_output_{int(colon.group(2))}", _C_NODE,
+                          (f"the tensor {raw!r} read as output {int(colon.group(2))} of its node",)))
         else:
             forms.append((f"{c}_output_0", _C_NODE, (f"the node {raw!r} read as its output tensor",)))
         # 1. case, whitespace, ':0', '@k', node against tensor

@@ -96,6 +96,14 @@ def execution_order(files: list[Path]) -> tuple[list[str], str]:
     return sorted(p.name for p in files), ORDER_UNKNOWN
 
 
+def _without_leading_numbers(stems: list[str]) -> list[str]:
+    """``00012_conv`` is the tensor ``conv``, the 12th written: the number
+    leaves the name where every name leads with one and the rest stay
+    distinct (a trailing number may be the tensor's own: ``layer_2``)."""
+    rest = [m.string[m.end():] if (m := _SEQ.match(s)) and m.group(1) else "" for s in stems]
+    return rest if all(rest) and len(set(rest)) == len(rest) else stems
+
+
 class DumpDirectory:
     """A directory of node dumps, or one file that is a dump (an HDF5 or
     .npz archive, a single .npy or .pb tensor), read where it lies."""
@@ -158,7 +166,11 @@ class DumpDirectory:
                      (_EXTENSIONS.get(p.suffix.lower()) == self.fmt if self.fmt else
                       _EXTENSIONS.get(p.suffix.lower()) in _SELF_DESCRIBING)]
             names, self.order_from = execution_order(files)
-            return [{"name": Path(f).stem, "file": f, "order": i, "op_type": ""} for i, f in enumerate(names)]
+            stems = [Path(f).stem for f in names]
+            if self.order_from == ORDER_SEQUENCE:
+                stems = _without_leading_numbers(stems)
+            return [{"name": stem, "file": f, "order": i, "op_type": ""}
+                    for i, (stem, f) in enumerate(zip(stems, names))]
         try:
             doc = json.loads(mpath.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
