@@ -130,6 +130,38 @@ def test_bfloat16_is_kept_as_float32_with_its_dtype_named(tmp_path):
             pass
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                   "float8_e8m0fnu"])
+@pytest.mark.parametrize("level", ["module", "operator"])
+def test_a_float8_output_is_written_as_float32_and_read_back_with_its_dtype(tmp_path, dtype, level):
+    """A module whose output is cast to a float8 type: the file holds the
+    float8 values exactly (as float32, which NumPy can hold), and reading
+    the dump back says what the model computed them in."""
+    import h5py
+
+    from layerdiff.common.precision import node_precision
+    from layerdiff.torch import capture
+
+    class Cast(torch.nn.Module):
+        def forward(self, x):
+            return x.to(getattr(torch, dtype))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), Cast()).eval()
+    with capture(model, tmp_path / "run.h5", level=level):
+        out = model(torch.randn(3, 4) * 50)
+    want = out.to(torch.float32).numpy()
+    name = "1" if level == "module" else "aten._to_copy.default"
+    with h5py.File(tmp_path / "run.h5") as f:
+        ds = f[name]["0"]["output"]["0"]
+        assert ds.dtype == np.float32 and ds.attrs["dtype"] == dtype
+    rec = _records(tmp_path / "run.h5")[(name, "output", 0)]
+    assert rec.status == STATUS_OK and rec.source_dtype == dtype
+    np.testing.assert_array_equal(rec.array, want)
+    precision, why = node_precision("Cast", job=None, stored_dtype=rec.source_dtype)
+    assert precision.name != "fp32" and dtype in why
+
+
 def test_torch_is_imported_only_by_the_helper():
     import subprocess
     import sys

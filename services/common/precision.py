@@ -41,7 +41,7 @@ value is left at FP32's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from layerdiff.common.errors import LayerdiffError
 
@@ -142,6 +142,18 @@ def of_dtype(dtype: str) -> Precision | None:
     """The precision a tensor stored in ``dtype`` was at least rounded to."""
     name = DTYPE_PRECISION.get((dtype or "").lower())
     return (PRECISIONS.get(name) or STORED[name]) if name else None
+
+
+def build_of_dtype(dtype: str) -> Precision | None:
+    """The precision a build that stores some tensors in ``dtype`` computes
+    its other tensors in: a narrow float type's products, with the BF16
+    outputs such builds keep between them (its own storage rounding holds
+    only for the tensors stored in it)."""
+    p = of_dtype(dtype)
+    if p is None or p.name not in STORED or p.quantized:
+        return p
+    return replace(p, storage=U_BF16, max_finite=BF16_MAX,
+                   what=f"{p.what.removesuffix(' outputs (FP32 sums)')} products (FP32 sums, BF16 outputs)")
 
 
 def coarser(a: Precision, b: Precision) -> Precision:

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from layerdiff.common.precision import PRECISIONS, Precision, coarser, node_precision, of_dtype
+from layerdiff.common.precision import PRECISIONS, Precision, build_of_dtype, coarser, node_precision, of_dtype
 
 # A node adds a computation error when its own error exceeds FACTOR times
 # what its precision explains (E1 as an RMS; the observed RMS of rounding
@@ -227,7 +227,7 @@ def local_own(block: Block | None, budget: Budget | None, k_unknown: bool = Fals
     element-wise op): the growth rules judge it. ``k_unknown``: a K not
     known yet (while the stream is under way) may still prove large: worth
     a closer look."""
-    if block is None or budget is None or budget.step > 0 or budget.precision == "int8":
+    if block is None or budget is None or budget.step > 0 or budget.precision in ("int8", "int4"):
         return False
     if budget.kind != "product" or block.key not in ("channels", "features"):
         return False
@@ -642,7 +642,7 @@ class ErrorPolicy:
         """A device tensor stored in ``dtype`` arrived."""
         if self.job is not None:
             return
-        p = of_dtype(dtype)
+        p = build_of_dtype(dtype)
         if p is not None and p.name != "fp32":
             self.inferred = p if self.inferred is None else coarser(self.inferred, p)
 

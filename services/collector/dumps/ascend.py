@@ -324,16 +324,23 @@ def _tensor_header(msg, arr: np.ndarray | narrow.Codes, packed: bool = True) -> 
     with the vendor's code, the sub-byte ones ``packed`` as the runtime
     packs them, else one code per byte), or ``narrow.Codes`` for the
     formats no NumPy type holds."""
-    name, data = _narrow_bytes(arr, packed)
-    if name:
-        msg.data_type, shape = narrow.CODE[name], arr.codes.shape if isinstance(arr, narrow.Codes) else arr.shape
+    if isinstance(arr, narrow.Codes):
+        name, codes = arr.name, np.asarray(arr.codes)
+        if name not in narrow.CODE or codes.dtype != np.uint8:
+            raise LayerdiffError(f"codes of {name} ({codes.dtype}) have no Ascend data type: one of "
+                                 f"{', '.join(narrow.CODE)}, as uint8", field="dtype")
+        code, shape, data = narrow.CODE[name], codes.shape, _codes_bytes(name, codes, packed)
     else:
-        assert isinstance(arr, np.ndarray)
         arr = np.require(arr, requirements="C")  # keeps 0-d tensors 0-d
-        code = DT_BF16 if arr.dtype.name == "bfloat16" else _TO_CODE.get(arr.dtype.name)
-        if code is None:
-            raise LayerdiffError(f"dtype {arr.dtype} has no Ascend data type", field="dtype")
-        msg.data_type, shape, data = code, arr.shape, arr.tobytes()
+        name, shape = narrow.ML_DTYPES.get(arr.dtype.name, ""), arr.shape
+        if name:
+            code, data = narrow.CODE[name], _codes_bytes(name, arr.view(np.uint8), packed)
+        else:
+            found = DT_BF16 if arr.dtype.name == "bfloat16" else _TO_CODE.get(arr.dtype.name)
+            if found is None:
+                raise LayerdiffError(f"dtype {arr.dtype} has no Ascend data type", field="dtype")
+            code, data = found, arr.tobytes()
+    msg.data_type = code
     msg.format = FORMAT_ND if len(shape) != 4 else FORMAT_NCHW
     msg.shape.dim.extend(int(d) for d in shape)
     msg.original_shape.dim.extend(int(d) for d in shape)
@@ -341,21 +348,10 @@ def _tensor_header(msg, arr: np.ndarray | narrow.Codes, packed: bool = True) -> 
     return data
 
 
-def _narrow_bytes(arr: np.ndarray | narrow.Codes, packed: bool) -> tuple[str, bytes]:
-    """(format name, bytes) of a tensor in one of the narrow formats, ('', b'') of any other."""
-    if isinstance(arr, narrow.Codes):
-        name, codes = arr.name, np.asarray(arr.codes)
-        if name not in narrow.CODE or codes.dtype != np.uint8:
-            raise LayerdiffError(f"codes of {name} ({codes.dtype}) have no Ascend data type: one of "
-                                 f"{', '.join(narrow.CODE)}, as uint8", field="dtype")
-    else:
-        name = narrow.ML_DTYPES.get(np.asarray(arr).dtype.name, "")
-        if not name:
-            return "", b""
-        codes = np.ascontiguousarray(arr).view(np.uint8)
-    if packed and name in narrow.WIDTH:
-        return name, narrow.pack(name, codes)
-    return name, np.ascontiguousarray(codes).tobytes()
+def _codes_bytes(name: str, codes: np.ndarray, packed: bool) -> bytes:
+    """One-per-byte codes of ``name`` as a dump holds them: sub-byte ones
+    ``packed`` as the runtime packs them, else a byte each."""
+    return narrow.pack(name, codes) if packed and name in narrow.WIDTH else np.ascontiguousarray(codes).tobytes()
 
 
 def write_dump_file(path: Path, op_name: str, inputs: list, outputs: list, dump_time: int | None = None,

@@ -32,10 +32,11 @@ What each format is, and where that is written down:
   +Inf and -Inf: 32768 is the largest finite value.
 - INT4, INT2 (two's complement), UINT2, UINT1: integers.
 
-How a dump lays them out: the runtime sizes a tensor with GE's
-``GetSizeByDataType`` (cann/metadef, ``graph/types.h``): 1 byte a code
-for the 8-bit formats, and for the sub-byte ones (INT4, UINT1, INT2,
-UINT2, FP6, FP4, HiFloat4) a width in bits, the tensor taking
+How a dump lays them out: the runtime dumps a tensor's ``CalcShapeBytes``
+(cann/opbase, ``indv_dump.cpp``), from the sizes of GE's
+``GetSizeByDataType`` (cann/metadef, ``inc/external/graph/types.h``): a
+byte a code for the 8-bit formats, and for the sub-byte ones (INT4, UINT1,
+INT2, UINT2, FP6, FP4, HiFloat4) a width in bits, N codes taking
 ceil(N x bits / 8) bytes: packed. ``aclnnConvertWeightToINT4Pack``
 (cann/ops-nn) packs INT4 and FP4 E2M1 two to a byte, the first element in
 the low nibble. The same order is taken for the other widths (the element
@@ -73,7 +74,7 @@ _MINIFLOATS = {"float6_e3m2": (3, 2, 3), "float6_e2m3": (2, 3, 1), "float4_e2m1"
 _HIF8_DOT = [None, (4, 0), (3, 1), (3, 1)] + [(2, 2)] * 4 + [(2, 3)] * 4 + [(2, 4)] * 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)     # an array has no one truth value to compare by
 class Codes:
     """A tensor's raw codes (uint8, one per element, in the low bits) in the
     format ``name``: how to write a type NumPy and ml_dtypes lack
@@ -177,15 +178,21 @@ def _group(bits: int) -> tuple[int, int]:
 
 def unpack(name: str, raw: np.ndarray, count: int) -> np.ndarray:
     """The ``count`` codes (uint8, one per element) packed in ``raw``
-    (uint8), the first in the lowest bits."""
+    (uint8), the first in the lowest bits. Worked in bytes: a tensor's
+    codes take no more memory than one byte each."""
     bits = WIDTH[name]
     nbytes, per = _group(bits)
     runs = -(-count // per)
-    buf = np.zeros(runs * nbytes, dtype=np.uint32)
+    buf = np.zeros(runs * nbytes, dtype=np.uint8)
     buf[:min(raw.size, buf.size)] = raw[:buf.size]
-    words = (buf.reshape(runs, nbytes) << (8 * np.arange(nbytes, dtype=np.uint32))).sum(axis=1, dtype=np.uint32)
-    codes = (words[:, None] >> (bits * np.arange(per, dtype=np.uint32))) & np.uint32((1 << bits) - 1)
-    return codes.reshape(-1)[:count].astype(np.uint8)
+    if nbytes == 1:
+        shifts = (bits * np.arange(per)).astype(np.uint8)
+        codes = (buf[:, None] >> shifts) & np.uint8((1 << bits) - 1)
+    else:                      # four 6-bit codes across 3 bytes
+        b0, b1, b2 = buf[0::3], buf[1::3], buf[2::3]
+        codes = np.stack([b0 & 0x3F, (b0 >> 6) | ((b1 & 0x0F) << 2), (b1 >> 4) | ((b2 & 0x03) << 4), b2 >> 2],
+                         axis=1)
+    return codes.reshape(-1)[:count]
 
 
 def pack(name: str, codes: np.ndarray) -> bytes:
