@@ -365,3 +365,26 @@ def test_renamed_npy_dump_compares_like_the_original(tmp_path):
     assert a.first_failing_node == b.first_failing_node == "conv2"
     failing = {n["node"] for n in b.summary["nodes"] if not n["passed"]}
     assert failing == {n["node"] for n in a.summary["nodes"] if not n["passed"]} and "conv2" in failing
+
+
+def test_the_runtimes_original_op_pairs_before_names_and_after_a_users_map(cnn_sites):
+    """A device output the runtime says stands for relu1's output pairs with
+    it whatever its own name (even one that names another reference tensor);
+    the user's map_node_dict still decides over it; an original_op the
+    reference lacks, or that another pairing claimed, leaves the name to
+    decide; attributes that are not such a record are ignored."""
+    from layerdiff.common.schema import original_op
+
+    al = Aligner(cnn_sites)
+    d = al.match("conv1", "conv1", 0, original=("relu1", 0))
+    assert d.site.tensor == "relu1_out" and d.method == "original_op" and d.confidence == 1.0, d
+    assert al.match("fused_7", original=("RELU2 ", 0)).site.tensor == "relu2_out"     # relaxed as names are
+    assert al.match("conv3_out", original=("no_such_op", 0)).site.tensor == "conv3_out"
+    al = Aligner(cnn_sites, map_node_dict={"conv2_out": "fused_9"})
+    assert al.match("fused_9", original=("relu2", 0)).method == "map"
+    assert al.match("other", original=("conv2", 0)).site is None       # conv2_out belongs to the map
+    assert original_op('{"original_op": {"name": "relu1", "output_index": 1}}') == ("relu1", 1)
+    for bad in ("", "not json", '{"original_op": 3}', '{"original_op": {"name": "a\\u0000b"}}',
+                '{"original_op": {"name": "x", "output_index": -1}}', '{"original_op": {"name": "' + "x" * 2000 + '"}}',
+                '{"original_op": {"name": "x", "output_index": true}}', '["original_op"]'):
+        assert original_op(bad) is None, bad

@@ -377,3 +377,60 @@ def test_an_ascend_dump_of_fp8_tensors_is_read_with_its_type(tmp_path):
     assert np.array_equal(recs["mm"].array, e4.astype(np.float32)) and recs["mm"].source_dtype == "float8_e4m3fn"
     assert np.array_equal(recs["mm:1"].array, e5.astype(np.float32)) and recs["mm:1"].source_dtype == "float8_e5m2"
     assert recs["mm:2"].array is None and "complex32 (32) is not decoded" in recs["mm:2"].message
+
+
+def _fused_device_dump(directory, values: dict, with_original: bool):
+    """The device's dump of small_cnn as a fusing runtime writes it: conv1
+    and relu1 run as one op named after neither, conv2 and relu2 as one op
+    named after the conv (its output is relu2's), the rest one op each; each
+    output's ``original_op`` names the framework op it stands for."""
+    ops = [("Conv2D", "fused_conv1_relu1", "relu1_out", "relu1"), ("Conv2D", "conv2", "relu2_out", "relu2"),
+           ("Add", "residual/add", "add_out", "residual/add"), ("Conv2D", "conv3", "conv3_out", "conv3"),
+           ("GlobalAveragePool", "pool", "pool_out", "pool"), ("Flatten", "flatten", "flat_out", "flatten"),
+           ("MatMulV2", "fc", "logits", "fc")]
+    leaf = ascend.leaf_dir(directory)
+    leaf.mkdir(parents=True)
+    for task, (op_type, name, tensor, original) in enumerate(ops, start=1):
+        stamp = 1_700_000_000_000_000 + task
+        ascend.write_dump_file(leaf / ascend.file_name(op_type, name, task, 0, stamp), name, [], [values[tensor]],
+                               stamp, original_ops=[(original, 0)] if with_original else None)
+    return directory
+
+
+def test_original_op_pairs_a_fused_device_op_with_the_framework_op_it_stands_for(services, tmp_path):
+    """The runtime's original_op is alignment evidence: a fused op's output
+    pairs with the framework op it names (relu1's, relu2's) whatever the
+    device op is called, recorded as such in alignment.csv, and the planted
+    bug in conv3 is named. Without it, the device op named 'conv2' (its
+    output relu2's) would pair with conv2 by name and be blamed."""
+    from conftest import small_cnn
+
+    from layerdiff.analyzer.reference.onnxrt import OnnxReference
+
+    collector, analyzer = services
+    x = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    model, inputs = tmp_path / "model.onnx", tmp_path / "inputs.npz"
+    onnx.save_model(small_cnn(), str(model))
+    np.savez(inputs, input=x)
+    bug = OnnxReference(small_cnn(bug_in="conv3", bug_scale=1.3).SerializeToString())
+    values = bug.run({"input": x})
+    outcomes = {}
+    for with_original in (True, False):
+        dump = _fused_device_dump(tmp_path / f"dump_{with_original}", values, with_original)
+        out = tmp_path / f"out_{with_original}"
+        outcomes[with_original] = run(model, inputs, dump=str(dump), out=out, analyzer=analyzer.address,
+                                      collector=collector.address, progress=False)
+    r = outcomes[True]
+    with open(r.out / "alignment.csv", newline="") as f:
+        rows = {row["device_tensor"]: row for row in csv.DictReader(f)}
+    assert rows["fused_conv1_relu1"]["reference_tensor"] == "relu1_out"
+    assert rows["fused_conv1_relu1"]["method"] == "original_op"
+    assert "original_op 'relu1' output 0" in rows["fused_conv1_relu1"]["note"]
+    assert rows["conv2"]["reference_tensor"] == "relu2_out" and rows["conv2"]["method"] == "original_op"
+    s = r.summary
+    assert r.exit_status == 1 and s["first_computation_error"]["node"] == "conv3", s["diagnosis"]["headline"]
+    by_node = {n["node"]: n for n in s["nodes"]}
+    assert by_node["relu2"]["passed"] and "conv2" not in by_node
+    # the same dump without the runtime's word: 'conv2' is taken by its name, and its relu'd values fail there
+    s = outcomes[False].summary
+    assert {n["node"]: n for n in s["nodes"]}["conv2"]["passed"] is False

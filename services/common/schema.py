@@ -81,6 +81,25 @@ def _about(v) -> str:
     return v if isinstance(v, str) and len(v) <= ATTRIBUTES_MAX else ""
 
 
+def original_op(attributes: str) -> tuple[str, int] | None:
+    """The framework op a device output says it stands for (an Ascend
+    dump's ``original_op``: its name and output index), from a record's
+    attributes; None where it names none or the text is not that."""
+    if '"original_op"' not in attributes:
+        return None
+    import json
+
+    try:
+        v = json.loads(attributes).get("original_op")
+        name, index = v["name"], v.get("output_index", 0)
+    except (ValueError, AttributeError, TypeError, KeyError):
+        return None
+    if not isinstance(name, str) or not name.strip() or len(name) > 1024 or not name.isprintable() or \
+            not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 1 << 16:
+        return None
+    return name, index
+
+
 # Only plain numeric dtypes ever cross the wire (no object arrays, no pickles).
 ALLOWED_DTYPES = frozenset({
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",

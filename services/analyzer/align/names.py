@@ -51,7 +51,7 @@ _TAIL = re.compile(r"^(.*?)((?::\d+)?)$")
 _LETTER = re.compile(r"[^\W\d_]")
 _SIGN = re.compile(r"[^\w]")
 
-METHODS = ("map", "graph", "fused", "name", "value")
+METHODS = ("map", "graph", "fused", "original_op", "name", "value")
 
 # trailing tokens converters and runtimes add to every name; any other token
 # is dropped only when no reference name uses it (fused names such as
@@ -340,15 +340,18 @@ class Aligner:
 
     # -------------------------------------------------------------- matching
 
-    def match(self, device_name: str, device_node: str = "", slot: int = 0, *, tensor: bool = True) -> Decision:
+    def match(self, device_name: str, device_node: str = "", slot: int = 0, *, tensor: bool = True,
+              original: tuple[str, int] | None = None) -> Decision:
         """The reference tensor a device tensor stands for: by map_node_dict
         (its name, or the device's name of the node that wrote it), by the
-        graph pairing, or by its name, exact before relaxed.
+        graph pairing, by the framework op the runtime says it stands for
+        (``original``: an Ascend dump's original_op, name and output index),
+        or by its name, exact before relaxed.
 
         ``tensor`` False: ``device_name`` names a node (the one whose input a
         record is, the one a performance record times): a lookup of the
         reference node, not a device tensor of its own"""
-        d = self._decide(device_name, device_node, slot, tensor)
+        d = self._decide(device_name, device_node, slot, tensor, original)
         names = [device_name] + ([d.site.node, d.site.tensor] if d.site else [])
         reason = self._skipped(names)
         if reason:
@@ -359,7 +362,8 @@ class Aligner:
                                        "confidence": round(d.confidence, 4), "note": d.note}
         return d
 
-    def _decide(self, device_name: str, device_node: str, slot: int, tensor: bool) -> Decision:
+    def _decide(self, device_name: str, device_node: str, slot: int, tensor: bool,
+                original: tuple[str, int] | None = None) -> Decision:
         keys = [normalize(device_name)]
         if device_node:
             # only an explicit mapping names device nodes: a tensor whose
@@ -378,6 +382,10 @@ class Aligner:
             site = self._tensor[p.ref_tensor]
             if site.tensor not in self._map_claims:   # map_node_dict decides it otherwise
                 return Decision(site, "", p.method, p.confidence, p.note, p.perm, p.blocked)
+        if original is not None and tensor:
+            d = self._by_original(*original)
+            if d is not None:
+                return d
         site = self._by_key.get(keys[0])
         if site is not None and tensor and site.tensor in self._pair_claims:
             # the graphs pair that reference tensor with another device tensor
@@ -399,6 +407,25 @@ class Aligner:
             shown = ", ".join(repr(s.tensor) for s in ambiguous[:4]) + (" ..." if len(ambiguous) > 4 else "")
             return Decision(None, "", "name", 0.0, f"ambiguous: could be {shown}; left unmatched")
         return Decision(None, "", "name", 0.0, self._hint[1] if self._hint else "")
+
+    def _by_original(self, name: str, index: int) -> Decision | None:
+        """The reference tensor of the framework op a runtime names as a
+        device output's origin (a fused device op's output stands for the
+        last op it covers, whatever the device op is called); None where the
+        reference has no such op, or another pairing claims it."""
+        said = f"the runtime's original_op {name!r} output {index}"
+        spelled = name if index == 0 else f"{name}:{index}"
+        site = self._by_key.get(normalize(spelled))
+        confidence, notes = 1.0, [said]
+        if site is None:
+            cand, _ = self._relax(spelled)
+            if cand is None:
+                return None
+            site, confidence = cand.site, cand.confidence
+            notes += list(cand.notes)
+        if site.tensor in self._claimed:
+            return None
+        return Decision(site, "", "original_op", round(confidence, 4), "; ".join(notes))
 
     def _relax(self, device_name: str, learn: bool = False) -> tuple[_Cand | None, list[TensorSite]]:
         """(the one candidate, or None with the sites that made it ambiguous);

@@ -39,7 +39,7 @@ from layerdiff.analyzer.diagnose.examiner import NodeExaminer, inherited_words
 from layerdiff.analyzer.jobs.budget import DEFAULT_BUDGET, MemoryBudget
 from layerdiff.analyzer.report.files import JobReport, Row
 from layerdiff.common.onnxgraph import TensorSite
-from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, BufferLease, NodeRecord
+from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, BufferLease, NodeRecord, original_op
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class StreamConsumer:
         if rec.role == ROLE_INPUT:
             self._take_input(rec)
             return
-        decision = self.p.aligner.match(rec.name, rec.node, rec.slot)
+        decision = self.p.aligner.match(rec.name, rec.node, rec.slot, original=original_op(rec.attributes))
         site = decision.site
         if site is None and rec.status == STATUS_OK and rec.array is not None and self._by_value():
             self._take_by_value(rec)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from layerdiff.common.onnxgraph import TensorSite, node_name, node_runtime, tensor_sites
-from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, NodeRecord
+from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, NodeRecord, original_op
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class DumpReference:
         taken: dict[str, _Golden] = {}
         extra: list[_Golden] = []
         for g in sorted(self._outputs, key=lambda g: g.arrival):
-            site = aligner.match(g.name, g.node, g.slot).site
+            site = aligner.match(g.name, g.node, g.slot, original=original_op(g.about)).site
             if site is None or site.tensor in taken:
                 extra.append(g)
             else:

@@ -17,6 +17,7 @@ checked against the header and the file before anything is mapped.
 """
 from __future__ import annotations
 
+import json
 import re
 import struct
 import time
@@ -311,6 +312,11 @@ def records(root: Path, files: list[Path], max_bytes: int = DEFAULT_MAX_TENSOR_B
                 # what the device computed it in, where it is read widened (the error model's precision)
                 side = header.input if role == ROLE_INPUT else header.output
                 rec.source_dtype = source_dtype(side[slot].data_type) if slot < len(side) else ""
+                if role != ROLE_INPUT and slot < len(side) and side[slot].original_op.name:
+                    # the runtime's own word on which framework op this output stands for
+                    orig = side[slot].original_op
+                    rec.attributes = json.dumps({"original_op": {"name": orig.name,
+                                                                 "output_index": int(orig.output_index)}})
             rec.overflow = why
             yield rec
         order += 1
@@ -355,14 +361,20 @@ def _codes_bytes(name: str, codes: np.ndarray, packed: bool) -> bytes:
 
 
 def write_dump_file(path: Path, op_name: str, inputs: list, outputs: list, dump_time: int | None = None,
-                    packed: bool = True) -> Path:
+                    packed: bool = True, original_ops: list[tuple[str, int] | None] | None = None) -> Path:
     """A runtime dump file of ``inputs`` and ``outputs`` (NumPy arrays or
     ``narrow.Codes``; ``packed``: sub-byte codes as the runtime packs them,
-    else one to a byte)."""
+    else one to a byte); ``original_ops``: per output, the framework op
+    (name, output index) it stands for, as the runtime records it."""
     pb = _pb()
     header = pb.DumpData(version="2.0", dump_time=dump_time or int(time.time() * 1e6), op_name=op_name)
     blobs = [_tensor_header(header.input.add(), a, packed) for a in inputs]
-    blobs += [_tensor_header(header.output.add(), a, packed) for a in outputs]
+    for k, a in enumerate(outputs):
+        msg = header.output.add()
+        blobs.append(_tensor_header(msg, a, packed))
+        orig = original_ops[k] if original_ops and k < len(original_ops) else None
+        if orig is not None:
+            msg.original_op.name, msg.original_op.output_index = orig
     raw = header.SerializeToString()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))

@@ -50,6 +50,7 @@ from layerdiff.common.schema import (
     ROLE_INPUT,
     ROLE_OUTPUT,
     NodeRecord,
+    original_op,
 )
 
 FORMATS = ("npy", "npz", "onnx", "bin", "h5", "ascend")
@@ -412,7 +413,8 @@ def _write_ascend(root: Path, kept: Iterable[tuple[int, NodeRecord]]) -> Path:
         outs = sorted((r for r in recs if r.role != ROLE_INPUT), key=lambda r: r.slot)
         stamp = base + 2 * task_id
         fname = ascend.file_name(recs[0].op_type, node, task_id, 0, stamp)
-        ascend.write_dump_file(leaf / fname, node, [_held(r) for r in ins], [_held(r) for r in outs], stamp)
+        ascend.write_dump_file(leaf / fname, node, [_held(r) for r in ins], [_held(r) for r in outs], stamp,
+                               original_ops=[original_op(r.attributes) for r in outs])
         if any(r.overflow for r in recs):
             payload = overflow.encode_classic({"model_id": 1, "stream_id": 0, "task_id": task_id,
                                                "status": 0x20})
