@@ -46,7 +46,7 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
             else "FIRST FAILING NODE"
         if unordered:
             label = label.replace("FIRST ", "A ", 1) + " (by name: no execution order)"
-        lines.append(f"{label}: {first['node']} ({_place(first)}, tensor {first['tensor']})")
+        lines.append(f"{label}: {first['node']} ({_place(first, unordered)}, tensor {first['tensor']})")
         lines.append(f"  errors/total {first['errors']}/{first['total']} outside atol={first['atol']:g} "
                      f"rtol={first['rtol']:g}; max_abs_err {_f(first['max_abs_err'])}, "
                      f"mean_rel_err {_f(first['mean_rel_err'])}, cosine {_f(first['cosine'])}, "
@@ -95,9 +95,12 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def _place(node: dict) -> str:
-    """"Conv, execution #2"; a dump without op types gives only the order."""
+def _place(node: dict, unordered: bool = False) -> str:
+    """"Conv, execution #2"; a dump without op types gives only the order,
+    one without an order only the op type."""
     op = node.get("op_type")
+    if unordered:
+        return op or "op type unknown"
     return f"{op}, execution #{node.get('order')}" if op else f"execution #{node.get('order')}"
 
 

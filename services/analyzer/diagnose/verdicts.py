@@ -94,7 +94,7 @@ class Finding:
 
 def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
            weight_issues: dict[str, list[str]] | None = None,
-           unknown_reads: set[str] | None = None) -> dict[int, Finding]:
+           unknown_reads: set[str] | None = None, order_unknown: str = "") -> dict[int, Finding]:
     """Findings for the node outputs whose error needed a look (by id(row)):
     past the seed's tolerance, or more than their own arithmetic explains
     (``row.looked``; rows without the error model's figures: failing ones).
@@ -108,7 +108,9 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
     of the tensors it reads; ``weight_issues``: node -> the weights the
     device model holds wrongly (weights.issues); ``unknown_reads``: nodes
     whose inputs no side holds (the first node of a golden dump compared
-    without a model), presumed equal."""
+    without a model), presumed equal; ``order_unknown``: why the golden
+    dump has no execution order, where it has none: a node whose reads no
+    dump records then has no verdict (nothing says what it read)."""
     weight_issues = weight_issues or {}
     unknown_reads = unknown_reads or set()
     out: dict[int, Finding] = {}
@@ -184,6 +186,11 @@ def decide(rows: list, producer_rows: dict[str, list], quantized: bool = False,
             f.verdict = COMPUTATION if gross else ACCUMULATED
             f.evidence.append(f"re-run alone on its device inputs: cosine {fmt(iso.cosine)}, mean relative error "
                               f"{fmt(iso.mean_rel_err)}{_core_words(row)}")
+        elif order_unknown and not activations:
+            f.verdict = UNDECIDED
+            f.evidence.append(f"what it read is unknown: the reference dump has no execution order "
+                              f"({order_unknown}) and no dump records its inputs (give the model with --model, "
+                              "or dump with dump_mode all)")
         elif row.site.node in unknown_reads and not activations:
             if row.rel_err > allowed:
                 f.verdict = COMPUTATION
@@ -593,7 +600,7 @@ def outputs_out_of_tolerance(rows: list, node_inputs: dict[str, list[str]],
 
 
 def exit_of(first_comp, diagnosis: dict, benign: list, undecided: list, spent: Spent | None,
-            first_fail) -> tuple[str, str]:
+            first_fail, order_unknown: str = "") -> tuple[str, str]:
     """(status, reason) of the answer, as the headline says it: "fail" (exit
     1) exactly when the headline names something to fix, "no_answer" (3)
     where failing nodes could not be judged, else "pass" (0)."""
@@ -602,8 +609,10 @@ def exit_of(first_comp, diagnosis: dict, benign: list, undecided: list, spent: S
     if diagnosis.get("nan") and diagnosis["nan"]["where"] in ("both", "reference"):
         return "fail", f"NaN in the reference at {diagnosis['nan']['node']}"
     if undecided:
+        why = f": the reference dump has no execution order ({order_unknown}) and no dump records what they " \
+              "read; give the model (--model) to judge them" if order_unknown else ""
         return "no_answer", f"{len(undecided)} node{'s' if len(undecided) > 1 else ''} with more error than their " \
-                            "precision explains could not be judged"
+                            f"precision explains could not be judged{why}"
     if benign:
         return "fail", f"computation error at {benign[0].site.node}, which the outputs absorb"
     if spent is not None:
@@ -676,8 +685,10 @@ def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None
         u = undecided[0]
         more = f" and {len(undecided) - 1} more node{'s' if len(undecided) > 2 else ''}" \
             if len(undecided) > 1 else ""
+        unseen = "the reference dump has no execution order and no dump records what they read" \
+            if order.unknown else "what they read was not compared or is in neither dump"
         return (f"No verdict: {u.site.node} ({_place(u.site, order)}){more} could not be "
-                "judged (what they read was not compared or is in neither dump); no other node is shown to compute "
+                f"judged ({unseen}); no other node is shown to compute "
                 "wrongly on its own" + (f"; besides, {absorbed}" if absorbed else ""))
     if absorbed:
         rest = (f"; the outputs' error builds up from {first_fail.site.node} on" if first_fail is not None

@@ -362,7 +362,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     rows = rep.ordered()
     weight_issues = weights_mod.issues(weights or [], getattr(aligner, "groups", {}))
     findings = diagnose.decide(rows, _read_rows(rows, node_inputs or {}), rep.quantized, weight_issues,
-                               unknown_reads={n for n, t in (presumed or {}).items() if not t})
+                               unknown_reads={n for n, t in (presumed or {}).items() if not t},
+                               order_unknown=order.unknown)
     for r in rows:
         r.finding = findings.get(id(r))
         if r.finding and presumed and presumed.get(r.site.node):
@@ -431,7 +432,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     spent = diagnose.outputs_out_of_tolerance(rows, node_inputs or {}, outputs)
     text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided, spent, order, comps)
     answer = coverage.outcome(rep, cov, diagnose.exit_of(first_comp, nan_overflow, benign, undecided, spent,
-                                                         first))
+                                                         first, order.unknown))
     if answer["status"] == "no_answer":
         text = f"NO ANSWER: {answer['reason']}"
     diagnosis = {"headline": text, **nan_overflow}

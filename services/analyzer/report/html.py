@@ -553,8 +553,9 @@ def render(out_dir: Path, summary: dict) -> str:
     unordered = _mapping(summary.get("execution_order")).get("known") is False
     first_word = "A" if unordered else "First"
     if same:
-        cards = _node_card(f"{first_word} failing node, and {first_word.lower()} computation error", first, row_of,
-                           plots_of, "")
+        title = "A failing node, and a computation error" if unordered else \
+            "First failing node, and the first computation error"
+        cards = _node_card(title, first, row_of, plots_of, "")
     else:
         cards = (_node_card(f"{first_word} failing node", first, row_of, plots_of, "No node fails.")
                  + _node_card(f"{first_word} computation error", comp, row_of, plots_of,
