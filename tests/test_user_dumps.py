@@ -287,9 +287,7 @@ def test_single_files_are_dumps_on_either_side(world, services):
     r = run_compare(services, npz, h5, base / "out_single_swapped", precision="fp16")
     assert r.summary["counts"]["compared"] == 9 - unnamed("h5"), r.summary["coverage"]["text"]
     assert is_bug(r.summary["first_computation_error"]["node"]) and "by the archive's order" in headline(r.summary)
-    (base / "one_gold").mkdir()
-    (base / "one_dev").mkdir()
-    logits_gold, logits_dev = base / "one_gold" / "logits.npy", base / "one_dev" / "logits.npy"
+    logits_gold, logits_dev = base / "logits_gold.npy", base / "logits_fp16.npy"    # one tensor each: paired
     np.save(logits_gold, world["gold"][-1][3])
     np.save(logits_dev, world["bug"][-1][3])
     r = run_compare(services, logits_gold, logits_dev, base / "out_single_npy", precision="fp16")

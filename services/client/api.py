@@ -283,6 +283,11 @@ def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model
     RunResult, exit statuses and reports are those of ``run``, the summary
     naming both dumps (``reference_dump``: path, collector, what it held)."""
     model_bytes, model_name = read_artifact(model, "model") if model is not None else (None, "")
+    gold, dev = Path(str(reference_dump)), Path(str(device_dump))
+    if gold.suffix.lower() == dev.suffix.lower() == ".npy" and gold.stem != dev.stem \
+            and not options.get("map_node_dict"):
+        # two tensor files are one tensor each: they pair whatever they are called
+        options["map_node_dict"] = {gold.stem: dev.stem}
     opts = compare_options(**options)
 
     def spec(client: AnalyzerClient, device_collector: str) -> pb.JobSpec:
