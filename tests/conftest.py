@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -116,6 +117,16 @@ def cnn_files(tmp_path):
     inputs = tmp_path / "inputs.npz"
     np.savez(inputs, input=np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32))
     return model, inputs, device
+
+
+def _sigint_as_from_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# Popen arguments for a command a test sends Ctrl-C: it gets SIGINT as from a
+# terminal however the suite was started (started in the background, the
+# suite ignores SIGINT, and every child inherits that)
+INTERRUPTIBLE = {"preexec_fn": _sigint_as_from_a_terminal}
 
 
 def wait_for(pred, timeout=30.0, every=0.1):

@@ -18,7 +18,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from conftest import ServiceProcess, wait_for
+from conftest import INTERRUPTIBLE, ServiceProcess, wait_for
 from ports import free_port
 
 from layerdiff.client.analyzer_client import AnalyzerClient
@@ -42,7 +42,7 @@ def cli(*args, env=None, timeout=120):
 
 def start_cli(*args, env=None):
     return subprocess.Popen(_cli_args(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, **(env or {})))
+                            env=dict(os.environ, **(env or {})), **INTERRUPTIBLE)
 
 
 def _finish(proc, timeout=60):

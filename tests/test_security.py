@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ServiceProcess, small_cnn
+from conftest import INTERRUPTIBLE, ServiceProcess, small_cnn
 
 ALICE, BOB, ADMIN, SERVICE = ("alice-token-0123456789", "bob-token-0123456789abc", "admin-token-0123456789",
                               "service-token-0123456789")
@@ -242,7 +242,7 @@ def test_reports_past_the_per_job_quota_fail_the_job_and_are_deleted(model_files
 def _started(args, out, token):
     """A `layerdiff run` in the background, once it has printed its job id."""
     proc = subprocess.Popen([sys.executable, "-m", "layerdiff.client.cli", *map(str, args), "--out", out],
-                            env=_env(LAYERDIFF_TOKEN=token), stderr=subprocess.PIPE, text=True)
+                            env=_env(LAYERDIFF_TOKEN=token), stderr=subprocess.PIPE, text=True, **INTERRUPTIBLE)
     return proc, proc.stderr.readline().startswith("layerdiff: job ")
 
 
