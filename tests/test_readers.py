@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from layerdiff.analyzer.align.names import normalize
 from layerdiff.collector.dumps.convert import convert
-from layerdiff.collector.dumps.directory import ORDER_SEQUENCE, ORDER_TIMES, ORDER_UNKNOWN, DumpDirectory, write_dump
+from layerdiff.collector.dumps.directory import (
+    ORDER_KEYS,
+    ORDER_SEQUENCE,
+    ORDER_TIMES,
+    ORDER_UNKNOWN,
+    DumpDirectory,
+    write_dump,
+)
 from layerdiff.collector.dumps.readers import read_npy, read_npz, read_raw, read_tensor_proto
 from layerdiff.collector.live.onnxrt import LiveRunner
 from layerdiff.collector.service import CollectorClient, CollectorServer
@@ -230,6 +237,32 @@ def test_a_single_file_is_a_dump(live_records, tmp_path, fmt):
     (tmp_path / "x.csv").write_text("1,2")
     with pytest.raises(LayerdiffError, match="not one layerdiff reads as a dump"):
         DumpDirectory(str(tmp_path / "x.csv"))
+
+
+def test_an_hdf5_file_says_whether_it_holds_an_order(tmp_path):
+    """A single HDF5 dump's calls are in execution order where each carries
+    an ``order`` attribute or a distinct numeric seqid, or the file keeps
+    its groups in the order they were written; a script that wrote
+    ``/op/0/output/0`` groups without track_order holds none (h5py lists
+    them by name), and says why."""
+    import h5py
+
+    def write(name, seqids, track):
+        with h5py.File(tmp_path / name, "w", track_order=track) as f:
+            for op, seq in zip(("relu", "conv", "add"), seqids):
+                f[f"{op}/{seq}/output/0"] = np.ones(2, np.float32)
+        return DumpDirectory(str(tmp_path / name))
+
+    assert write("tracked.h5", (0, 0, 0), True).order_known
+    assert write("seqids.h5", (3, 1, 2), False).order_known
+    flat = write("flat.h5", (0, 0, 0), False)
+    assert not flat.order_known and flat.order_from == ORDER_KEYS
+    assert "no order attributes or distinct seqids" in flat.order_unknown
+    with h5py.File(tmp_path / "attrs.h5", "w") as f:
+        for i, op in enumerate(("relu", "conv")):
+            f[f"{op}/0/output/0"] = np.ones(2, np.float32)
+            f[f"{op}/0"].attrs["order"] = i
+    assert DumpDirectory(str(tmp_path / "attrs.h5")).order_known
 
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -41,7 +41,7 @@ from layerdiff.collector.dumps.manifest import (
     placement,
     resolve_inside,
 )
-from layerdiff.collector.dumps.readers import read_h5, read_npy, read_npz, read_raw, read_tensor_proto
+from layerdiff.collector.dumps.readers import h5_ordered, read_h5, read_npy, read_npz, read_raw, read_tensor_proto
 from layerdiff.collector.dumps.tiled import splice
 from layerdiff.common.errors import LayerdiffError, NotFoundError
 from layerdiff.common.npz import write_npz
@@ -74,7 +74,10 @@ ORDER_ONE = "its one tensor"
 ORDER_TIMES = "the files' modification times"
 ORDER_SEQUENCE = "the sequence numbers in the file names"
 ORDER_UNKNOWN = "the file names"
+ORDER_KEYS = "the HDF5 file's group names"       # no order either
 ORDER_UNKNOWN_WHY = "its files carry equal modification times and no sequence numbers in their names"
+ORDER_UNKNOWN_WHY_H5 = ("its HDF5 calls carry no order attributes or distinct seqids, and the file does not keep "
+                        "the order they were written in")
 
 
 def execution_order(files: list[Path]) -> tuple[list[str], str]:
@@ -138,13 +141,22 @@ class DumpDirectory:
         if entries is None and single is not None:
             entries = [{"name": Path(single).stem, "file": single, "order": 0, "op_type": ""}]
             self.order_from = {"h5": ORDER_CALLS, "npz": ORDER_ARCHIVE}.get(single_kind, ORDER_ONE)
+            if single_kind == "h5" and not h5_ordered(self.root / single):
+                self.order_from = ORDER_KEYS
         self.single = single
         self.entries = entries if entries is not None else self._entries()
 
     @property
     def order_known(self) -> bool:
         """Can the dump's first failing node be called first?"""
-        return self.order_from != ORDER_UNKNOWN
+        return self.order_from not in (ORDER_UNKNOWN, ORDER_KEYS)
+
+    @property
+    def order_unknown(self) -> str:
+        """Why the dump has no execution order ('' where it has one)."""
+        if self.order_known:
+            return ""
+        return ORDER_UNKNOWN_WHY_H5 if self.order_from == ORDER_KEYS else ORDER_UNKNOWN_WHY
 
     def _entries(self) -> list[dict]:
         mpath = self.root / MANIFEST

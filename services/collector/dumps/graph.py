@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.collector.dumps.directory import ORDER_UNKNOWN_WHY, DumpDirectory
+from layerdiff.collector.dumps.directory import DumpDirectory
 from layerdiff.collector.dumps.manifest import MANIFEST, check_node_name, resolve_inside
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.net import MAX_MESSAGE_BYTES
@@ -41,7 +41,7 @@ def dump_graph(source: pb.DumpSource) -> pb.DeviceGraph:
     inputs, or there is no manifest) and where its execution order came
     from (always)."""
     d = DumpDirectory(source.path, fmt=source.format, default_concat_dim=source.default_concat_dim)
-    order = pb.DeviceGraph(order_from=d.order_from, order_unknown="" if d.order_known else ORDER_UNKNOWN_WHY)
+    order = pb.DeviceGraph(order_from=d.order_from, order_unknown=d.order_unknown)
     mpath = d.root / MANIFEST
     if d.ascend_files is not None or d.single is not None or not mpath.exists():
         return order

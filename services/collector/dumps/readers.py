@@ -264,6 +264,24 @@ def read_h5(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Iterator[t
                                                        file=where), role, slot, "", order, "", op_type, about
 
 
+def h5_ordered(path: Path) -> bool:
+    """Does an HDF5 dump say in what order its calls ran: every call with an
+    ``order`` attribute or a numeric seqid, all distinct, or a file that
+    keeps its groups in the order they were written (``track_order``)? A
+    file that cannot be read says so where it is read (True here)."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            if f["/"].id.get_create_plist().get_link_creation_order():
+                return True
+            orders = [_call_order(group[seq], seq) for group in f.values() if isinstance(group, h5py.Group)
+                      for seq in group.keys()]
+    except Exception:       # not HDF5, damaged: the records say what is wrong
+        return True
+    return all(o >= 0 for o in orders) and len(set(orders)) == len(orders)
+
+
 ABOUT_MAX = 1 << 16      # characters of a call's description kept; a longer one is dropped
 
 
