@@ -1,7 +1,11 @@
 """A MiniLM-shaped encoder (random weights): embeddings in, per-token logits
 out; per layer multi-head self-attention with a mask, a GELU feed-forward
 block and two LayerNorms. The shapes of MiniLM-L12 (hidden 384, 12 heads,
-intermediate 1536) with 16 tokens: about 15 MB of node outputs."""
+intermediate 1536) with 16 tokens: about 15 MB of node outputs.
+
+With ``vocab`` (30522: MiniLM's), token ids come in and a word-embedding
+table (plus position embeddings) makes the first activations: with 6
+layers, MiniLM-L6's 22.7 M parameters, 90 MB of FP32 weights."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 
 def minilm(layers: int = 12, hidden: int = 384, heads: int = 12, seq: int = 16, ffn: int = 1536,
-           seed: int = 0) -> onnx.ModelProto:
+           seed: int = 0, vocab: int = 0) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
     inits: list[onnx.TensorProto] = []
     nodes: list[onnx.NodeProto] = []
@@ -40,7 +44,13 @@ def minilm(layers: int = 12, hidden: int = 384, heads: int = 12, seq: int = 16, 
     m = node("Unsqueeze", [m, const("mask_axes", [1, 2], np.int64)], "mask/unsqueeze")
     split = const("heads_shape", [1, seq, heads, d], np.int64)
     merge = const("merge_shape", [1, seq, hidden], np.int64)
-    x = norm("x", "embeddings/ln")
+    first = "x"
+    if vocab:
+        words = node("Gather", [const("embeddings/word.w", rng.standard_normal((vocab, hidden)) * .05),
+                                "input_ids"], "embeddings/word")
+        first = node("Add", [words, const("embeddings/position.w", rng.standard_normal((seq, hidden)) * .05)],
+                     "embeddings/position")
+    x = norm(first, "embeddings/ln")
     for layer in range(layers):
         p = f"layer.{layer}"
         hs = {}
@@ -64,8 +74,10 @@ def minilm(layers: int = 12, hidden: int = 384, heads: int = 12, seq: int = 16, 
                          const(f"{p}.half", 0.5)], f"{p}/gelu/half")
         x = norm(node("Add", [dense(g, ffn, hidden, f"{p}/output"), x], f"{p}/output/residual"), f"{p}/output/ln")
     node("MatMul", [x, const("head.w", rng.standard_normal((hidden, 6)) / np.sqrt(hidden))], "head")
-    graph = helper.make_graph(nodes, "minilm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, seq, hidden]),
-                                                helper.make_tensor_value_info("mask", TensorProto.INT64, [1, seq])],
+    entry = helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, seq]) if vocab else \
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, seq, hidden])
+    graph = helper.make_graph(nodes, "minilm",
+                              [entry, helper.make_tensor_value_info("mask", TensorProto.INT64, [1, seq])],
                               [helper.make_tensor_value_info("head_out", TensorProto.FLOAT, [1, seq, 6])],
                               initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -74,8 +86,10 @@ def minilm(layers: int = 12, hidden: int = 384, heads: int = 12, seq: int = 16, 
     return model
 
 
-def minilm_inputs(hidden: int = 384, seq: int = 16, seed: int = 7) -> dict[str, np.ndarray]:
+def minilm_inputs(hidden: int = 384, seq: int = 16, seed: int = 7, vocab: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     mask = np.ones((1, seq), np.int64)
     mask[0, seq - seq // 8:] = 0
+    if vocab:
+        return {"input_ids": rng.integers(0, vocab, (1, seq), dtype=np.int64), "mask": mask}
     return {"x": rng.standard_normal((1, seq, hidden)).astype(np.float32), "mask": mask}

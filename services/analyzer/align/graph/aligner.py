@@ -230,7 +230,7 @@ class GraphAligner(RewriteFollower):
             score *= 0.9
         note = self.describe(b, alt, folded, layout)
         if alt.head is not None and b.cell.node >= 0 and not b.unfused:
-            self.weight_rows(out, b.cell.node, alt.head, len(alt.cover) > 1)
+            self.weight_rows(out, b.cell.node, alt.head, len(alt.cover) > 1, stored=True)
         q = layout_perm(layout) if b.moved else ()
         perm = tuple(int(a) for a in np.argsort(q)) if q else None     # numpy's: dev.transpose(perm)
         blocked = layout == "nchwc"

@@ -118,6 +118,14 @@ class IndexedGraph:
             self._values[t] = self._evaluate(t)
         return self._values[t]
 
+    def same_bytes(self, t: str, other: IndexedGraph, u: str) -> bool:
+        """Are initializer ``t`` here and ``u`` in ``other`` the same stored
+        tensor (type, shape, bytes)? Settles most weights of a device model
+        without widening either (a build keeps most of them as they were)."""
+        a, b = self.inits.get(t), other.inits.get(u)
+        return a is not None and b is not None and a.data_type == b.data_type and a.dims == b.dims \
+            and bool(a.raw_data) and a.raw_data == b.raw_data
+
     def stored(self, t: str) -> np.ndarray | None:
         """An initializer as stored (its own type), else ``value``."""
         init = self.inits.get(t)
