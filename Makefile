@@ -18,6 +18,10 @@ setup:
 	# dependencies are not needed because only the .onnx files are read.
 	$(BIN)/pip install -q --no-deps rapidocr-onnxruntime==1.4.4
 	$(MAKE) stubs
+	# Compiled now, not on a new user's first command: the project's bytecode,
+	# and the metric kernels for this CPU (numba caches them beside kernel.py)
+	$(BIN)/python -m compileall -q services >/dev/null
+	$(BIN)/python -c "from layerdiff.analyzer.compare import kernel; kernel.warmup()"
 
 stubs:
 	proto/generate.sh $(BIN)/python
