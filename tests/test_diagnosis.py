@@ -193,6 +193,27 @@ def test_show_graph_plots_and_the_page_reach_the_client(services, tmp_path):
     assert "conv2" in json.dumps(explorer)
 
 
+def test_plots_are_drawn_for_the_first_failing_nodes_only_unless_asked(services, tmp_path):
+    """--show-graph draws the first failing nodes in execution order, as many
+    as max_plots (default 20), counts the rest and says so in the terminal;
+    -1 ('all' on the command line) draws every one."""
+    from layerdiff.client.summary_text import format_summary
+
+    (tmp_path / "two").mkdir()
+    (tmp_path / "all").mkdir()
+    s, out = _go(services, tmp_path / "two", small_cnn(), CNN_INPUT, device_model=small_cnn(bug_in="conv1"),
+                 show_graph=True, max_plots=2)
+    failing = [n for n in s["nodes"] if not n["passed"] and n.get("role") != "input"]
+    assert len(failing) > 3
+    assert list(s["plots"]) == [n["tensor"] for n in failing[:2]], (list(s["plots"]), failing[:3])
+    assert s["plots_not_drawn"] == len(failing) - 2
+    assert len(list(out.glob("*.png"))) == 2 * 3
+    assert f"{len(failing) - 2} more not (--max-plots N or all" in format_summary(s, out)
+    s, out = _go(services, tmp_path / "all", small_cnn(), CNN_INPUT, device_model=small_cnn(bug_in="conv1"),
+                 show_graph=True, max_plots=-1)
+    assert len(s["plots"]) == len(failing) and s["plots_not_drawn"] == 0
+
+
 def test_the_page_of_a_real_job_in_headless_chromium(services, tmp_path):
     from test_report_html import chromium
 

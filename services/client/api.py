@@ -112,7 +112,8 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
         collector: str | None = None,
         atol: float | None = None, rtol: float | None = None, diff_cnt: int | None = None, op_config=None,
         map_node_dict=None, skip_keys=None, exclude_node_list=None, force_compare: bool = False,
-        max_cores: int | None = None, show_graph: bool = False, max_bins: int | None = None,
+        max_cores: int | None = None, show_graph: bool = False, max_plots: int | None = None,
+        max_bins: int | None = None,
         min_bins: int | None = None, min_max=None, progress: bool | Callable[[pb.JobEvent], None] = True,
         timeout: float | None = None, perf_mode="accuracy", perf_all_nodes: bool = True,
         perf_runs: int | None = None, clock_mhz: float | None = None,
@@ -132,7 +133,8 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     for a dump or device model what its tensors' types say);
     ``node_precision``: {node: precision} (or "node=precision" strings) for
     nodes that compute in another. ``show_graph``: plots for the failing
-    nodes (``max_bins``/``min_bins`` for their histograms); ``min_max``: a
+    nodes, the first ``max_plots`` in execution order (default 20, -1 every
+    one; ``max_bins``/``min_bins`` for their histograms); ``min_max``: a
     tensor_min_max.txt giving the input ranges for the INT8 advice.
     Defaults: atol 0.005, rtol 0.2, diff_cnt 128, max_cores = CPU count,
     min_coverage 0.5 (the share of the reference's computed tensors that must
@@ -168,7 +170,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
                               map_node_dict=map_node_dict, skip_keys=skip_keys, exclude_node_list=exclude_node_list,
                               force_compare=force_compare, max_cores=max_cores, show_graph=show_graph,
                               max_bins=max_bins, min_bins=min_bins, min_max=min_max, min_coverage=min_coverage,
-                              node_precision=node_precision)
+                              node_precision=node_precision, max_plots=max_plots)
 
     def spec(client: AnalyzerClient, collector: str) -> pb.JobSpec:
         return pb.JobSpec(
@@ -189,7 +191,8 @@ def compare_options(*, atol: float | None = None, rtol: float | None = None, dif
                     op_config=None, map_node_dict=None, skip_keys=None, exclude_node_list=None,
                     force_compare: bool = False, max_cores: int | None = None, show_graph: bool = False,
                     max_bins: int | None = None, min_bins: int | None = None, min_max=None,
-                    min_coverage: float | None = None, node_precision=None) -> pb.CompareOptions:
+                    min_coverage: float | None = None, node_precision=None,
+                    max_plots: int | None = None) -> pb.CompareOptions:
     """The comparison options ``run`` and ``compare`` share, as the wire carries them."""
     return pb.CompareOptions(
         atol=atol or 0.0, has_atol=atol is not None, rtol=rtol or 0.0, has_rtol=rtol is not None,
@@ -197,7 +200,8 @@ def compare_options(*, atol: float | None = None, rtol: float | None = None, dif
         skip_keys=parse_name_list(skip_keys), exclude_node_list=parse_name_list(exclude_node_list),
         force_compare=force_compare, max_cores=max_cores or 0, show_graph=show_graph, max_bins=max_bins or 0,
         min_bins=min_bins or 0, min_max_text=_text_arg(min_max), min_coverage=min_coverage or 0.0,
-        has_min_coverage=min_coverage is not None, node_precision=parse_node_precision(node_precision))
+        has_min_coverage=min_coverage is not None, node_precision=parse_node_precision(node_precision),
+        max_plots=max_plots or 0)
 
 
 def parse_node_precision(value) -> dict[str, str]:

@@ -112,7 +112,10 @@ def _add_compare_options(p) -> None:
                         "it the run answers 'no answer' with exit status 3 (default 0.5; 0 accepts any partial "
                         "dump)")
     p.add_argument("--show-graph", "--show_graph", nargs="?", const=True, default=False, type=_bool,
-                   help="plots for every failing node: {op}_diff.png, {op}_diff_hist.png, {op}_hist.png")
+                   help="plots for the failing nodes: {op}_diff.png, {op}_diff_hist.png, {op}_hist.png")
+    p.add_argument("--max-plots", "--max_plots", type=_plot_count, metavar="N|all",
+                   help="with --show-graph: the first N failing nodes in execution order are drawn (default 20; "
+                        "'all' draws every one)")
     p.add_argument("--max-bins", "--max_bins", type=int, help="histogram bins at most (default 128)")
     p.add_argument("--min-bins", "--min_bins", type=int, help="histogram bins at least (default 1)")
     p.add_argument("--min-max", "--tensor-min-max", help="tensor_min_max.txt: input ranges for the INT8 advice")
@@ -121,10 +124,24 @@ def _add_compare_options(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _plot_count(text: str) -> int:
+    """--max-plots: a count of 1 or more, or 'all' (-1 on the wire)."""
+    if text.strip().lower() == "all":
+        return -1
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count or 'all'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} plots: give 1 or more, or 'all'")
+    return n
+
+
 def _compare_kwargs(a) -> dict:
     return dict(atol=a.atol, rtol=a.rtol, diff_cnt=a.diff_cnt, op_config=a.op_config, map_node_dict=a.map_node_dict,
                 skip_keys=a.skip_keys, exclude_node_list=a.exclude_node_list, force_compare=a.force_compare,
-                max_cores=a.max_cores, show_graph=a.show_graph, max_bins=a.max_bins, min_bins=a.min_bins,
+                max_cores=a.max_cores, show_graph=a.show_graph, max_plots=a.max_plots, max_bins=a.max_bins,
+                min_bins=a.min_bins,
                 min_max=a.min_max, min_coverage=a.min_coverage, node_precision=a.node_precision)
 
 

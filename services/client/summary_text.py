@@ -89,6 +89,12 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
             lines.append(f"  {n['order']:>5}  {n['node']:40.40}  {n['op_type']:14.14}  "
                          f"{str(n['errors']) + '/' + str(n['total']):>16}  {_f(n['max_abs_err']):>11}  "
                          f"{_f(n['cosine']):>9}  {n.get('verdict') or ''}")
+    drawn, left = len(summary.get("plots") or {}), summary.get("plots_not_drawn") or 0
+    if left:
+        lines.append(f"plots: the first {drawn} failing nodes drawn, {left} more not (--max-plots N or all draws "
+                     "more)")
+    elif drawn:
+        lines.append(f"plots: {drawn} failing node{'s' if drawn > 1 else ''} drawn")
     if perf:
         lines.extend(_perf_lines(summary, top))
     lines.append(f"reports: {out}")

@@ -431,7 +431,10 @@ class StreamConsumer:
                       reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
                                   if t and t not in p.feeds))   # model inputs are exact on both sides
             if row.failed and p.show_graph:
-                self._draw(row, item.ref, dev, item.tol)
+                if p.max_plots is None or len(self.rep.plots) < p.max_plots:
+                    self._draw(row, item.ref, dev, item.tol)
+                else:
+                    self.rep.plots_left += 1
             self.examiner.row_done(row, item.ref, dev, item.lease, item.tol, p.force_compare)
             self.rep.rows.append(row)
             passed = not row.failed

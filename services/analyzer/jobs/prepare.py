@@ -29,6 +29,9 @@ from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
 DIFF_CNT_DEFAULT = 128
+# Plots for the first failing nodes only: a person looks at a few; drawing
+# every one of hundreds took 30 times the job (--max-plots all draws them)
+MAX_PLOTS_DEFAULT = 20
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Prepared:
     force_compare: bool = False
     quantized: bool = False
     show_graph: bool = False
+    max_plots: int | None = MAX_PLOTS_DEFAULT   # failing nodes drawn at most (None: every one)
     max_bins: int = 128
     min_bins: int = 1
     given_ranges: dict = field(default_factory=dict)     # from a tensor_min_max.txt
@@ -108,6 +112,9 @@ def _checked_options(spec: pb.JobSpec) -> dict:
         raise LayerdiffError("must be >= 0", field="diff_cnt")
     if o.max_cores < 0:
         raise LayerdiffError("must be >= 0", field="max_cores")
+    if o.max_plots < -1:
+        raise LayerdiffError(f"must be 1 or more, or -1 for every failing node, got {o.max_plots}",
+                             field="max_plots")
     check_dump_mode(spec.dump_mode)
     max_bins = o.max_bins or 128
     min_bins = o.min_bins or 1
@@ -120,7 +127,9 @@ def _checked_options(spec: pb.JobSpec) -> dict:
     if min_coverage is not None and not 0.0 <= min_coverage <= 1.0:
         raise LayerdiffError(f"must be in [0, 1], got {min_coverage:g}", field="min_coverage")
     return dict(tolerances=tolerances, diff_cnt=o.diff_cnt or DIFF_CNT_DEFAULT, max_cores=o.max_cores,
-                force_compare=o.force_compare, show_graph=o.show_graph, max_bins=max_bins, min_bins=min_bins,
+                force_compare=o.force_compare, show_graph=o.show_graph,
+                max_plots=None if o.max_plots == -1 else (o.max_plots or MAX_PLOTS_DEFAULT),
+                max_bins=max_bins, min_bins=min_bins,
                 given_ranges=given_ranges, range_skips=range_skips, perf=check_perf_options(spec.perf),
                 min_coverage=min_coverage)
 

@@ -156,6 +156,7 @@ class JobReport:
     quantized: bool = False
     range_skips: list[tuple[str, str]] = field(default_factory=list)    # tensor_min_max.txt lines not read
     plots: dict[str, dict] = field(default_factory=dict)                # row label -> plot files
+    plots_left: int = 0     # failing rows past the plot limit (Prepared.max_plots), not drawn
     user_skipped: set[str] = field(default_factory=set)                 # tensors the options skip
     device_errors: list[tuple[str, str]] = field(default_factory=list)  # device entries that could not be read
 
@@ -488,6 +489,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                           [{"node": n, "why": why, "side": "reference"} for n, why in rep.reference_overflow.items()],
         "verdicts": verdicts,
         "plots": rep.plots,
+        "plots_not_drawn": rep.plots_left,
         "quantization": diagnose.quantization_advice(all_sites, node_inputs or {}, rows, rep.input_ranges,
                                                      rep.quantized),
         "detail_files": detail_files,
