@@ -1492,6 +1492,10 @@ def warmup() -> None:
         i64 = np.zeros(16, np.int64)
         _acc_int(i64, i64, False, False, 0, iv, fv)
         _merge_state(iv, fv, iv.copy(), fv.copy())
+        # the worst elements of a failing node (worst.worst_elements): its only signatures
+        hidx, hdiff, hcls = np.zeros(4, np.int64), np.zeros(4, np.float64), np.zeros(4, np.int64)
+        _worst(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
+        _worst_int(i64, i64, False, False, 0, 0, hidx, hdiff, hcls)
         _warmed = True
 
 
