@@ -6,7 +6,7 @@ aligner a job pairs device tensors with reference tensors by
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from layerdiff.analyzer.align.names import Aligner
@@ -55,9 +55,19 @@ class Prepared:
     min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
     weights: list | None = None         # weights.csv rows where both models are at hand
     weights_aside: Future | None = None  # those rows being made for an FP16 build (started at submit)
+    graph_aside: Future | None = None    # the device model's graph alignment, being made (started at submit)
     golden: bool = False                # the reference is a golden dump, streamed first (DumpReference)
     # the device's precision as the job gives it (None: read from the data), for the error model
     precision: Precision | None = None
+
+    def settle_graph(self, options: pb.CompareOptions) -> None:
+        """Join the device model's graph alignment, once: the aligner and
+        the weights it gives (its failure fails the job, as at submit)."""
+        if self.graph_aside is None:
+            return
+        graph, self.graph_aside = self.graph_aside.result(), None
+        self.aligner = make_aligner(self.reference, options, graph)
+        self.weights = _weights(graph)
 
     def policy(self):
         """The error model's view of the device's precision (ErrorPolicy)."""
@@ -84,8 +94,15 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
         store.path(spec.device_model_artifact, "device_model_artifact")
     elif isinstance(reference, TFReference) and not spec.dump_path:
         reference.check_device_precision(spec.precision)
-    graph = _graph_alignment(spec, store, reference)
-    aligner = make_aligner(reference, spec.options, graph)
+    # the device model's graph pairing (a second of a 90 MB model's weights
+    # compared) is made beside the job's start, while the collector builds
+    # and runs the device; names pair until it is joined (settle_graph)
+    graph_aside = None
+    if spec.device_model_artifact:
+        aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphs")
+        graph_aside = aside.submit(_graph_alignment, spec, store, reference)
+        aside.shutdown(wait=False)
+    aligner = make_aligner(reference, spec.options, None)
     options = _checked_options(spec)
     options["quantized"] = (declared is not None and declared.quantized) or (
         bool(spec.device_model_artifact)
@@ -100,7 +117,7 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     if perf.only and spec.watch:
         raise LayerdiffError("watch streams tensors while the runtime writes them; a performance-only job reads "
                              "the counter files once: run it when the runtime has finished", field="watch")
-    return Prepared(reference, feeds, aligner, weights=_weights(graph), **options)
+    return Prepared(reference, feeds, aligner, graph_aside=graph_aside, **options)
 
 
 def _checked_options(spec: pb.JobSpec) -> dict:

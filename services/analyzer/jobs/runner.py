@@ -314,6 +314,8 @@ class JobRunner:
         # Timed first, before the reference runs, so that nothing of this job
         # loads the host while the device is being timed; a watched dump's
         # counter files are read once the runtime has finished writing it.
+        if p.perf.enabled:
+            p.settle_graph(spec.options)     # the performance tables pair device nodes by it
         perf = self._capture_perf(job, p) if p.perf.enabled and not spec.watch else None
         if p.perf.only:
             from layerdiff.analyzer.report.perf.report import write_perf_only
@@ -361,6 +363,7 @@ class JobRunner:
                 try:
                     if job.cancelled.is_set():
                         executor.cancel()
+                    p.settle_graph(spec.options)     # made while the collector started the device
                     self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget)
                 finally:
                     executor.close()
