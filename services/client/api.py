@@ -162,10 +162,12 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
 
     perf = pb.PerfOptions(mode=parse_mode(perf_mode), hide_span_nodes=not perf_all_nodes, runs=perf_runs or 0,
                           clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")
-    model_bytes, model_name = read_artifact(model, "model")
-    inputs_data, inputs_name = _inputs_bytes(inputs)
-    device_model_bytes, device_model_name = read_artifact(device_model, "device_model") \
-        if device_model is not None else (None, "")
+    # the files' bytes, held until their upload only: a 90 MB model is not
+    # kept in this process through the job
+    held: dict[str, tuple[bytes, str]] = {"model": read_artifact(model, "model"), "inputs": _inputs_bytes(inputs)}
+    if device_model is not None:
+        held["device_model"] = read_artifact(device_model, "device_model")
+    model_name = held["model"][1]
     options = compare_options(atol=atol, rtol=rtol, diff_cnt=diff_cnt, op_config=op_config,
                               map_node_dict=map_node_dict, skip_keys=skip_keys, exclude_node_list=exclude_node_list,
                               force_compare=force_compare, max_cores=max_cores, show_graph=show_graph,
@@ -173,11 +175,11 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
                               node_precision=node_precision, max_plots=max_plots)
 
     def spec(client: AnalyzerClient, collector: str) -> pb.JobSpec:
+        device_file = held.pop("device_model", None)
         return pb.JobSpec(
-            model_artifact=client.upload(model_bytes, model_name),
-            inputs_artifact=client.upload(inputs_data, inputs_name),
-            device_model_artifact=client.upload(device_model_bytes, device_model_name)
-            if device_model_bytes is not None else "",
+            model_artifact=client.upload(*held.pop("model")),
+            inputs_artifact=client.upload(*held.pop("inputs")),
+            device_model_artifact=client.upload(*device_file) if device_file is not None else "",
             collector=collector, device=device, precision=precision, dump_path=dump or "",
             dump_format=dump_format, default_concat_dim=default_concat_dim, watch=watch,
             dump_mode=dump_mode or "output", options=options, model_name=model_name, perf=perf,
