@@ -114,25 +114,29 @@ def bench_model(work: Path, name: str, model: onnx.ModelProto, feeds: dict, runs
     ours_cmd = [str(bin_dir / "layerdiff"), "run", str(path), "--inputs", str(inputs), "--precision", "fp16",
                 "--out", str(work / f"{name}-out"), "--no-progress"]
     plain_cmd = [sys.executable, str(plain), "fp16", str(path), str(inputs)]
-    _timed(ours_cmd), _timed(plain_cmd)     # warm-up: file caches, compiled kernels
+    d = _paired(ours_cmd, plain_cmd, runs)
+    summary = json.loads((work / f"{name}-out" / "summary.json").read_text())
+    return {"model": name, "nodes": summary["counts"]["reference_tensors"],
+            "node_output_MB": sum(a.nbytes for a in _all_outputs(model, feeds).values()) / 1e6, **d,
+            "graph_nodes": len(model.graph.node), "overhead_s": d["layerdiff_wall_s"] - d["plain_wall_s"],
+            "goal": "wall_ratio_median <= 2"}
+
+
+def _paired(ours_cmd: list[str], plain_cmd: list[str], runs: int) -> dict:
+    """Both commands in turn (A B A B ...) after a warm-up of each (file
+    caches, compiled kernels): medians and pair-by-pair ratios."""
+    _timed(ours_cmd), _timed(plain_cmd)
     ours, base = [], []
     for _ in range(runs):
         ours.append(_timed(ours_cmd))
         base.append(_timed(plain_cmd))
-    summary = json.loads((work / f"{name}-out" / "summary.json").read_text())
     wall = [o[0] / b[0] for o, b in zip(ours, base)]
-    rss = [o[1] / b[1] for o, b in zip(ours, base)]
-    return {"model": name, "nodes": summary["counts"]["reference_tensors"],
-            "node_output_MB": sum(a.nbytes for a in _all_outputs(model, feeds).values()) / 1e6,
-            "layerdiff_wall_s": statistics.median(o[0] for o in ours),
+    return {"layerdiff_wall_s": statistics.median(o[0] for o in ours),
             "plain_wall_s": statistics.median(b[0] for b in base),
             "layerdiff_peak_rss_MiB": statistics.median(o[1] for o in ours) / 2**20,
             "plain_peak_rss_MiB": statistics.median(b[1] for b in base) / 2**20,
             "wall_ratio_median": statistics.median(wall), "wall_ratio_min": min(wall), "wall_ratio_max": max(wall),
-            "rss_ratio_median": statistics.median(rss),
-            "graph_nodes": len(model.graph.node),
-            "overhead_s": statistics.median(o[0] for o in ours) - statistics.median(b[0] for b in base),
-            "goal": "wall_ratio_median <= 2"}
+            "rss_ratio_median": statistics.median(o[1] / b[1] for o, b in zip(ours, base))}
 
 
 def bench_real_size(work: Path, runs: int) -> list[dict]:
@@ -160,21 +164,10 @@ def bench_real_size(work: Path, runs: int) -> list[dict]:
                     "--out", str(work / f"real-{way}"), "--no-progress"]
         plain_cmd = [sys.executable, str(plain), way, str(path), str(inputs)] + ([str(device)] if way == "device"
                                                                                 else [])
-        _timed(ours_cmd), _timed(plain_cmd)     # warm-up
-        ours, base = [], []
-        for _ in range(runs):
-            ours.append(_timed(ours_cmd))
-            base.append(_timed(plain_cmd))
+        d = _paired(ours_cmd, plain_cmd, runs)
         summary = json.loads((work / f"real-{way}" / "summary.json").read_text())
-        wall = [o[0] / b[0] for o, b in zip(ours, base)]
-        rss = [o[1] / b[1] for o, b in zip(ours, base)]
         out.append({"model": "minilm6", "way": way, "weights_MB": path.stat().st_size / 1e6,
-                    "nodes": summary["counts"]["reference_tensors"], "job_elapsed_s": summary.get("elapsed_s"),
-                    "layerdiff_wall_s": statistics.median(o[0] for o in ours),
-                    "plain_wall_s": statistics.median(b[0] for b in base),
-                    "layerdiff_peak_rss_MiB": statistics.median(o[1] for o in ours) / 2**20,
-                    "plain_peak_rss_MiB": statistics.median(b[1] for b in base) / 2**20,
-                    "wall_ratio_median": statistics.median(wall), "rss_ratio_median": statistics.median(rss),
+                    "nodes": summary["counts"]["reference_tensors"], "job_elapsed_s": summary.get("elapsed_s"), **d,
                     "goal": "wall_ratio_median <= 1.5 and rss_ratio_median <= 1.5"})
     return out
 
