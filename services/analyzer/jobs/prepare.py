@@ -55,19 +55,21 @@ class Prepared:
     min_coverage: float | None = None   # None: the default (coverage.MIN_COVERAGE_DEFAULT)
     weights: list | None = None         # weights.csv rows where both models are at hand
     weights_aside: Future | None = None  # those rows being made for an FP16 build (started at submit)
-    graph_aside: Future | None = None    # the device model's graph alignment, being made (started at submit)
+    graph_aside: Future | None = None    # _device_model_facts, being made (started at submit)
     golden: bool = False                # the reference is a golden dump, streamed first (DumpReference)
     # the device's precision as the job gives it (None: read from the data), for the error model
     precision: Precision | None = None
 
     def settle_graph(self, options: pb.CompareOptions) -> None:
-        """Join the device model's graph alignment, once: the aligner and
-        the weights it gives (its failure fails the job, as at submit)."""
+        """Join what the device model tells, once: the aligner and weights
+        its graph alignment gives, and whether it quantizes (a failure
+        fails the job)."""
         if self.graph_aside is None:
             return
-        graph, self.graph_aside = self.graph_aside.result(), None
+        (graph, quantizes), self.graph_aside = self.graph_aside.result(), None
         self.aligner = make_aligner(self.reference, options, graph)
         self.weights = _weights(graph)
+        self.quantized = self.quantized or quantizes
 
     def policy(self):
         """The error model's view of the device's precision (ErrorPolicy)."""
@@ -100,13 +102,12 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     graph_aside = None
     if spec.device_model_artifact:
         aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphs")
-        graph_aside = aside.submit(_graph_alignment, spec, store, reference)
+        graph_aside = aside.submit(_device_model_facts, spec, store, reference)
         aside.shutdown(wait=False)
     aligner = make_aligner(reference, spec.options, None)
     options = _checked_options(spec)
-    options["quantized"] = (declared is not None and declared.quantized) or (
-        bool(spec.device_model_artifact)
-        and _is_quantized(store.read(spec.device_model_artifact, "device_model_artifact")))
+    # a device model that quantizes says so once read (settle_graph)
+    options["quantized"] = declared is not None and declared.quantized
     # a live build is the precision it was built in; a device model or dump
     # says its own where the job does not
     options["precision"] = declared if declared is not None or spec.device_model_artifact or spec.dump_path \
@@ -254,6 +255,13 @@ def dump_graph_alignment(spec: pb.JobSpec, reference, collector: CollectorClient
     except Exception as e:
         log.warning("aligning the dump's graph failed (%s: %s); pairing by names", type(e).__name__, e)
     return None
+
+
+def _device_model_facts(spec: pb.JobSpec, store: ArtifactStore, reference) -> tuple:
+    """What the device model tells beside the job's start: its graph
+    alignment with the reference, and whether it quantizes."""
+    return (_graph_alignment(spec, store, reference),
+            _is_quantized(store.read(spec.device_model_artifact, "device_model_artifact")))
 
 
 def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
