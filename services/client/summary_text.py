@@ -21,7 +21,8 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     elif diagnosis.get("headline"):
         lines.append(f"VERDICT: {diagnosis['headline']}")
     # without an execution order (a golden dump's copied files) no node is called first
-    unordered = (summary.get("execution_order") or {}).get("known") is False
+    order = summary.get("execution_order") or {}
+    unordered = order.get("known") is False
     comp = summary.get("first_computation_error")
     if comp and unordered:
         comps = summary.get("computation_errors") or [comp]
@@ -59,8 +60,8 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
         lines.append(f"reference: dump {golden.get('dump_path')} on collector {golden.get('collector')} "
                      f"({golden.get('tensors')} tensors, {golden.get('bytes')} bytes"
                      + (f", graph from {golden.get('model')}" if golden.get("model") else "")
-                     + (f", order from {golden['order_from']}" if golden.get("order_from") and not unordered else "")
-                     + (f", no execution order: {golden['order_unknown']}" if golden.get("order_unknown") else "")
+                     + (f", no execution order: {order['why_unknown']}" if unordered else
+                        f", order from {order['from']}" if order.get("from") else "")
                      + "); device: dump "
                      f"{summary.get('dump_path')} on collector {summary.get('collector')}")
     lines.append(f"{summary.get('model')} on {summary.get('device')} "

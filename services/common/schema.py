@@ -81,19 +81,29 @@ def _about(v) -> str:
     return v if isinstance(v, str) and len(v) <= ATTRIBUTES_MAX else ""
 
 
-def original_op(attributes: str) -> tuple[str, int] | None:
-    """The framework op a device output says it stands for (an Ascend
-    dump's ``original_op``: its name and output index), from a record's
-    attributes; None where it names none or the text is not that."""
-    if '"original_op"' not in attributes:
+def attribute(attributes: str, key: str):
+    """The value under ``key`` of a record's attributes (JSON text, parsed,
+    never evaluated); None where the text holds no such key or is not a
+    JSON object. The text is parsed only where it names the key."""
+    if f'"{key}"' not in attributes:
         return None
     import json
 
     try:
-        v = json.loads(attributes).get("original_op")
-        name, index = v["name"], v.get("output_index", 0)
-    except (ValueError, AttributeError, TypeError, KeyError):
+        doc = json.loads(attributes)
+    except ValueError:
         return None
+    return doc.get(key) if isinstance(doc, dict) else None
+
+
+def original_op(attributes: str) -> tuple[str, int] | None:
+    """The framework op a device output says it stands for (an Ascend
+    dump's ``original_op``: its name and output index), from a record's
+    attributes; None where it names none or the text is not that."""
+    v = attribute(attributes, "original_op")
+    if not isinstance(v, dict) or "name" not in v:
+        return None
+    name, index = v["name"], v.get("output_index", 0)
     if not isinstance(name, str) or not name.strip() or len(name) > 1024 or not name.isprintable() or \
             not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 1 << 16:
         return None

@@ -258,41 +258,49 @@ def dump_graph_alignment(spec: pb.JobSpec, reference, collector: CollectorClient
 
 
 def _device_model_facts(spec: pb.JobSpec, store: ArtifactStore, reference) -> tuple:
-    """What the device model tells beside the job's start: its graph
-    alignment with the reference, and whether it quantizes."""
-    return (_graph_alignment(spec, store, reference),
-            _is_quantized(store.read(spec.device_model_artifact, "device_model_artifact")))
-
-
-def _graph_alignment(spec: pb.JobSpec, store: ArtifactStore, reference):
-    """The device model's tensors paired with the reference's by the two
-    graphs: by structure when both are ONNX (renamed, fused, folded builds),
-    layer by layer when both are Keras models; None otherwise, and names
-    decide."""
-    if not spec.device_model_artifact:
-        return None
+    """What the device model tells beside the job's start, read and parsed
+    once: its tensors paired with the reference's by the two graphs (by
+    structure when both are ONNX: renamed, fused, folded builds; layer by
+    layer when both are Keras models; None otherwise, and names decide),
+    and whether it quantizes."""
     from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
+    from layerdiff.common.onnxgraph import load_model
     from layerdiff.common.tf.format import FORMAT_KERAS, is_tensorflow
     from layerdiff.common.tf.load import load_tf_model
 
     name = store.name(spec.device_model_artifact)
     data = store.read(spec.device_model_artifact, "device_model_artifact")
-    try:
-        if isinstance(reference, OnnxReference) and not is_tensorflow(name, data):
-            from layerdiff.common.onnxgraph import load_model
-
-            return align_graphs(reference.model, load_model(data, name))
-        if isinstance(reference, TFReference) and reference.format == FORMAT_KERAS and is_tensorflow(name, data):
+    if is_tensorflow(name, data):
+        if not (isinstance(reference, TFReference) and reference.format == FORMAT_KERAS):
+            return None, False
+        try:
             from layerdiff.analyzer.align.keras import keras_pairs
 
             device = load_tf_model(data, name)
-            if device.format == FORMAT_KERAS:
-                return GraphAlignment(pairs=keras_pairs(reference.graph, device))
+            return (GraphAlignment(pairs=keras_pairs(reference.graph, device))
+                    if device.format == FORMAT_KERAS else None), False
+        except LayerdiffError:
+            raise
+        except Exception as e:   # the names still pair what they can: say so, never fail the job on it
+            log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
+            return None, False
+    try:
+        model = load_model(data, name)
+    except LayerdiffError:
+        if isinstance(reference, OnnxReference):
+            raise
+        return None, False      # the collector says what is wrong with it
+    quantizes = any(n.op_type in ("QuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
+                    for n in model.graph.node)
+    if not isinstance(reference, OnnxReference):
+        return None, quantizes
+    try:
+        return align_graphs(reference.model, model), quantizes
     except LayerdiffError:
         raise
     except Exception as e:   # the names still pair what they can: say so, never fail the job on it
         log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
-    return None
+        return None, quantizes
 
 
 def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
@@ -306,15 +314,3 @@ def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:
         raise LayerdiffError("performance data of a live run comes from onnxruntime's profiler, and this is a "
                              "TensorFlow model; give the runtime's counter files as a dump, or an ONNX device model",
                              file=name, field="perf")
-
-
-def _is_quantized(model_bytes: bytes) -> bool:
-    """A fixed-point build: the device model quantizes somewhere."""
-    import onnx
-
-    try:
-        model = onnx.load_model_from_string(model_bytes)
-    except Exception:
-        return False
-    return any(n.op_type in ("QuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
-               for n in model.graph.node)

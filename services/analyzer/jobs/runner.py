@@ -436,8 +436,7 @@ class JobRunner:
         assert isinstance(g, DumpReference)    # p.golden: prepared with a DumpReference
         return {**g.provenance, "records": g.records, "tensors": g.tensors, "bytes": g.bytes,
                 "duplicates": len(g.duplicates), "model": p.reference.name if g.model is not None else None,
-                "structure": "model" if g.model is not None else "dump",
-                "order_from": g.order_from or None, "order_unknown": g.order_unknown or None}
+                "structure": "model" if g.model is not None else "dump"}
 
     def _capture_perf(self, job: Job, p: Prepared):
         """The collector's performance stream for this job's source: the

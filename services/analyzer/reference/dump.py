@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from layerdiff.common.onnxgraph import TensorSite, node_name, node_runtime, tensor_sites
-from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, NodeRecord, original_op
+from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, NodeRecord, attribute, original_op
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,8 @@ class DumpReference:
                     about=rec.attributes)
         if rec.attributes:
             self._about.setdefault(g.node, rec.attributes)
-            if '"model_output"' in rec.attributes and rec.slot in _listed(rec.attributes, "model_output"):
+            listed = attribute(rec.attributes, "model_output")
+            if isinstance(listed, list) and rec.slot in [x for x in listed if type(x) is int]:
                 self._marked.add(rec.name)
         if rec.status != STATUS_OK or rec.array is None:
             g.error = rec.message or "unreadable"
@@ -386,15 +387,3 @@ class DumpReference:
     def close(self) -> None:
         if self.spill is not None:
             shutil.rmtree(self.spill, ignore_errors=True)
-
-
-def _listed(about: str, key: str) -> list[int]:
-    """The integers listed under ``key`` of a call's JSON description
-    ([] where it is not a list of integers)."""
-    import json
-
-    try:
-        v = json.loads(about).get(key)
-    except (ValueError, AttributeError):
-        return []
-    return [x for x in v if isinstance(x, int) and not isinstance(x, bool)] if isinstance(v, list) else []

@@ -74,10 +74,11 @@ ORDER_ONE = "its one tensor"
 ORDER_TIMES = "the files' modification times"
 ORDER_SEQUENCE = "the sequence numbers in the file names"
 ORDER_UNKNOWN = "the file names"
-ORDER_KEYS = "the HDF5 file's group names"       # no order either
-ORDER_UNKNOWN_WHY = "its files carry equal modification times and no sequence numbers in their names"
-ORDER_UNKNOWN_WHY_H5 = ("its HDF5 calls carry no order attributes or distinct seqids, and the file does not keep "
-                        "the order they were written in")
+ORDER_KEYS = "the HDF5 file's group names"
+# the sources that give no order, and why
+UNORDERED = {ORDER_UNKNOWN: "its files carry equal modification times and no sequence numbers in their names",
+             ORDER_KEYS: "its HDF5 calls carry no order attributes or distinct seqids, and the file does not keep "
+                         "the order they were written in"}
 
 
 def execution_order(files: list[Path]) -> tuple[list[str], str]:
@@ -149,14 +150,12 @@ class DumpDirectory:
     @property
     def order_known(self) -> bool:
         """Can the dump's first failing node be called first?"""
-        return self.order_from not in (ORDER_UNKNOWN, ORDER_KEYS)
+        return self.order_from not in UNORDERED
 
     @property
     def order_unknown(self) -> str:
         """Why the dump has no execution order ('' where it has one)."""
-        if self.order_known:
-            return ""
-        return ORDER_UNKNOWN_WHY_H5 if self.order_from == ORDER_KEYS else ORDER_UNKNOWN_WHY
+        return UNORDERED.get(self.order_from, "")
 
     def _entries(self) -> list[dict]:
         mpath = self.root / MANIFEST
