@@ -864,3 +864,28 @@ def _meta_tensors(model: onnx.ModelProto) -> set[str]:
         if len(const) + len(meta) == before:
             break
     return meta | const
+
+
+def test_weights_kept_as_stored_are_equal_rows_and_one_changed_value_is_not():
+    """A device model that keeps most weights byte for byte (renamed or not)
+    and changes one value of another: weights.csv says ``equal`` with the
+    element count for the kept ones, and ``different`` with one element
+    differing for the changed one, whatever the device calls its weights."""
+    from layerdiff.analyzer.diagnose import weights
+
+    model = _dense_model("none")
+    for rename in (False, True):
+        dev = onnx.ModelProto.FromString(model.SerializeToString())
+        w2 = next(i for i in dev.graph.initializer if i.name == "w2")
+        changed = numpy_helper.to_array(w2).copy()
+        changed.flat[5] += 1.0
+        w2.CopyFrom(numpy_helper.from_array(changed, "w2"))
+        if rename:
+            for init in dev.graph.initializer:
+                for n in dev.graph.node:
+                    n.input[:] = [f"dev_{t}" if t == init.name else t for t in n.input]
+                init.name = f"dev_{init.name}"
+        rows = {r["reference_weight"]: r for r in weights.compare(align_graphs(model, dev).weights)}
+        assert rows["w1"]["relation"] == "equal" and rows["w1"]["elements"] == 64 * 64, rows["w1"]
+        assert rows["w1"]["device_weight"] == ("dev_w1" if rename else "w1")
+        assert rows["w2"]["relation"] == "different" and rows["w2"]["differing"] == 1, rows["w2"]

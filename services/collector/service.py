@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import onnx
 import pyarrow as pa
 import pyarrow.flight as flight
 
@@ -40,10 +41,11 @@ from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, Unauthenticated, UnavailableError
 from layerdiff.common.memory import release_freed_tensors_to_system
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
-from layerdiff.common.onnxgraph import load_inputs, runtime_ready
+from layerdiff.common.onnxgraph import load_inputs, load_model, runtime_ready, without_weight_data
 from layerdiff.common.perfschema import PERF_SCHEMA, PerfEncoder, PerfRecord
 from layerdiff.common.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
 from layerdiff.common.security import ClientSecurity, ServerSecurity, flight_middleware, is_loopback
+from layerdiff.common.tf.format import is_tensorflow
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -97,12 +99,17 @@ class CollectorFlight(flight.FlightServerBase):
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
 
     def _live_runner(self, live: pb.LiveSource):
-        model = self.store.read(live.model_artifact, "model_artifact")
+        model_name = self.store.name(live.model_artifact)
+        model: bytes | onnx.ModelProto = self.store.read(live.model_artifact, "model_artifact")
+        if live.device_model_artifact and self.store.name(live.device_model_artifact).lower().endswith(".onnx") \
+                and not is_tensorflow(model_name, model):
+            # Of the reference, only its inputs are read when a device model
+            # runs: its weights go before the device model's are read.
+            model = without_weight_data(load_model(model, model_name), keep=False)[0]
         feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
                             self.store.name(live.inputs_artifact))
         device_model = self.store.read(live.device_model_artifact, "device_model_artifact") \
             if live.device_model_artifact else None
-        model_name = self.store.name(live.model_artifact)
         device_model_name = self.store.name(live.device_model_artifact) if live.device_model_artifact \
             else "device.onnx"
         return _live_runner(model, feeds, live, model_name, device_model, device_model_name, live.model_artifact)
@@ -118,7 +125,7 @@ class CollectorFlight(flight.FlightServerBase):
             if not isinstance(runner, LiveRunner):
                 raise LayerdiffError("performance data of a live run comes from onnxruntime's profiler; for a "
                                      "TensorFlow model give the runtime's counter files as a dump", field="perf")
-            return profile_model(runner.model, runner.feeds, runner.providers, runs=request.perf.runs,
+            return profile_model(runner.weights, runner.feeds, runner.providers, runs=request.perf.runs,
                                  graph_optimization=request.perf.graph_optimization)
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
 
@@ -197,22 +204,21 @@ class CollectorFlight(flight.FlightServerBase):
             raise _to_flight_error(e) from None
 
 
-def _live_runner(model: bytes, feeds, live: pb.LiveSource, model_name: str, device_model: bytes | None,
-                 device_model_name: str, model_key: str = ""):
+def _live_runner(model: bytes | onnx.ModelProto, feeds, live: pb.LiveSource, model_name: str,
+                 device_model: bytes | None, device_model_name: str, model_key: str = ""):
     """The runner for the file that runs as the device: TensorFlow models on
     TensorFlow (imported only then), ONNX ones on onnxruntime. A device model
     is run whatever the reference is (a TensorFlow network converted to ONNX,
-    say)."""
-    from layerdiff.common.tf.format import is_tensorflow
-
+    say). ``model``: the reference's bytes, or its parsed ONNX graph."""
     precision, device = live.precision or "fp32", live.device or "cpu"
-    runs_tf = is_tensorflow(device_model_name, device_model) if device_model else is_tensorflow(model_name, model)
+    ref_tf = isinstance(model, bytes) and is_tensorflow(model_name, model)
+    runs_tf = is_tensorflow(device_model_name, device_model) if device_model else ref_tf
     if runs_tf:
         from layerdiff.collector.live.tf import TFLiveRunner
 
         return TFLiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
                             model_name=model_name, device_model_name=device_model_name, signature=live.signature)
-    if device_model and is_tensorflow(model_name, model):
+    if device_model and ref_tf:
         # The reference is TensorFlow: the ONNX device model stands in for it.
         model, model_name = device_model, device_model_name
     return LiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import shape_inference
+from onnx import numpy_helper, shape_inference
 
 from layerdiff.common.errors import LayerdiffError, LimitError
 
@@ -186,6 +186,26 @@ class WeightSplit:
             if self._parts is None:
                 self._parts = without_weight_data(self.model)
             return self._parts
+
+    def let_go(self) -> onnx.ModelProto:
+        """The model without its weights' data, which stays here only: for
+        an owner that reads the weights through this split alone, the whole
+        model (a second copy of every weight) is let go."""
+        shared, _ = self.parts()
+        with self._lock:
+            self.model = shared
+        return shared
+
+    def array(self, init: onnx.TensorProto) -> np.ndarray:
+        """An initializer of the split model as an array, its data from here
+        if it was taken out."""
+        raw = self.parts()[1].get(init.name)
+        if raw is not None:
+            whole = onnx.TensorProto()
+            whole.CopyFrom(init)
+            whole.raw_data = raw
+            init = whole
+        return numpy_helper.to_array(init)
 
 
 def lean_session(model: onnx.ModelProto | WeightSplit, options, providers: list, edit=None):

@@ -127,6 +127,11 @@ def compare(weights: list[dict]) -> list[dict]:
                          "relation": "different", "elements": 1, "differing": 1, "max_abs_diff": float("nan"),
                          "note": f"{dev_v!r} on the device, {ref_v!r} in the reference"})
             continue
+        if "same_elements" in w:     # the same stored tensor (type, shape, bytes)
+            rows.append({"reference_node": w["reference_node"], "reference_weight": w["reference_weight"],
+                         "device_node": w["device_node"], "device_weight": w["device_weight"], "relation": "equal",
+                         "elements": w["same_elements"], "differing": 0, "max_abs_diff": 0.0, "note": ""})
+            continue
         try:
             rel, differing, worst, note = relation(w.get("device"), w.get("reference"), w.get("blocked", False),
                                                    w.get("folding", False))

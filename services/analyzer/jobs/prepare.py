@@ -290,6 +290,7 @@ def _device_model_facts(spec: pb.JobSpec, store: ArtifactStore, reference) -> tu
         if isinstance(reference, OnnxReference):
             raise
         return None, False      # the collector says what is wrong with it
+    del data    # the parsed model holds the weights: the file's bytes go before the alignment
     quantizes = any(n.op_type in ("QuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
                     for n in model.graph.node)
     if not isinstance(reference, OnnxReference):

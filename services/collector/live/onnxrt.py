@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
 
 from layerdiff.collector.live.devices import resolve_provider
 from layerdiff.collector.live.emulate import EMULATED, emulated
@@ -180,7 +179,7 @@ def dequantized_views(model: onnx.ModelProto) -> dict[str, str]:
 class LiveRunner:
     """Builds the device model and runs it once, yielding NodeRecords."""
 
-    def __init__(self, model_bytes: bytes, feeds: dict[str, np.ndarray], *, precision: str = "fp32",
+    def __init__(self, model_bytes: bytes | onnx.ModelProto, feeds: dict[str, np.ndarray], *, precision: str = "fp32",
                  device: str = "cpu", device_model_bytes: bytes | None = None,
                  model_name: str = "model.onnx", device_model_name: str = "device.onnx", model_key: str = "") -> None:
         """``model_key``: the model file's sha256, where known (see to_fp16)."""
@@ -188,7 +187,7 @@ class LiveRunner:
         precision = chosen.name if chosen is not None else "fp32"
         self.providers = resolve_provider(device)
         self.precision = precision
-        ref = load_model(model_bytes, model_name)
+        ref = model_bytes if isinstance(model_bytes, onnx.ModelProto) else load_model(model_bytes, model_name)
         self.feeds = check_inputs(ref, feeds, "inputs")
         if device_model_bytes:
             self.model = load_model(device_model_bytes, device_model_name)
@@ -210,6 +209,10 @@ class LiveRunner:
             if precision in EMULATED:
                 self.view.update(rounded)
             self._node_index = {n.name: i for i, n in enumerate(self.model.graph.node) if n.name}
+        # The weights, taken out once for every session (each segment's, the
+        # profiler's); the model keeps the graph only: one copy of them is held.
+        self.weights = WeightSplit(self.model)
+        self.model = self.weights.let_go()
 
     def _session(self, outputs: list[str]) -> ort.InferenceSession:
         so = ort.SessionOptions()
@@ -221,7 +224,7 @@ class LiveRunner:
         # would cost more than it saves.
         so.add_session_config_entry("session.disable_prepacking", "1")
         try:
-            return lean_session(self.model, so, self.providers, edit=lambda m: expose_only(m, outputs))
+            return lean_session(self.weights, so, self.providers, edit=lambda m: expose_only(m, outputs))
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the device model: {e}", field="device_model") from e
 
@@ -257,7 +260,7 @@ class LiveRunner:
 
         def fixed(t: str) -> np.ndarray | None:
             if t in consts:
-                return numpy_helper.to_array(consts[t])
+                return self.weights.array(consts[t])
             return np.asarray(self.feeds[t]) if t in self.feeds else None
 
         def run_segment(names: list[str]) -> dict[str, np.ndarray]:

@@ -33,6 +33,7 @@ import onnx
 import onnxruntime as ort
 
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.onnxgraph import WeightSplit, lean_session
 from layerdiff.common.perfschema import PerfRecord, shapes_json
 
 DEFAULT_RUNS = 5
@@ -63,7 +64,7 @@ def check_runs(runs: int) -> int:
     return runs
 
 
-def profile_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], providers: list, *,
+def profile_model(model: onnx.ModelProto | WeightSplit, feeds: dict[str, np.ndarray], providers: list, *,
                   runs: int = DEFAULT_RUNS, graph_optimization: str = DEFAULT_GRAPH_OPTIMIZATION
                   ) -> Iterator[PerfRecord]:
     runs = check_runs(runs)
@@ -75,7 +76,7 @@ def profile_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], provider
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(tmp) / "profile")
         try:
-            sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+            sess = lean_session(model, so, providers)
         except Exception as e:
             raise LayerdiffError(f"onnxruntime cannot load the device model: {e}", field="device_model") from e
         try:

@@ -123,8 +123,11 @@ class IndexedGraph:
         tensor (type, shape, bytes)? Settles most weights of a device model
         without widening either (a build keeps most of them as they were)."""
         a, b = self.inits.get(t), other.inits.get(u)
-        return a is not None and b is not None and a.data_type == b.data_type and a.dims == b.dims \
-            and bool(a.raw_data) and a.raw_data == b.raw_data
+        if a is None or b is None or a.data_type != b.data_type or a.dims != b.dims:
+            return False
+        if a.name == b.name and a == b:
+            return True     # compared in place: reading raw_data copies it (90 MB of a model, twice)
+        return bool(a.raw_data) and a.raw_data == b.raw_data
 
     def stored(self, t: str) -> np.ndarray | None:
         """An initializer as stored (its own type), else ``value``."""

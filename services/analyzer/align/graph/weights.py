@@ -101,11 +101,16 @@ class WeightPairing:
             td, tr = dev.nodes[i].input[kd], ref.nodes[j].input[kr]
             if ref.types.get(tr) not in FLOAT_TYPES:     # shapes, axes, indices: not weights
                 continue
-            out.weights.append({"folding": folding, "reference_node": ref.label(j), "reference_weight": tr,
-                                "device_node": dev.label(i), "device_weight": td, "slot": kr,
-                                "reference": ref.stored(tr) if stored else ref.value(tr),
-                                "device": dev.stored(td) if stored else dev.value(td),
-                                "blocked": dev.nodes[i].domain == NCHWC_DOMAIN and kd == 1})
+            row = {"folding": folding, "reference_node": ref.label(j), "reference_weight": tr,
+                   "device_node": dev.label(i), "device_weight": td, "slot": kr,
+                   "blocked": dev.nodes[i].domain == NCHWC_DOMAIN and kd == 1}
+            if stored and dev.same_bytes(td, ref, tr):
+                # most weights of a build: settled here, and neither is held as an array till the report
+                row["same_elements"] = int(np.prod(ref.inits[tr].dims, dtype=np.int64))
+            else:
+                row["reference"] = ref.stored(tr) if stored else ref.value(tr)
+                row["device"] = dev.stored(td) if stored else dev.value(td)
+            out.weights.append(row)
         if dev.op(i) == ref.op(j):      # the same op: its attributes are parameters too (epsilon, alpha...)
             da, ra = dev.attrs(i), ref.attrs(j)
             for name in sorted((set(da) & set(ra)) - IGNORED_ATTRS - {"to", "saturate"}):   # Cast: the precision
