@@ -440,6 +440,17 @@ class Block:
         return self.rel / self.rest if self.rest > 0 else (math.inf if self.rel > 0 else 0.0)
 
 
+def _finite_squares(sq: np.ndarray) -> tuple[np.ndarray, float]:
+    """Squares with every value that is not finite set to zero, and their
+    sum (float64). A finite sum of squares has no such value: the copy is
+    made only where the sum says so."""
+    total = float(np.sum(sq, dtype=np.float64))
+    if math.isfinite(total):
+        return sq, total
+    sq = np.where(np.isfinite(sq), sq, 0)
+    return sq, float(np.sum(sq, dtype=np.float64))
+
+
 def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 8) -> Block | None:
     """The block of a tensor whose relative RMS error is the largest (see
     worst_blocks)."""
@@ -468,10 +479,8 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
     with np.errstate(all="ignore"):
         e2 = np.square(e, dtype=np.float32) if e.dtype != np.float64 else np.square(e)
         r2 = np.square(r, dtype=np.float32) if r.dtype != np.float64 else np.square(r)
-    e2 = np.where(np.isfinite(e2), e2, 0)
-    r2 = np.where(np.isfinite(r2), r2, 0)
-    e_all = float(np.sum(e2, dtype=np.float64))
-    r_all = float(np.sum(r2, dtype=np.float64))
+    e2, e_all = _finite_squares(e2)
+    r2, r_all = _finite_squares(r2)
     floor = r_all / r2.size / 16.0
     nd = e.ndim
     sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}     # axis -> (error², reference²) per index

@@ -199,7 +199,9 @@ class NodeExaminer:
             sample = mag.ravel()[:: max(1, mag.size // 65536)]
             sample = sample[np.isfinite(sample)]
             med = float(np.median(sample)) if sample.size else 0.0
-            top = float(np.max(np.where(np.isfinite(mag), mag, 0))) if mag.size else 0.0
+            top = float(np.max(mag)) if mag.size else 0.0
+            if not math.isfinite(top):     # one pass where every value is finite, the usual case
+                top = float(np.max(np.where(np.isfinite(mag), mag, 0)))
             r = ref
             # sentinels: the -3.4e38 (finfo.min) of a mask, whatever the median
             # (a mask tensor is zeros and sentinels); a device saturates them
