@@ -234,3 +234,57 @@ def test_range_lines_in_every_layout():
     assert ranges == {"conv1_input": (-3.2, 41.7), "relu2": (0.0, 6.0), "fc1000#185": (-1.0, 10.0),
                       "pool 5": (-1.0, 2.5), "quoted name": (0.0, 0.5), "x": (1.0, 2.0)}
     assert [w for w, _ in skipped] == ["mm.txt:8", "mm.txt:9", "mm.txt:11"]
+
+
+def test_plots_are_drawn_beside_the_job_and_hold_at_most_two_nodes():
+    """The drawing thread takes the nodes in order; the third node waits
+    until the first is drawn (no more than two nodes' tensors held); a
+    drawing that fails says why without stopping the others; every receive
+    buffer a drawing held is let go once, drawn, failed or dropped."""
+    import threading
+    import time
+
+    from layerdiff.analyzer.report.drawer import PlotDrawer
+
+    gate, started = threading.Event(), threading.Event()
+    released: list[str] = []
+    drawer = PlotDrawer(ahead=2)
+
+    def slow() -> dict:
+        started.set()
+        gate.wait(10)
+        return {"hist": "a.png"}
+
+    def broken() -> dict:
+        raise ValueError("no finite values")
+
+    drawer.submit("a", slow, lambda: released.append("a"))
+    drawer.submit("b", broken, lambda: released.append("b"))
+    third = threading.Thread(target=drawer.submit, args=("c", lambda: {"hist": "c.png"},
+                                                          lambda: released.append("c")))
+    third.start()
+    time.sleep(0.3)
+    assert third.is_alive() and released == []      # waits for a free place
+    gate.set()
+    third.join(10)
+    got = dict(drawer.results())
+    assert got["a"] == {"hist": "a.png"} and got["c"] == {"hist": "c.png"}
+    assert isinstance(got["b"], ValueError) and "no finite values" in str(got["b"])
+    assert sorted(released) == ["a", "b", "c"]
+
+    # a job that stops early: what waits is dropped and its buffer let go
+    gate.clear()
+    started.clear()
+    released.clear()
+    drawer = PlotDrawer(ahead=2)
+    drawer.submit("a", slow, lambda: released.append("a"))
+    drawer.submit("b", slow, lambda: released.append("b"))
+    assert started.wait(10)
+    drawer.abandon()
+    assert released == ["b"]     # "a" is being drawn: it lets go when done
+    gate.set()
+    for _ in range(100):
+        if len(released) == 2:
+            break
+        time.sleep(0.05)
+    assert sorted(released) == ["a", "b"]

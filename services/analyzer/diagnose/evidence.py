@@ -5,6 +5,7 @@ how numbers are written in the evidence sentences."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -92,7 +93,7 @@ def layout_match(ref: np.ndarray, dev: np.ndarray) -> str:
     r, d = _finite_pairs(ref, dev)
     if _rel_mean_err(r, d) < UNEVEN_MIN_REL:
         return ""
-    candidates = []     # each made only when the one before it is not the answer
+    candidates: list[tuple[str, Callable[[], np.ndarray]]] = []     # each made when the one before is not the answer
     for i in range(ref.ndim):
         for j in range(i + 1, ref.ndim):
             if ref.shape[i] == ref.shape[j] and ref.shape[i] > 1:

@@ -37,6 +37,7 @@ from layerdiff.analyzer.align.values import ValueMatcher
 from layerdiff.analyzer.compare.node import SkipNode
 from layerdiff.analyzer.diagnose.examiner import NodeExaminer, inherited_words
 from layerdiff.analyzer.jobs.budget import DEFAULT_BUDGET, MemoryBudget
+from layerdiff.analyzer.report.drawer import PlotDrawer
 from layerdiff.analyzer.report.files import JobReport, Row
 from layerdiff.common.onnxgraph import TensorSite
 from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, BufferLease, NodeRecord, original_op
@@ -116,6 +117,8 @@ class StreamConsumer:
         self.read_as_input: set[str] = set()
         self.done = 0
         self._plot_names: set[str] = set()
+        self._drawer: PlotDrawer | None = None     # made at the first failing node to draw
+        self._plots_drawn = 0
         # the dump's dominant layout, for shapes that do not tell theirs
         self.layout = L.LayoutVote()
         self._layout_wait: list[_LayoutWait] = []
@@ -431,8 +434,8 @@ class StreamConsumer:
                       reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
                                   if t and t not in p.feeds))   # model inputs are exact on both sides
             if row.failed and p.show_graph:
-                if p.max_plots is None or len(self.rep.plots) < p.max_plots:
-                    self._draw(row, item.ref, dev, item.tol)
+                if p.max_plots is None or self._plots_drawn < p.max_plots:
+                    self._draw(row, item.ref, dev, item.tol, item.lease)
                 else:
                     self.rep.plots_left += 1
             self.examiner.row_done(row, item.ref, dev, item.lease, item.tol, p.force_compare)
@@ -443,22 +446,39 @@ class StreamConsumer:
         self.done += 1
         self.progress(self.done, site.tensor, passed)
 
-    def _draw(self, row: Row, ref, dev, tol) -> None:
+    def _draw(self, row: Row, ref, dev, tol, lease: BufferLease | None) -> None:
+        """The node's plots, drawn beside the comparisons (report.drawer);
+        the device buffer they read is retained until they are drawn."""
         from layerdiff.analyzer.compare.node import reconcile
         from layerdiff.analyzer.report.plots import node_plots
         from layerdiff.common.names import safe_filename
 
         p = self.p
-        try:
-            dev, _ = reconcile(ref, dev, True)
-            stem = safe_filename(row.label if row.is_input or row.site.output_index else row.site.node,
-                                 self._plot_names)
-            self.rep.plots[row.label] = node_plots(self.report_dir, stem, ref, dev, max_bins=p.max_bins,
-                                                   min_bins=p.min_bins, atol=tol.atol, rtol=tol.rtol,
-                                                   title=row.label)
-        except Exception as e:  # a plot is an extra: the comparison stands without it
-            log.warning("no plots for %s: %s", row.label, e)
-            self.rep.skipped.append((row.label, f"plots not drawn: {e}"))
+        if self._drawer is None:
+            self._drawer = PlotDrawer()
+        stem = safe_filename(row.label if row.is_input or row.site.output_index else row.site.node,
+                             self._plot_names)
+
+        def draw() -> dict:
+            aligned, _ = reconcile(ref, dev, True)
+            return node_plots(self.report_dir, stem, ref, aligned, max_bins=p.max_bins, min_bins=p.min_bins,
+                              atol=tol.atol, rtol=tol.rtol, title=row.label)
+
+        self._plots_drawn += 1
+        held = lease.retain() if lease is not None else None
+        self._drawer.submit(row.label, draw, held.release if held is not None else None)
+
+    def _drawn(self) -> None:
+        """Every plot submitted, drawn, in the report (or why not)."""
+        if self._drawer is None:
+            return
+        for label, got in self._drawer.results():
+            if isinstance(got, Exception):    # a plot is an extra: the comparison stands without it
+                log.warning("no plots for %s: %s", label, got)
+                self.rep.skipped.append((label, f"plots not drawn: {got}"))
+            else:
+                self.rep.plots[label] = got
+        self._drawer = None
 
     # ------------------------------------------------------------------- end
 
@@ -469,6 +489,7 @@ class StreamConsumer:
         self._settle_values()
         self._flush_layout(final=True)
         self._drain(0)
+        self._drawn()
         self.examiner.finish()
         rep = self.rep
         for row in rep.rows:        # budgets with every type the device stored in known
@@ -496,6 +517,9 @@ class StreamConsumer:
 
     def abandon(self) -> None:
         """The job stops early (cancelled, failed): let go of every buffer."""
+        if self._drawer is not None:
+            self._drawer.abandon()
+            self._drawer = None
         if self.values is not None:
             self.values.release()
         for w in self._layout_wait:
