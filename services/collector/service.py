@@ -100,12 +100,14 @@ class CollectorFlight(flight.FlightServerBase):
 
     def _live_runner(self, live: pb.LiveSource):
         model_name = self.store.name(live.model_artifact)
-        model: bytes | onnx.ModelProto = self.store.read(live.model_artifact, "model_artifact")
+        data = self.store.read(live.model_artifact, "model_artifact")
+        model: bytes | onnx.ModelProto = data
         if live.device_model_artifact and self.store.name(live.device_model_artifact).lower().endswith(".onnx") \
-                and not is_tensorflow(model_name, model):
+                and not is_tensorflow(model_name, data):
             # Of the reference, only its inputs are read when a device model
             # runs: its weights go before the device model's are read.
-            model = without_weight_data(load_model(model, model_name), keep=False)[0]
+            model = without_weight_data(load_model(data, model_name), keep=False)[0]
+        del data
         feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
                             self.store.name(live.inputs_artifact))
         device_model = self.store.read(live.device_model_artifact, "device_model_artifact") \
@@ -216,6 +218,7 @@ def _live_runner(model: bytes | onnx.ModelProto, feeds, live: pb.LiveSource, mod
     if runs_tf:
         from layerdiff.collector.live.tf import TFLiveRunner
 
+        assert isinstance(model, bytes)     # parsed only for an ONNX device model
         return TFLiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
                             model_name=model_name, device_model_name=device_model_name, signature=live.signature)
     if device_model and ref_tf:
