@@ -298,3 +298,32 @@ def test_a_block_of_channels_is_measured_without_a_row_that_stands_out():
     assert blk.where == "rows 0..1 of axis 1" and axis.where == "features 77..108 (outside rows 0..1 of axis 1)"
     assert axis.contrast > EM.LOCAL_CONTRAST and axis.rel > 0.045
     assert EM.local_own(axis, EM.budget("Linear", parse("bf16"), 256))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32])
+def test_square_sums_are_numpys_squares_summed_along_the_kept_axes(dtype):
+    """The error model's blocks are cut from sums of squares taken in one
+    pass: for every split of a tensor (kept axes, the axes after them) they
+    are numpy's squares (in the tensor's float type, float16 and integers
+    widened to float32) summed in float64, a square that is not finite (NaN,
+    Inf, or beyond float32) counted as zero; a view that is not contiguous
+    gives what its copy gives."""
+    from layerdiff.analyzer.compare.squares import square_sums
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((2, 5, 6, 7)) * 50).astype(dtype)
+    if np.dtype(dtype).kind == "f":
+        x.flat[3], x.flat[40] = np.nan, np.inf
+        if dtype == np.float32:
+            x.flat[77] = 3e20         # its square overflows float32
+    own = np.float64 if dtype == np.float64 else np.float32
+    with np.errstate(all="ignore"):
+        sq = np.square(x.astype(own))
+    sq = np.where(np.isfinite(sq), sq, 0).astype(np.float64)
+    for first, last in ((0, 0), (1, 1), (1, 2), (2, 3), (0, 3)):
+        by_kept, by_after = square_sums(x, first, last)
+        before, after = tuple(range(first)), tuple(range(last + 1, 4))
+        np.testing.assert_allclose(by_kept, sq.sum(axis=before + after), rtol=1e-12)
+        np.testing.assert_allclose(by_after, sq.sum(axis=tuple(range(last + 1))), rtol=1e-12)
+    view = x.transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(square_sums(view, 1, 1)[0], square_sums(view.copy(), 1, 1)[0], rtol=0)

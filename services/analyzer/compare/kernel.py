@@ -1496,6 +1496,10 @@ def warmup() -> None:
         hidx, hdiff, hcls = np.zeros(4, np.int64), np.zeros(4, np.float64), np.zeros(4, np.int64)
         _worst(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
         _worst_int(i64, i64, False, False, 0, 0, hidx, hdiff, hcls)
+        # the error model's sums of squares (a unit of its own: squares.py)
+        from layerdiff.analyzer.compare import squares
+
+        squares.warmup()
         _warmed = True
 
 

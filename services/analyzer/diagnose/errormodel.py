@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from layerdiff.analyzer.compare.squares import square_sums
 from layerdiff.common.precision import PRECISIONS, Precision, build_of_dtype, coarser, node_precision, of_dtype
 
 # A node adds a computation error when its own error exceeds FACTOR times
@@ -440,17 +441,6 @@ class Block:
         return self.rel / self.rest if self.rest > 0 else (math.inf if self.rel > 0 else 0.0)
 
 
-def _finite_squares(sq: np.ndarray) -> tuple[np.ndarray, float]:
-    """Squares with every value that is not finite set to zero, and their
-    sum (float64). A finite sum of squares has no such value: the copy is
-    made only where the sum says so."""
-    total = float(np.sum(sq, dtype=np.float64))
-    if math.isfinite(total):
-        return sq, total
-    sq = np.where(np.isfinite(sq), sq, 0)
-    return sq, float(np.sum(sq, dtype=np.float64))
-
-
 def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 8) -> Block | None:
     """The block of a tensor whose relative RMS error is the largest (see
     worst_blocks)."""
@@ -476,19 +466,32 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
     r = np.asarray(ref)
     if e.shape != r.shape or e.size < 4 * min_elements or e.ndim == 0:
         return None, None
-    with np.errstate(all="ignore"):
-        e2 = np.square(e, dtype=np.float32) if e.dtype != np.float64 else np.square(e)
-        r2 = np.square(r, dtype=np.float32) if r.dtype != np.float64 else np.square(r)
-    e2, e_all = _finite_squares(e2)
-    r2, r_all = _finite_squares(r2)
-    floor = r_all / r2.size / 16.0
     nd = e.ndim
     sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}     # axis -> (error², reference²) per index
 
-    def along(axes_kept: tuple[int, ...]):
-        others = tuple(a for a in range(nd) if a not in axes_kept)
-        return (np.sum(e2, axis=others, dtype=np.float64), np.sum(r2, axis=others, dtype=np.float64),
-                e.size // int(np.prod([e.shape[a] for a in axes_kept])))
+    # The squares' sums (error², reference²) for each index of the mixed
+    # axis (channels, features) and of the other cut (the image's rows and
+    # columns, or the rows), both from one pass over each tensor.
+    rows = None
+    if nd == 4:
+        c_axis, (h_axis, w_axis) = (3, (1, 2)) if layout == "NHWC" else (1, (2, 3))
+        mix_axis, mix_key = c_axis, "channels"
+        if layout == "NHWC":
+            (se_o, se_m), (sr_o, sr_m) = square_sums(e, 1, 2), square_sums(r, 1, 2)
+        else:
+            (se_m, se_o), (sr_m, sr_o) = square_sums(e, 1, 1), square_sums(r, 1, 1)
+    else:
+        mix_axis, mix_key = nd - 1, "features" if nd > 1 else "elements"
+        rows = next((ax for ax in range(nd - 2, -1, -1) if e.shape[ax] > 1), None)
+        if rows is None:
+            (se_m, _), (sr_m, _) = square_sums(e, nd - 1, nd - 1), square_sums(r, nd - 1, nd - 1)
+            se_o = sr_o = None
+        else:     # the axes between the rows and the features are 1s
+            (se_o, se_m), (sr_o, sr_m) = square_sums(e, rows, rows), square_sums(r, rows, rows)
+            se_m, sr_m = se_m.reshape(-1), sr_m.reshape(-1)
+    by_mix = (se_m, sr_m, e.size // e.shape[mix_axis])
+    e_all, r_all = float(se_m.sum()), float(sr_m.sum())
+    floor = r_all / r.size / 16.0
 
     def consider(se_w: np.ndarray, sr_w: np.ndarray, n: int, label, span=None, whole=None) -> Block | None:
         """The worst of windows of ``n`` elements each, their sums given
@@ -508,9 +511,9 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
                      _rest_rel(e_tot - float(se_w.flat[i]), r_tot - float(sr_w.flat[i]), size - n, fl),
                      *(span(at) if span else ("", 0, 0)))
 
-    def windows(axis: int, key: str, given=None, whole=None) -> Block | None:
-        se, sr, per = given or along((axis,))
-        if given is None:
+    def windows(axis: int, key: str, given, whole=None) -> Block | None:
+        se, sr, per = given
+        if whole is None:
             sums[key] = (se, sr)
         w = max(1, round(e.shape[axis] / 16))
         return consider(_window_sums(se, (w,)), _window_sums(sr, (w,)), per * w,
@@ -518,11 +521,9 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
                         f"rows {at[0]}..{at[0] + w - 1} of{key[len('rows of'):]}",
                         lambda at: (key, int(at[0]), int(at[0]) + w), whole)
 
+    mixed = windows(mix_axis, mix_key, by_mix)
     if nd == 4:
-        c_axis, (h_axis, w_axis) = (3, (1, 2)) if layout == "NHWC" else (1, (2, 3))
-        mix_axis, mix_key = c_axis, "channels"
-        mixed = windows(c_axis, "channels")
-        se, sr, per = along((h_axis, w_axis))
+        se, sr, per = se_o, sr_o, e.size // (e.shape[h_axis] * e.shape[w_axis])
         th, tw = max(1, round(e.shape[h_axis] / 4)), max(1, round(e.shape[w_axis] / 4))
         other = consider(_window_sums(se, (th, tw)), _window_sums(sr, (th, tw)), per * th * tw,
                          lambda at: f"rows {at[0]}..{at[0] + th - 1}, columns {at[1]}..{at[1] + tw - 1}",
@@ -534,10 +535,8 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
                            for a in range(nd))
             other = Block(other.where, other.rel, other.share, other.scale, other.rest)
     else:
-        mix_axis, mix_key = nd - 1, "features" if nd > 1 else "elements"
-        mixed = windows(nd - 1, mix_key)
-        rows = next((ax for ax in range(nd - 2, -1, -1) if e.shape[ax] > 1), None)
-        other = windows(rows, f"rows of axis {rows}") if rows is not None else None
+        other = windows(rows, f"rows of axis {rows}", (se_o, sr_o, e.size // e.shape[rows])) \
+            if rows is not None else None
         region = tuple(slice(other.start, other.stop) if a == rows else slice(None) for a in range(nd)) \
             if other is not None else None
     best = max((b for b in (mixed, other) if b is not None), key=lambda b: b.rel, default=None)
@@ -545,9 +544,8 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
     if other is not None and region is not None and other.contrast > LOCAL_CONTRAST and mixed is not None:
         # a part that stands out elsewhere (inherited, most often) would hide
         # a block of channels: those are measured without it too
-        keep = tuple(a for a in range(nd) if a != mix_axis)
-        se_x = np.sum(e2[region], axis=keep, dtype=np.float64)
-        sr_x = np.sum(r2[region], axis=keep, dtype=np.float64)
+        se_x = square_sums(e[region], mix_axis, mix_axis)[0]
+        sr_x = square_sums(r[region], mix_axis, mix_axis)[0]
         n_x = int(np.prod([len(range(*sl.indices(e.shape[a]))) for a, sl in enumerate(region)]))
         se_m, sr_m = sums[mix_key]
         rest_e, rest_r = se_m - se_x, sr_m - sr_x

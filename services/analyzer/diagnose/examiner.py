@@ -195,18 +195,20 @@ class NodeExaminer:
             return
         with np.errstate(all="ignore"):
             err = np.subtract(d, ref, dtype=np.float64 if ref.dtype == np.float64 else np.float32)
-            mag = np.abs(ref)
-            sample = mag.ravel()[:: max(1, mag.size // 65536)]
+            sample = np.abs(ref.ravel()[:: max(1, ref.size // 65536)])
             sample = sample[np.isfinite(sample)]
             med = float(np.median(sample)) if sample.size else 0.0
-            top = float(np.max(mag)) if mag.size else 0.0
-            if not math.isfinite(top):     # one pass where every value is finite, the usual case
-                top = float(np.max(np.where(np.isfinite(mag), mag, 0)))
+            # the largest finite magnitude: two passes and no copy where
+            # every value is finite, the usual case
+            hi, lo = float(np.max(ref)), float(np.min(ref))
+            top = max(hi, -lo) if math.isfinite(hi) and math.isfinite(lo) else \
+                float(np.max(np.where(np.isfinite(ref), np.abs(ref), 0)))
             r = ref
             # sentinels: the -3.4e38 (finfo.min) of a mask, whatever the median
             # (a mask tensor is zeros and sentinels); a device saturates them
             limit = 1e30
             if (med > 0 and top > 1e3 * med) or top >= limit:
+                mag = np.abs(ref)
                 keep = np.isfinite(mag) & (mag < limit)
                 if med > 0:
                     keep &= mag <= 1e3 * med

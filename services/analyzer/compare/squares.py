@@ -1,0 +1,75 @@
+"""Sums of squares along kept axes, in one pass over a tensor.
+
+The error model cuts a tensor into blocks (channels, tiles, rows) and needs,
+for each index of the kept axes, the sum of the squared errors and of the
+squared reference values there. Done with numpy, that was a squared copy of
+each tensor, a cleaned copy where a value was not finite, and two reductions
+that widen to float64 a piece at a time: half of a detector's job went into
+it. Here each tensor is read once.
+
+Each square is taken in the tensor's own type, float32 or float64 (float16
+and integers are widened to float32 first), as ``np.square(x, dtype=...)``
+takes it; a square that is not finite counts as zero; the sums are float64.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import njit
+
+
+# reassoc: the sums may be taken in any order (vectorized); nothing else of
+# fastmath, which would let the finiteness test go
+@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
+def _square_sums(x, p, k, q, by_k, by_q):
+    # x: p*k*q elements seen as (p, k, q); by_k[j] += the finite squares of
+    # x[:, j, :], by_q[m] += those of x[:, :, m]
+    i = 0
+    for _ in range(p):
+        for j in range(k):
+            s = 0.0
+            for m in range(q):
+                v = x[i + m]
+                v2 = v * v
+                t = v2 if v2 - v2 == 0.0 else 0.0     # finite (Inf - Inf and NaN are NaN)
+                s += t
+                by_q[m] += t
+            by_k[j] += s
+            i += q
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    """The tensor as a flat array of float32 or float64 in C order."""
+    x = np.asarray(x)
+    if x.dtype != np.float64 and x.dtype != np.float32:
+        x = x.astype(np.float32)
+    return x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1)
+
+
+def square_sums(x: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 sums of the finite squares of ``x`` for every index of
+    axes ``first``..``last`` (over all the others), and for every index of
+    the axes after ``last`` (over all the others), in one pass; shaped as
+    those axes."""
+    shape = x.shape
+    kept, after = shape[first:last + 1], shape[last + 1:]
+    by_k = np.zeros(int(np.prod(kept, dtype=np.int64)), np.float64)
+    by_q = np.zeros(int(np.prod(after, dtype=np.int64)), np.float64)
+    if x.size:
+        _square_sums(_flat(x), int(np.prod(shape[:first], dtype=np.int64)), by_k.size, by_q.size, by_k, by_q)
+    return by_k.reshape(kept), by_q.reshape(after)
+
+
+_warm_lock = threading.Lock()
+_warmed = False
+
+
+def warmup() -> None:
+    """Load (or compile) both signatures. Idempotent, thread-safe."""
+    global _warmed
+    with _warm_lock:
+        if not _warmed:
+            for dtype in (np.float32, np.float64):
+                square_sums(np.zeros((2, 2, 2), dtype), 1, 1)
+            _warmed = True
