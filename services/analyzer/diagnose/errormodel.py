@@ -484,8 +484,7 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
         mix_axis, mix_key = nd - 1, "features" if nd > 1 else "elements"
         rows = next((ax for ax in range(nd - 2, -1, -1) if e.shape[ax] > 1), None)
         if rows is None:
-            (se_m, _), (sr_m, _) = square_sums(e, nd - 1, nd - 1), square_sums(r, nd - 1, nd - 1)
-            se_o = sr_o = None
+            (se_m, se_o), (sr_m, sr_o) = square_sums(e, nd - 1, nd - 1), square_sums(r, nd - 1, nd - 1)
         else:     # the axes between the rows and the features are 1s
             (se_o, se_m), (sr_o, sr_m) = square_sums(e, rows, rows), square_sums(r, rows, rows)
             se_m, sr_m = se_m.reshape(-1), sr_m.reshape(-1)
