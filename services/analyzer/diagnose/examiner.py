@@ -5,8 +5,10 @@ of quantized ops (layerdiff.analyzer.diagnose.verdicts decides from them)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -148,15 +150,17 @@ class NodeExaminer:
         for wid in ready:
             self._run_waiting(wid)
 
-    def row_done(self, row, ref: np.ndarray, dev: np.ndarray, lease, tol, force_compare: bool) -> None:
+    def row_done(self, row, ref: np.ndarray, dev: np.ndarray, lease, tol, force_compare: bool,
+                 stats: ErrorStats | None = None) -> None:
         """A comparison is finished: note its metrics, examine the node if it
         fails (now, or once what it reads is settled), and settle it for the
-        nodes that read it."""
+        nodes that read it. ``stats``: its error model figures, where they
+        were made beside the comparison."""
         key = (row.site.node, row.site.output_index) if row.is_input else row.site.tensor
         self.metrics_of[key] = row.outcome.metrics
         if not row.is_constant:
             self.policy.seen(row.device_dtype)
-        self._error_stats(row, ref, dev, force_compare)
+        self._error_stats(row, ref, dev, force_compare, stats)
         self.blocks_of[key] = row.block
         if row.norm_read is not None:
             self.norms_of[key] = row.norm_read
@@ -177,61 +181,26 @@ class NodeExaminer:
                 self._unit_done(row.site)
         self.settle(key)
 
-    def _error_stats(self, row, ref: np.ndarray, dev: np.ndarray, force_compare: bool) -> None:
-        """The error model's view of a compared tensor: the part of it with
-        the largest relative error (a group of channels, a tile), and where
-        the reference holds mask-like values (|x| above 1000 times the
-        median magnitude: -3.4e38 or -1e4 of an additive attention mask),
-        or sentinels beyond 1e30 (finfo.min), its relative and RMS errors
-        without them: a mask clamped or saturated says nothing of how the
-        rest was computed."""
-        from layerdiff.analyzer.compare.node import SkipNode, reconcile
+    def stats_for(self, site, is_input: bool) -> Callable[[np.ndarray, np.ndarray, bool], ErrorStats]:
+        """The error model's figures of a compared tensor (a node's output,
+        or with ``is_input`` what it read), as a function of the two tensors
+        alone: made beside the comparison, on another thread."""
+        return partial(error_stats, layout=self.policy.layout,
+                       norm_by=EM.row_norm(site.op_type) if is_input and site.output_index == 0 else "",
+                       grid=self.policy.quantized and not site.is_constant)
 
-        if ref.dtype.kind != "f" or ref.size < 16:
-            return
-        try:
-            d, _ = reconcile(ref, dev, force_compare)
-        except SkipNode:
-            return
-        with np.errstate(all="ignore"):
-            err = np.subtract(d, ref, dtype=np.float64 if ref.dtype == np.float64 else np.float32)
-            sample = np.abs(ref.ravel()[:: max(1, ref.size // 65536)])
-            sample = sample[np.isfinite(sample)]
-            med = float(np.median(sample)) if sample.size else 0.0
-            # the largest finite magnitude: two passes and no copy where
-            # every value is finite, the usual case
-            hi, lo = float(np.max(ref)), float(np.min(ref))
-            top = max(hi, -lo) if math.isfinite(hi) and math.isfinite(lo) else \
-                float(np.max(np.where(np.isfinite(ref), np.abs(ref), 0)))
-            r = ref
-            # sentinels: the -3.4e38 (finfo.min) of a mask, whatever the median
-            # (a mask tensor is zeros and sentinels); a device saturates them
-            limit = 1e30
-            if (med > 0 and top > 1e3 * med) or top >= limit:
-                mag = np.abs(ref)
-                keep = np.isfinite(mag) & (mag < limit)
-                if med > 0:
-                    keep &= mag <= 1e3 * med
-                err = np.where(keep, err, 0)
-                r = np.where(keep, ref, 0)
-                n = int(np.count_nonzero(keep))
-                row.masked = int(ref.size - n)
-                row.err_rel = EM.rel_rms(err, r)
-                row.err_rms = float(np.sqrt(np.sum(np.square(err, dtype=np.float64)) / max(n, 1)))
-        if ref.size >= 64:
-            row.block, row.axis_block = EM.worst_blocks(err, r, self.policy.layout if ref.ndim == 4 else "")
-        by = EM.row_norm(row.site.op_type) if row.is_input and row.site.output_index == 0 else ""
-        if by:
-            row.norm_read = EM.normalized_read(err, r, by)
-        if self.policy.quantized and not row.is_constant:
-            grid = quant_grid(d)        # an INT8 hand-over: the step its values lie on
-            if grid is not None:
-                row.quant_step, row.quant_levels = grid
-                row.clipped = _clipped(ref, d, row.quant_step)
-                rms = row.abs_err / row.rel_err if row.masked and row.rel_err else row.outcome.metrics.ref_rms
-                if self.injected is not None and not row.is_input and d.shape == ref.shape and \
-                        EM.quant_break(row.quant_step, rms, row.rel_err):
-                    self.injected.keep(row.site.tensor, d)      # a break: its impact is measured
+    def _error_stats(self, row, ref: np.ndarray, dev: np.ndarray, force_compare: bool,
+                     stats: ErrorStats | None = None) -> None:
+        """The error model's view of a compared tensor (``stats``: made
+        already, beside its comparison) on the row."""
+        if stats is None:
+            stats = self.stats_for(row.site, row.is_input)(ref, dev, force_compare)
+        stats.apply(row)
+        if row.quant_step and self.injected is not None and not row.is_input and stats.device is not None \
+                and stats.device.shape == ref.shape:
+            rms = row.abs_err / row.rel_err if row.masked and row.rel_err else row.outcome.metrics.ref_rms
+            if EM.quant_break(row.quant_step, rms, row.rel_err):
+                self.injected.keep(row.site.tensor, stats.device)      # a break: its impact is measured
 
     def judge_budget(self, row, final: bool = False) -> None:
         """The precision the node computed in and the error its own
@@ -607,6 +576,89 @@ def inherited_words(row) -> str:
     masked = f" ({row.masked} mask-like reference values left out)" if row.masked else ""
     return (f"relative RMS error {fmt(row.rel_err)} here{masked} against {fmt(row.read_rel or 0.0)} in what it "
             f"read: no more than what it read and its own rounding ({own}) explain")
+
+
+@dataclass
+class ErrorStats:
+    """The error model's figures of one compared tensor (see error_stats),
+    put on its row by ``apply``."""
+    block: Any = None
+    axis_block: Any = None
+    masked: int = 0
+    err_rel: float | None = None
+    err_rms: float | None = None
+    norm_read: tuple[float, float] | None = None
+    quant_step: float = 0.0
+    quant_levels: int = 0
+    clipped: str = ""
+    device: np.ndarray | None = None     # the device tensor in the reference's layout, where on a grid
+
+    def apply(self, row) -> None:
+        row.block, row.axis_block = self.block, self.axis_block
+        if self.masked:
+            row.masked, row.err_rel, row.err_rms = self.masked, self.err_rel, self.err_rms
+        if self.norm_read is not None:
+            row.norm_read = self.norm_read
+        if self.quant_step:
+            row.quant_step, row.quant_levels, row.clipped = self.quant_step, self.quant_levels, self.clipped
+
+
+def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout: str = "NCHW", norm_by: str = "",
+                grid: bool = False) -> ErrorStats:
+    """The error model's view of a compared tensor: the part of it with
+    the largest relative error (a group of channels, a tile), and where
+    the reference holds mask-like values (|x| above 1000 times the
+    median magnitude: -3.4e38 or -1e4 of an additive attention mask),
+    or sentinels beyond 1e30 (finfo.min), its relative and RMS errors
+    without them: a mask clamped or saturated says nothing of how the
+    rest was computed. ``norm_by``: the normalization the node applies to
+    what it reads (EM.normalized_read); ``grid``: look for the INT8 grid
+    the device values lie on. A function of the two tensors alone."""
+    from layerdiff.analyzer.compare.node import SkipNode, reconcile
+
+    out = ErrorStats()
+    if ref.dtype.kind != "f" or ref.size < 16:
+        return out
+    try:
+        d, _ = reconcile(ref, dev, force_compare)
+    except SkipNode:
+        return out
+    with np.errstate(all="ignore"):
+        err = np.subtract(d, ref, dtype=np.float64 if ref.dtype == np.float64 else np.float32)
+        sample = np.abs(ref.ravel()[:: max(1, ref.size // 65536)])
+        sample = sample[np.isfinite(sample)]
+        med = float(np.median(sample)) if sample.size else 0.0
+        # the largest finite magnitude: two passes and no copy where
+        # every value is finite, the usual case
+        hi, lo = float(np.max(ref)), float(np.min(ref))
+        top = max(hi, -lo) if math.isfinite(hi) and math.isfinite(lo) else \
+            float(np.max(np.where(np.isfinite(ref), np.abs(ref), 0)))
+        r = ref
+        # sentinels: the -3.4e38 (finfo.min) of a mask, whatever the median
+        # (a mask tensor is zeros and sentinels); a device saturates them
+        limit = 1e30
+        if (med > 0 and top > 1e3 * med) or top >= limit:
+            mag = np.abs(ref)
+            keep = np.isfinite(mag) & (mag < limit)
+            if med > 0:
+                keep &= mag <= 1e3 * med
+            err = np.where(keep, err, 0)
+            r = np.where(keep, ref, 0)
+            n = int(np.count_nonzero(keep))
+            out.masked = int(ref.size - n)
+            out.err_rel = EM.rel_rms(err, r)
+            out.err_rms = float(np.sqrt(np.sum(np.square(err, dtype=np.float64)) / max(n, 1)))
+    if ref.size >= 64:
+        out.block, out.axis_block = EM.worst_blocks(err, r, layout if ref.ndim == 4 else "")
+    if norm_by:
+        out.norm_read = EM.normalized_read(err, r, norm_by)
+    if grid:
+        found = quant_grid(d)        # an INT8 hand-over: the step its values lie on
+        if found is not None:
+            out.quant_step, out.quant_levels = found
+            out.clipped = _clipped(ref, d, out.quant_step)
+            out.device = d
+    return out
 
 
 def _clipped(ref: np.ndarray, dev: np.ndarray, step: float, what: str = "the reference") -> str:

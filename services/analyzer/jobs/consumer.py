@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +54,7 @@ class _Pending:
     lease: BufferLease | None    # this comparison's own hold on the device buffer
     dev: np.ndarray | None = None   # the device tensor in the reference's layout (a view of rec.array)
     note: str = ""       # how the layout was undone, for the row
+    stats: Future | None = None     # its error model figures, made beside the comparison
 
     @property
     def key(self):
@@ -111,6 +112,10 @@ class StreamConsumer:
                                      cap_bytes=budget.producers, wait_cap_bytes=budget.waiting,
                                      policy=prepared.policy())
         self.limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
+        # the error model's figures of each pair, made while it is compared
+        # (numpy and compiled passes that let other threads run), not after
+        # it on the thread that takes the stream
+        self._stats = ThreadPoolExecutor(max_workers=1, thread_name_prefix="error-stats")
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()
         self.seen_inputs: set[tuple] = set()
@@ -383,11 +388,13 @@ class StreamConsumer:
         lease = rec.lease.retain() if rec.lease is not None else None
         try:
             fut = self.executor.submit(ref, dev, tol, self.p.diff_cnt, self.p.force_compare)
+            stats = self._stats.submit(self.examiner.stats_for(site, rec.role == ROLE_INPUT), ref, dev,
+                                       self.p.force_compare) if dev is not None else None
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        self.pending[fut] = _Pending(site, rec, ref, tol, lease, dev, note)
+        self.pending[fut] = _Pending(site, rec, ref, tol, lease, dev, note, stats)
 
     def finish_done(self) -> None:
         """Record the comparisons already finished at the head (the stream
@@ -438,7 +445,8 @@ class StreamConsumer:
                     self._draw(row, item.ref, dev, item.tol, item.lease)
                 else:
                     self.rep.plots_left += 1
-            self.examiner.row_done(row, item.ref, dev, item.lease, item.tol, p.force_compare)
+            self.examiner.row_done(row, item.ref, dev, item.lease, item.tol, p.force_compare,
+                                   item.stats.result() if item.stats is not None else None)
             self.rep.rows.append(row)
             passed = not row.failed
         if rec.role == ROLE_INPUT:
@@ -489,6 +497,7 @@ class StreamConsumer:
         self._settle_values()
         self._flush_layout(final=True)
         self._drain(0)
+        self._stats.shutdown(wait=True)
         self._drawn()
         self.examiner.finish()
         rep = self.rep
@@ -516,7 +525,9 @@ class StreamConsumer:
                 rep.not_dumped.append(s)
 
     def abandon(self) -> None:
-        """The job stops early (cancelled, failed): let go of every buffer."""
+        """The job stops early (cancelled, failed): let go of every buffer
+        (once nothing reads it)."""
+        self._stats.shutdown(wait=True, cancel_futures=True)
         if self._drawer is not None:
             self._drawer.abandon()
             self._drawer = None
