@@ -139,6 +139,37 @@ def bench_analyzer_rss(work: Path, side: int) -> dict:
             "dump_GBps": dump_bytes / wall / 1e9, "analyzer_job_elapsed_s": res.summary["elapsed_s"]}
 
 
+def bench_activation_scaling(work: Path, sizes: list[tuple[int, int]]) -> dict:
+    """The detector's FP16 build run live at each input size (4x the pixels,
+    4x the activations, from the first to the last), each job on an analyzer
+    process of its own (its peak RSS is the job's): how the analyzer's peak
+    grows with the activations, against the goal of 1.3x for 4x."""
+    from layerdiff.client.api import run
+
+    ref = packaged_model()
+    rows = []
+    for h, w in sizes:
+        np.savez(work / f"in-{h}.npz", x=det_input(h, w))
+        collector, caddr = serve("collector", work / f"collector-{h}")
+        analyzer, aaddr = serve("analyzer", work / f"analyzer-{h}")
+        try:
+            idle = _hwm(analyzer.pid)
+            res = run(ref, work / f"in-{h}.npz", precision="fp16", analyzer=aaddr, collector=caddr,
+                      out=work / f"scaling-{h}", progress=False)
+            peak = _hwm(analyzer.pid)
+        finally:
+            for proc in (analyzer, collector):
+                proc.terminate()
+                proc.wait()
+        rows.append({"input": [1, 3, h, w], "analyzer_idle_rss_MiB": idle / 2**20,
+                     "analyzer_peak_rss_MiB": peak / 2**20, "compared": res.summary["counts"]["compared"],
+                     "job_elapsed_s": res.summary["elapsed_s"]})
+    pixels = (sizes[-1][0] * sizes[-1][1]) / (sizes[0][0] * sizes[0][1])
+    return {"sizes": rows, "pixels_ratio": pixels,
+            "peak_ratio": rows[-1]["analyzer_peak_rss_MiB"] / rows[0]["analyzer_peak_rss_MiB"],
+            "goal": "peak_ratio <= 1.3 for 4x the pixels"}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--height", type=int, default=640)
@@ -147,8 +178,18 @@ def main(argv=None) -> dict:
                     help="input sides of the dumps (~2 GB at 1088, ~8 GB at 2176)")
     ap.add_argument("--skip-rss", action="store_true")
     ap.add_argument("--skip-polygraphy", action="store_true")
+    ap.add_argument("--skip-scaling", action="store_true")
     a = ap.parse_args(argv)
     out = {}
+    if not a.skip_scaling:
+        with tempfile.TemporaryDirectory(prefix="layerdiff-bench-scaling-") as tmp:
+            sc = bench_activation_scaling(Path(tmp), [(480, 640), (960, 1280)])
+        out["activation_scaling"] = sc
+        first, last = sc["sizes"][0], sc["sizes"][-1]
+        print(f"(c) analyzer peak RSS, FP16 build live: {first['analyzer_peak_rss_MiB']:.0f} MiB at "
+              f"{first['input'][2]}x{first['input'][3]}, {last['analyzer_peak_rss_MiB']:.0f} MiB at "
+              f"{last['input'][2]}x{last['input'][3]} ({sc['pixels_ratio']:.0f}x the pixels): "
+              f"{sc['peak_ratio']:.2f}x (goal <= 1.3)")
     if not a.skip_polygraphy:
         with tempfile.TemporaryDirectory(prefix="layerdiff-bench-job-") as tmp:
             d = bench_vs_polygraphy(Path(tmp), a.height, a.width)
