@@ -327,3 +327,34 @@ def test_square_sums_are_numpys_squares_summed_along_the_kept_axes(dtype):
         np.testing.assert_allclose(by_after, sq.sum(axis=tuple(range(last + 1))), rtol=1e-12)
     view = x.transpose(0, 2, 1, 3)
     np.testing.assert_allclose(square_sums(view, 1, 1)[0], square_sums(view.copy(), 1, 1)[0], rtol=0)
+
+
+@pytest.mark.parametrize("ref_dtype,dev_dtype", [(np.float32, np.float32), (np.float32, np.float16),
+                                                 (np.float16, np.float32), (np.float64, np.float64),
+                                                 (np.float32, np.float64)])
+def test_worst_blocks_from_the_two_tensors_are_those_of_their_error(ref_dtype, dev_dtype):
+    """The worst blocks found from the reference and device tensors (the
+    error's sums taken in one pass, the error never made whole) are those
+    found from the error made as numpy makes it, for every type pair, with
+    a broken block, NaN, Inf and a square beyond float32 in them."""
+    from layerdiff.analyzer.diagnose.errormodel import worst_blocks
+
+    rng = np.random.default_rng(11)
+    for shape, layout in (((1, 32, 24, 24), "NCHW"), ((1, 24, 24, 32), "NHWC"), ((48, 64), ""), ((3, 9, 40), "")):
+        ref = rng.standard_normal(shape).astype(ref_dtype)
+        dev = (ref.astype(np.float64) + rng.standard_normal(shape) * 1e-2).astype(dev_dtype)
+        dev[(slice(None),) * (len(shape) - 1) + (slice(0, 4),)] += 1.0       # a broken block
+        dev.flat[17], ref.flat[40] = np.nan, np.inf
+        if dev_dtype == np.float32:
+            dev.flat[90] = 3e30
+        wide = np.float64 if np.dtype(ref_dtype) == np.float64 else np.float32
+        with np.errstate(all="ignore"):
+            err = np.subtract(dev, ref, dtype=wide)
+        whole = worst_blocks(err, ref, layout or "NCHW")
+        paired = worst_blocks(None, ref, layout or "NCHW", dev=dev)
+        assert whole[0] is not None
+        for a, b in zip(whole, paired):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.where == b.where and a.share == b.share
+                assert a.rel == pytest.approx(b.rel, rel=1e-9) and a.rest == pytest.approx(b.rest, rel=1e-9)

@@ -39,6 +39,98 @@ def _square_sums(x, p, k, q, by_k, by_q):
             i += q
 
 
+@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
+def _pair_sums(r, d, p, k, q, ek, rk, eq, rq):
+    # as _square_sums, for the error d - r (in their type) and for r at once
+    i = 0
+    for _ in range(p):
+        for j in range(k):
+            se = 0.0
+            sr = 0.0
+            for m in range(q):
+                rv = r[i + m]
+                ev = d[i + m] - rv
+                e2 = ev * ev
+                r2 = rv * rv
+                te = e2 if e2 - e2 == 0.0 else 0.0
+                tr = r2 if r2 - r2 == 0.0 else 0.0
+                se += te
+                sr += tr
+                eq[m] += te
+                rq[m] += tr
+            ek[j] += se
+            rk[j] += sr
+            i += q
+
+
+@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
+def _pair_sums_half(r, bits, table, p, k, q, ek, rk, eq, rq):
+    # as _pair_sums for a float16 device tensor (its bits; table: each code's float32 value)
+    i = 0
+    for _ in range(p):
+        for j in range(k):
+            se = 0.0
+            sr = 0.0
+            for m in range(q):
+                rv = r[i + m]
+                ev = table[bits[i + m]] - rv
+                e2 = ev * ev
+                r2 = rv * rv
+                te = e2 if e2 - e2 == 0.0 else 0.0
+                tr = r2 if r2 - r2 == 0.0 else 0.0
+                se += te
+                sr += tr
+                eq[m] += te
+                rq[m] += tr
+            ek[j] += se
+            rk[j] += sr
+            i += q
+
+
+# every float16 code's value (exact in float32)
+_HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _contiguous(x: np.ndarray) -> np.ndarray:
+    return x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1)
+
+
+def _split(shape: tuple, first: int, last: int) -> tuple[int, tuple, tuple]:
+    return int(np.prod(shape[:first], dtype=np.int64)), shape[first:last + 1], shape[last + 1:]
+
+
+def takes_pair(ref_dtype, dev_dtype) -> bool:
+    """Does ``pair_square_sums`` take tensors of these types (float32 or
+    float16 against float32 or float16, float64 against float64)?"""
+    narrow = (np.float32, np.float16)
+    return (ref_dtype in narrow and dev_dtype in narrow) or (ref_dtype == np.float64 and dev_dtype == np.float64)
+
+
+def pair_square_sums(ref: np.ndarray, dev: np.ndarray, first: int,
+                     last: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None:
+    """``square_sums`` of the error ``dev - ref`` and of ``ref`` together,
+    in one pass over the two tensors and without the error made whole: the
+    error in float32 (float64 for a float64 reference), as
+    ``np.subtract(dev, ref, dtype=...)`` takes it. ((error², reference²) for
+    the kept axes, (error², reference²) for the axes after them); None for
+    types this pass does not take (the caller makes the error)."""
+    ref, dev = np.asarray(ref), np.asarray(dev)
+    if ref.shape != dev.shape or not takes_pair(ref.dtype, dev.dtype):
+        return None
+    if ref.dtype == np.float16:
+        ref = ref.astype(np.float32)
+    p, kept, after = _split(ref.shape, first, last)
+    k, q = int(np.prod(kept, dtype=np.int64)), int(np.prod(after, dtype=np.int64))
+    ek, rk, eq, rq = np.zeros(k), np.zeros(k), np.zeros(q), np.zeros(q)
+    if ref.size:
+        r = _contiguous(ref)
+        if dev.dtype == np.float16:
+            _pair_sums_half(r, _contiguous(dev).view(np.uint16), _HALF, p, k, q, ek, rk, eq, rq)
+        else:
+            _pair_sums(r, _contiguous(dev), p, k, q, ek, rk, eq, rq)
+    return (ek.reshape(kept), rk.reshape(kept)), (eq.reshape(after), rq.reshape(after))
+
+
 def _flat(x: np.ndarray) -> np.ndarray:
     """The tensor as a flat array of float32 or float64 in C order."""
     x = np.asarray(x)
@@ -66,10 +158,12 @@ _warmed = False
 
 
 def warmup() -> None:
-    """Load (or compile) both signatures. Idempotent, thread-safe."""
+    """Load (or compile) every signature. Idempotent, thread-safe."""
     global _warmed
     with _warm_lock:
         if not _warmed:
             for dtype in (np.float32, np.float64):
                 square_sums(np.zeros((2, 2, 2), dtype), 1, 1)
+                pair_square_sums(np.zeros((2, 2, 2), dtype), np.zeros((2, 2, 2), dtype), 1, 1)
+            pair_square_sums(np.zeros((2, 2, 2), np.float32), np.zeros((2, 2, 2), np.float16), 1, 1)
             _warmed = True

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from layerdiff.analyzer.compare.squares import square_sums
+from layerdiff.analyzer.compare.squares import pair_square_sums, square_sums, takes_pair
 from layerdiff.common.precision import PRECISIONS, Precision, build_of_dtype, coarser, node_precision, of_dtype
 
 # A node adds a computation error when its own error exceeds FACTOR times
@@ -410,11 +410,15 @@ def rel_rms(err: np.ndarray, ref: np.ndarray) -> float:
     for an error against an all-zero reference)."""
     e = np.asarray(err, np.float64).ravel()
     r = np.asarray(ref, np.float64).ravel()
-    ok = np.isfinite(e) & np.isfinite(r)
-    if not ok.all():
-        e, r = e[ok], r[ok]
-    num = float(np.sqrt(np.sum(e * e)))
-    den = float(np.sqrt(np.sum(r * r)))
+    # two passes where every value is finite (a finite sum of squares says
+    # so), the pairs sorted out only where one is not
+    num2, den2 = float(np.dot(e, e)), float(np.dot(r, r))
+    if not (math.isfinite(num2) and math.isfinite(den2)):
+        ok = np.isfinite(e) & np.isfinite(r)
+        if not ok.all():
+            e, r = e[ok], r[ok]
+        num2, den2 = float(np.sum(e * e)), float(np.sum(r * r))
+    num, den = math.sqrt(num2), math.sqrt(den2)
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
@@ -447,8 +451,8 @@ def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elem
     return worst_blocks(err, ref, layout, min_elements)[0]
 
 
-def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
-                 min_elements: int = 8) -> tuple[Block | None, Block | None]:
+def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
+                 min_elements: int = 8, dev: np.ndarray | None = None) -> tuple[Block | None, Block | None]:
     """The block of a tensor whose relative RMS error is the largest: a
     sixteenth of the channels or a tile of a quarter of the rows by a quarter
     of the columns of an image tensor (NCHW, or NHWC for TensorFlow), a
@@ -461,12 +465,33 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
     to less than a quarter of the tensor's RMS, so that near-zero values do
     not read as a large relative error. Marginal sums of the squares
     (float64) and their running sums. (None, None) for a tensor too small to
-    cut (under 4 blocks' worth)."""
-    e = np.asarray(err)
+    cut (under 4 blocks' worth). ``err`` None, ``dev`` given: the error is
+    ``dev - ref`` (float32, or float64 for a float64 reference), its sums
+    taken from the two tensors without it made whole where their types
+    allow."""
     r = np.asarray(ref)
-    if e.shape != r.shape or e.size < 4 * min_elements or e.ndim == 0:
+    d = None if dev is None else np.asarray(dev)
+    if err is None and d is not None and not takes_pair(r.dtype, d.dtype):
+        err = np.subtract(d, r, dtype=np.float64 if r.dtype == np.float64 else np.float32)
+    e = np.asarray(err) if err is not None else None
+    if (e is not None and e.shape != r.shape) or (e is None and (d is None or d.shape != r.shape)) \
+            or r.size < 4 * min_elements or r.ndim == 0:
         return None, None
-    nd = e.ndim
+
+    def both(first: int, last: int, region: tuple | None = None):
+        """((error², reference²) for each index of axes first..last,
+        (error², reference²) for each index of the axes after them)."""
+        rr = r if region is None else r[region]
+        if e is None:
+            assert d is not None      # no error given: the device tensor was (checked above)
+            got = pair_square_sums(rr, d if region is None else d[region], first, last)
+            assert got is not None    # the types were checked above
+            return got
+        ee = e if region is None else e[region]
+        (se_k, se_q), (sr_k, sr_q) = square_sums(ee, first, last), square_sums(rr, first, last)
+        return (se_k, sr_k), (se_q, sr_q)
+
+    shape, elements, nd = r.shape, r.size, r.ndim
     sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}     # axis -> (error², reference²) per index
 
     # The squares' sums (error², reference²) for each index of the mixed
@@ -477,20 +502,20 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
         c_axis, (h_axis, w_axis) = (3, (1, 2)) if layout == "NHWC" else (1, (2, 3))
         mix_axis, mix_key = c_axis, "channels"
         if layout == "NHWC":
-            (se_o, se_m), (sr_o, sr_m) = square_sums(e, 1, 2), square_sums(r, 1, 2)
+            (se_o, sr_o), (se_m, sr_m) = both(1, 2)
         else:
-            (se_m, se_o), (sr_m, sr_o) = square_sums(e, 1, 1), square_sums(r, 1, 1)
+            (se_m, sr_m), (se_o, sr_o) = both(1, 1)
     else:
         mix_axis, mix_key = nd - 1, "features" if nd > 1 else "elements"
-        rows = next((ax for ax in range(nd - 2, -1, -1) if e.shape[ax] > 1), None)
+        rows = next((ax for ax in range(nd - 2, -1, -1) if shape[ax] > 1), None)
         if rows is None:
-            (se_m, se_o), (sr_m, sr_o) = square_sums(e, nd - 1, nd - 1), square_sums(r, nd - 1, nd - 1)
+            (se_m, sr_m), (se_o, sr_o) = both(nd - 1, nd - 1)
         else:     # the axes between the rows and the features are 1s
-            (se_o, se_m), (sr_o, sr_m) = square_sums(e, rows, rows), square_sums(r, rows, rows)
+            (se_o, sr_o), (se_m, sr_m) = both(rows, rows)
             se_m, sr_m = se_m.reshape(-1), sr_m.reshape(-1)
-    by_mix = (se_m, sr_m, e.size // e.shape[mix_axis])
+    by_mix = (se_m, sr_m, elements // shape[mix_axis])
     e_all, r_all = float(se_m.sum()), float(sr_m.sum())
-    floor = r_all / r.size / 16.0
+    floor = r_all / elements / 16.0
 
     def consider(se_w: np.ndarray, sr_w: np.ndarray, n: int, label, span=None, whole=None) -> Block | None:
         """The worst of windows of ``n`` elements each, their sums given
@@ -498,7 +523,7 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
         taken out of, the tensor's by default)."""
         if n < min_elements or se_w.size == 0:
             return None
-        e_tot, r_tot, size, fl = whole or (e_all, r_all, e.size, floor)
+        e_tot, r_tot, size, fl = whole or (e_all, r_all, elements, floor)
         den = np.maximum(sr_w / n, fl)
         with np.errstate(all="ignore"):
             rel = np.where(den > 0, np.sqrt(se_w / n / np.where(den > 0, den, 1.0)), -1.0)
@@ -506,7 +531,7 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
         if rel.flat[i] < 0:
             return None
         at = np.unravel_index(i, rel.shape)
-        return Block(label(at), float(rel.flat[i]), n / e.size, math.sqrt(float(den.flat[i])),
+        return Block(label(at), float(rel.flat[i]), n / elements, math.sqrt(float(den.flat[i])),
                      _rest_rel(e_tot - float(se_w.flat[i]), r_tot - float(sr_w.flat[i]), size - n, fl),
                      *(span(at) if span else ("", 0, 0)))
 
@@ -514,7 +539,7 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
         se, sr, per = given
         if whole is None:
             sums[key] = (se, sr)
-        w = max(1, round(e.shape[axis] / 16))
+        w = max(1, round(shape[axis] / 16))
         return consider(_window_sums(se, (w,)), _window_sums(sr, (w,)), per * w,
                         lambda at: f"{key} {at[0]}..{at[0] + w - 1}" if not key.startswith("rows of") else
                         f"rows {at[0]}..{at[0] + w - 1} of{key[len('rows of'):]}",
@@ -522,19 +547,19 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
 
     mixed = windows(mix_axis, mix_key, by_mix)
     if nd == 4:
-        se, sr, per = se_o, sr_o, e.size // (e.shape[h_axis] * e.shape[w_axis])
-        th, tw = max(1, round(e.shape[h_axis] / 4)), max(1, round(e.shape[w_axis] / 4))
+        se, sr, per = se_o, sr_o, elements // (shape[h_axis] * shape[w_axis])
+        th, tw = max(1, round(shape[h_axis] / 4)), max(1, round(shape[w_axis] / 4))
         other = consider(_window_sums(se, (th, tw)), _window_sums(sr, (th, tw)), per * th * tw,
                          lambda at: f"rows {at[0]}..{at[0] + th - 1}, columns {at[1]}..{at[1] + tw - 1}",
-                         lambda at: ("tile", int(at[0]) * e.shape[w_axis] + int(at[1]), 0))
+                         lambda at: ("tile", int(at[0]) * shape[w_axis] + int(at[1]), 0))
         region = None
         if other is not None:
-            h0, w0 = divmod(other.start, e.shape[w_axis])
+            h0, w0 = divmod(other.start, shape[w_axis])
             region = tuple(slice(h0, h0 + th) if a == h_axis else slice(w0, w0 + tw) if a == w_axis else slice(None)
                            for a in range(nd))
             other = Block(other.where, other.rel, other.share, other.scale, other.rest)
     else:
-        other = windows(rows, f"rows of axis {rows}", (se_o, sr_o, e.size // e.shape[rows])) \
+        other = windows(rows, f"rows of axis {rows}", (se_o, sr_o, elements // shape[rows])) \
             if rows is not None else None
         region = tuple(slice(other.start, other.stop) if a == rows else slice(None) for a in range(nd)) \
             if other is not None else None
@@ -543,14 +568,13 @@ def worst_blocks(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW",
     if other is not None and region is not None and other.contrast > LOCAL_CONTRAST and mixed is not None:
         # a part that stands out elsewhere (inherited, most often) would hide
         # a block of channels: those are measured without it too
-        se_x = square_sums(e[region], mix_axis, mix_axis)[0]
-        sr_x = square_sums(r[region], mix_axis, mix_axis)[0]
-        n_x = int(np.prod([len(range(*sl.indices(e.shape[a]))) for a, sl in enumerate(region)]))
+        se_x, sr_x = both(mix_axis, mix_axis, region)[0]
+        n_x = int(np.prod([len(range(*sl.indices(shape[a]))) for a, sl in enumerate(region)]))
         se_m, sr_m = sums[mix_key]
         rest_e, rest_r = se_m - se_x, sr_m - sr_x
-        left = e.size - n_x
+        left = elements - n_x
         if left > 0:
-            without = windows(mix_axis, mix_key, (rest_e, rest_r, left // e.shape[mix_axis]),
+            without = windows(mix_axis, mix_key, (rest_e, rest_r, left // shape[mix_axis]),
                               (float(rest_e.sum()), float(rest_r.sum()), left, floor))
             if without is not None and without.contrast > mixed.contrast:
                 axis_block = Block(f"{without.where} (outside {other.where})", without.rel, without.share,

@@ -448,7 +448,7 @@ class NodeExaminer:
         axes = getattr(self.reference, "layout", "NCHW")   # TensorFlow references are NHWC
         if may_be_uneven(row.outcome.metrics):
             row.uneven = uneven_axis(ref, dev_aligned, axes if ref.ndim == 4 else "")
-            row.layout = layout_match(ref, dev_aligned)
+            row.layout = layout_match(ref, dev_aligned, row.outcome.metrics)
         try:
             # A reference that is not ONNX (TensorFlow) re-runs its own op.
             isolate = getattr(self.reference, "run_isolated", None)
@@ -487,7 +487,9 @@ class NodeExaminer:
                 row.own_rel = EM.rel_rms(own, iso)
                 row.own_block = EM.worst_block(own, iso, axes if iso.ndim == 4 else "")
                 self._magnitudes(row, iso)
-            keep, thr = core_mask(ref)
+            # the exact mask-like values, where the error model's sample of
+            # the reference saw some (a full median is a sort of the tensor)
+            keep, thr = core_mask(ref) if row.masked else (None, math.nan)
             if keep is not None and iso.shape == dev_aligned.shape:
                 row.isolated_core = compare_node(np.asarray(iso).reshape(-1)[keep],
                                                  np.asarray(dev_aligned).reshape(-1)[keep], tol, 0).metrics
@@ -496,7 +498,7 @@ class NodeExaminer:
             if self.quantized:
                 row.int8_bound = self._int8_bound(site)
             if not row.layout:
-                row.layout = layout_match(iso, dev_aligned) if iso.shape == dev_aligned.shape else ""
+                row.layout = layout_match(iso, dev_aligned, row.isolated) if iso.shape == dev_aligned.shape else ""
         except (IsolationUnavailable, SkipNode, IndexError, KeyError) as e:
             row.isolation_note = str(e) or type(e).__name__
 
@@ -623,8 +625,10 @@ def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout
         d, _ = reconcile(ref, dev, force_compare)
     except SkipNode:
         return out
+    wide = np.float64 if ref.dtype == np.float64 else np.float32
     with np.errstate(all="ignore"):
-        err = np.subtract(d, ref, dtype=np.float64 if ref.dtype == np.float64 else np.float32)
+        # the error made whole only where more than its block sums is read
+        err = np.subtract(d, ref, dtype=wide) if norm_by else None
         sample = np.abs(ref.ravel()[:: max(1, ref.size // 65536)])
         sample = sample[np.isfinite(sample)]
         med = float(np.median(sample)) if sample.size else 0.0
@@ -642,15 +646,17 @@ def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout
             keep = np.isfinite(mag) & (mag < limit)
             if med > 0:
                 keep &= mag <= 1e3 * med
-            err = np.where(keep, err, 0)
+            err = np.where(keep, err if err is not None else np.subtract(d, ref, dtype=wide), 0)
             r = np.where(keep, ref, 0)
             n = int(np.count_nonzero(keep))
             out.masked = int(ref.size - n)
             out.err_rel = EM.rel_rms(err, r)
             out.err_rms = float(np.sqrt(np.sum(np.square(err, dtype=np.float64)) / max(n, 1)))
     if ref.size >= 64:
-        out.block, out.axis_block = EM.worst_blocks(err, r, layout if ref.ndim == 4 else "")
+        out.block, out.axis_block = EM.worst_blocks(err, r, layout if ref.ndim == 4 else "",
+                                                    dev=d if err is None else None)
     if norm_by:
+        assert err is not None      # made above for a read the node normalizes
         out.norm_read = EM.normalized_read(err, r, norm_by)
     if grid:
         found = quant_grid(d)        # an INT8 hand-over: the step its values lie on
