@@ -1408,6 +1408,23 @@ def _worst(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
+def _worst_fast(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
+    """_worst for float32 arrays or float16 bit views, each element widened
+    to float64 as it is read (exact: the same search, no float64 copies)."""
+    for j in range(r.size):
+        x = np.float64(_ld32(r, j))
+        y = np.float64(_ld32(d, j))
+        if _finite(x) and _finite(y):
+            ae = abs(y - x)
+            if not ae > abs(x) * rtol + atol:
+                continue
+            k = _heap_add(k, hidx, hdiff, hcls, base + j, ae, 1)
+        elif not (x == y):
+            k = _heap_add(k, hidx, hdiff, hcls, base + j, 0.0, 0)
+    return k
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
 def _worst_int(r, d, ru, du, base, k, hidx, hdiff, hcls):
     """The same for integer arrays given as in ``_acc_int``."""
     for j in range(r.size):
@@ -1495,6 +1512,8 @@ def warmup() -> None:
         # the worst elements of a failing node (worst.worst_elements): its only signatures
         hidx, hdiff, hcls = np.zeros(4, np.int64), np.zeros(4, np.float64), np.zeros(4, np.int64)
         _worst(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
+        for r, d in ((f32, f32), (f32, f16), (f16, f16), (f16, f32)):
+            _worst_fast(r, d, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
         _worst_int(i64, i64, False, False, 0, 0, hidx, hdiff, hcls)
         # the error model's sums of squares (a unit of its own: squares.py)
         from layerdiff.analyzer.compare import squares

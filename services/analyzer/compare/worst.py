@@ -19,6 +19,7 @@ from layerdiff.analyzer.compare.kernel import (
     _into_f64,
     _kind,
     _worst,
+    _worst_fast,
     _worst_int,
 )
 
@@ -62,18 +63,23 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     k = 0
     integer = kr == "int" and kd == "int"
     ru, du = r.dtype == np.uint64, d.dtype == np.uint64
-    # one float64 scratch piece per side for the whole tensor: a fresh one per
-    # piece is a fresh mapping (memory.MMAP_THRESHOLD_BYTES), faulted in anew
-    scratch = None if integer else (np.empty(min(_PIECE, r.size)), np.empty(min(_PIECE, r.size)))
-    for s in range(0, r.size, _PIECE):
-        if integer:
-            k = _worst_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, s, k,
-                           hidx, hdiff, hcls)
-        else:
-            assert scratch is not None    # made above for every tensor that is not integer on both sides
-            rp, dp = r[s:s + _PIECE], d[s:s + _PIECE]
-            k = _worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
-                       float(rtol), s, k, hidx, hdiff, hcls)
+    narrow = kr in ("f32", "f16") and kd in ("f32", "f16")
+    if narrow:      # read as they are stored, each element widened as it is read
+        k = _worst_fast(r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d,
+                        float(atol), float(rtol), 0, k, hidx, hdiff, hcls)
+    else:
+        # one float64 scratch piece per side for the whole tensor: a fresh one per
+        # piece is a fresh mapping (memory.MMAP_THRESHOLD_BYTES), faulted in anew
+        scratch = None if integer else (np.empty(min(_PIECE, r.size)), np.empty(min(_PIECE, r.size)))
+        for s in range(0, r.size, _PIECE):
+            if integer:
+                k = _worst_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, s, k,
+                               hidx, hdiff, hcls)
+            else:
+                assert scratch is not None    # made above for every tensor that is not integer on both sides
+                rp, dp = r[s:s + _PIECE], d[s:s + _PIECE]
+                k = _worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
+                           float(rtol), s, k, hidx, hdiff, hcls)
     rows = []
     for j in range(k):
         i = int(hidx[j])
