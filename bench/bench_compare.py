@@ -21,13 +21,20 @@ measured in the same run, warm (files in the page cache) and cold.
   into the spill directory, device dump streamed and compared, reports,
   fetch).
 
-For context only (not measured here, msprobe is not installed): the issue
-measured msprobe's compare at ~0.08 GB/s on dumps of this kind (770 MB in
-10 s, plus ~5 s converting them to its layout).
+- msprobe (``--msprobe``): the peer tool's ``msprobe compare`` on the same
+  tensors, measured in the same run, in turn with the job (msprobe, job,
+  msprobe, job, ...; one warm-up pair not counted), wall time and peak RSS
+  of each whole process. mindstudio-probe is installed on first use into a
+  virtual environment of its own (``--msprobe-venv``, default
+  ~/.cache/layerdiff-bench/msprobe): its requirements are not the
+  project's. The dumps are converted to its PyTorch layout first (dump.json
+  and one .pt per tensor, not timed), with this environment's torch, which
+  msprobe also imports from here. The goal: the job at least 10x faster
+  than msprobe, at no more than its peak memory.
 
 Usage: python bench/bench_compare.py [--side N] [--target-mb 770]
        [--runs 3] [--formats npy[,h5]] [--no-cold] [--cold-method auto|drop_caches|fadvise]
-       [--keep DIR]
+       [--keep DIR] [--msprobe] [--msprobe-venv DIR]
 """
 from __future__ import annotations
 
@@ -43,7 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-MSPROBE_GBPS = 0.08   # the issue's figure for msprobe compare on this kind of dumps (context only)
+MSPROBE_VERSION = "26.2.0"
+MSPROBE_GOAL = "job at least 10x faster than msprobe compare, at no more than its peak RSS"
 GOAL = "job within a large fraction of reading the two dumps once (ratio job/read near 1)"
 
 _READ_SCRIPT = r"""
@@ -257,6 +265,120 @@ def phases(dumps: dict, work: Path) -> dict:
     return {"spans_s": spans, "total_s": prev, "analyzer_elapsed_s": d["analyzer_elapsed_s"]}
 
 
+# --------------------------------------------------------------- msprobe
+
+# One dump directory of .npy files as msprobe's PyTorch layout: dump.json
+# (task "tensor", one Functional API per tensor, its statistics) and
+# dump_tensor_data/<api>.output.0.pt.
+_TO_MSPROBE = r"""
+import json, re, sys
+from pathlib import Path
+import numpy as np, torch
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+(dst / "dump_tensor_data").mkdir(parents=True, exist_ok=True)
+data = {}
+for p in sorted(src.glob("*.npy")):
+    t = torch.from_numpy(np.ascontiguousarray(np.load(p)))
+    api = "Functional." + re.sub(r"[^A-Za-z0-9_]", "_", p.stem) + ".0.forward"
+    name = api + ".output.0.pt"
+    torch.save(t, dst / "dump_tensor_data" / name)
+    f = t.double()
+    stat = (lambda g: float(g()) if f.numel() else 0.0)
+    data[api] = {"input_args": [], "input_kwargs": {}, "output": [{
+        "type": "torch.Tensor", "dtype": str(t.dtype), "shape": list(t.shape), "Max": stat(f.max),
+        "Min": stat(f.min), "Mean": stat(f.mean), "Norm": stat(f.norm), "requires_grad": False,
+        "data_name": name}]}
+json.dump({"task": "tensor", "level": "L1", "framework": "pytorch",
+           "dump_data_dir": str(dst / "dump_tensor_data"), "data": data}, open(dst / "dump.json", "w"))
+"""
+
+
+def msprobe_venv(where: Path) -> Path:
+    """msprobe's command in a virtual environment of its own, made (and
+    mindstudio-probe installed from the package index) on first use."""
+    exe = where / "bin" / "msprobe"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
+        subprocess.run([str(where / "bin" / "pip"), "install", "-q", f"mindstudio-probe=={MSPROBE_VERSION}"],
+                       check=True)
+    return exe
+
+
+def _tree(pid: int) -> list[int]:
+    """The process and its descendants, now."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _rss(pid: int, field: str = "VmRSS:") -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field)), 0)
+    except OSError:
+        return 0
+
+
+def _peak_child(cmd: list[str], err_path: Path, env: dict | None = None) -> tuple[float, int, int]:
+    """(wall s, peak RSS bytes, exit code) of one whole command: the largest
+    sum of the resident sets of the process and its children (a tool that
+    compares in worker processes counts them), polled every 20 ms, and never
+    less than the process's own high-water mark (wait4's figure would count
+    this process's memory at fork time)."""
+    with open(err_path, "wb") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, sum(_rss(p) for p in _tree(proc.pid)), _rss(proc.pid, "VmHWM:"))
+            time.sleep(0.02)
+        return time.perf_counter() - t, peak, proc.returncode
+
+
+def vs_msprobe(dumps: dict, work: Path, runs: int, venv: Path) -> dict:
+    """``msprobe compare`` and ``layerdiff compare`` of the same tensors in
+    turn, after one warm-up pair: medians, and the ratios pair by pair."""
+    exe = msprobe_venv(venv)
+    layout = {}
+    for side in ("golden", "device"):
+        layout[side] = work / f"msprobe-{side}"
+        subprocess.run(["rm", "-rf", str(layout[side])], check=True)
+        subprocess.run([sys.executable, "-c", _TO_MSPROBE, dumps[side]["path"], str(layout[side])], check=True)
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    env = {**os.environ, "PYTHONPATH": site}        # this environment's torch for its .pt files
+    ms_cmd = [str(exe), "compare", "-tp", str(layout["device"] / "dump.json"), "-gp",
+              str(layout["golden"] / "dump.json"), "-o", str(work / "msprobe-out")]
+    ours_cmd = [sys.executable, "-m", "layerdiff.client.cli", "compare", dumps["golden"]["path"],
+                dumps["device"]["path"], "--out", str(work / "ours-out"), "--no-progress"]
+    theirs, ours = [], []
+    for i in range(runs + 1):
+        subprocess.run(["rm", "-rf", str(work / "msprobe-out"), str(work / "ours-out")], check=True)
+        m = _peak_child(ms_cmd, work / "msprobe.err", env)
+        o = _peak_child(ours_cmd, work / "ours.err")
+        if m[2] != 0:
+            raise RuntimeError(f"msprobe compare exited {m[2]}: {(work / 'msprobe.err').read_text()[-2000:]}")
+        if o[2] not in (0, 1):
+            raise RuntimeError(f"layerdiff compare exited {o[2]}: {(work / 'ours.err').read_text()[-2000:]}")
+        if i:
+            theirs.append(m)
+            ours.append(o)
+    rows = sum(1 for _ in next((work / "msprobe-out").glob("compare_result_*.csv")).open()) - 1
+    med = statistics.median
+    return {"msprobe_version": MSPROBE_VERSION, "msprobe_rows": rows,
+            "msprobe_wall_s": med(m[0] for m in theirs), "msprobe_peak_rss_MiB": med(m[1] for m in theirs) / 2**20,
+            "layerdiff_wall_s": med(o[0] for o in ours), "layerdiff_peak_rss_MiB": med(o[1] for o in ours) / 2**20,
+            "speedup_median": med(m[0] / o[0] for m, o in zip(theirs, ours)),
+            "rss_ratio_median": med(o[1] / m[1] for m, o in zip(theirs, ours)), "goal": MSPROBE_GOAL}
+
+
 # ----------------------------------------------------------------- main
 
 def _row(label: str, p: dict) -> str:
@@ -275,8 +397,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--cold-method", choices=("auto", "drop_caches", "fadvise"), default="auto")
     ap.add_argument("--keep", help="write the dumps here and keep them (default: a temporary directory)")
+    ap.add_argument("--msprobe", action="store_true", help="also time msprobe compare on the same tensors")
+    ap.add_argument("--msprobe-venv", default=str(Path.home() / ".cache" / "layerdiff-bench" / "msprobe"),
+                    help="msprobe's own virtual environment (made on first use)")
     a = ap.parse_args(argv)
-    out: dict = {"msprobe_context_GBps": MSPROBE_GBPS, "goal": GOAL}
+    out: dict = {"goal": GOAL}
     per_px = bytes_per_pixel()
     side = a.side or pick_side(a.target_mb * 1e6, per_px)
     out["input"] = [1, 3, side, side]
@@ -312,8 +437,14 @@ def main(argv=None) -> dict:
                 print(f"    one warm job through the API, {ph['total_s']:.2f} s: " + ", ".join(
                     f"{k} {v:.2f} s" for k, v in ph["spans_s"].items()))
             w = res["warm"]
-            print(f"    {w['compared']} tensors compared, {w['failed']} failing (exit {w['exit']}); "
-                  f"msprobe compare, the issue's figure (not measured here): ~{MSPROBE_GBPS} GB/s")
+            print(f"    {w['compared']} tensors compared, {w['failed']} failing (exit {w['exit']})")
+            if a.msprobe and fmt == "npy":
+                res["msprobe"] = v = vs_msprobe(dumps, work, a.runs, Path(a.msprobe_venv))
+                print(f"    msprobe {v['msprobe_version']} compare {v['msprobe_wall_s']:.2f} s "
+                      f"{v['msprobe_peak_rss_MiB']:.0f} MiB ({v['msprobe_rows']} rows), layerdiff compare "
+                      f"{v['layerdiff_wall_s']:.2f} s {v['layerdiff_peak_rss_MiB']:.0f} MiB: "
+                      f"{v['speedup_median']:.1f}x faster, {v['rss_ratio_median']:.2f}x its memory "
+                      f"(goal >= 10x, <= 1x)", flush=True)
             out[fmt] = res
     finally:
         if tmp is not None:
