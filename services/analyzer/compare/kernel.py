@@ -1391,29 +1391,27 @@ def _heap_add(k, hidx, hdiff, hcls, i, ae, cls):
     return k
 
 
+def _ld64(a, i):
+    raise NotImplementedError
+
+
+@overload(_ld64)
+def _ov_ld64(a, i):
+    # float64 arrays as they are; float32 arrays and float16 bit views widened
+    if a.dtype == types.float64:
+        return lambda a, i: a[i]
+    if a.dtype in (types.float32, types.uint16):
+        return lambda a, i: np.float64(_ld32(a, i))
+
+
 @njit(error_model="numpy", nogil=True, cache=True)
 def _worst(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
-    """The worst mismatches of float64 arrays into the heap (see _heap_add)."""
+    """The worst mismatches into the heap (see _heap_add), of float64
+    arrays, or of float32 arrays and float16 bit views read as stored, each
+    element widened to float64 as it is read (exact: the same search)."""
     for j in range(r.size):
-        x = r[j]
-        y = d[j]
-        if _finite(x) and _finite(y):
-            ae = abs(y - x)
-            if not ae > abs(x) * rtol + atol:
-                continue
-            k = _heap_add(k, hidx, hdiff, hcls, base + j, ae, 1)
-        elif not (x == y):
-            k = _heap_add(k, hidx, hdiff, hcls, base + j, 0.0, 0)
-    return k
-
-
-@njit(error_model="numpy", nogil=True, cache=True)
-def _worst_fast(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
-    """_worst for float32 arrays or float16 bit views, each element widened
-    to float64 as it is read (exact: the same search, no float64 copies)."""
-    for j in range(r.size):
-        x = np.float64(_ld32(r, j))
-        y = np.float64(_ld32(d, j))
+        x = _ld64(r, j)
+        y = _ld64(d, j)
         if _finite(x) and _finite(y):
             ae = abs(y - x)
             if not ae > abs(x) * rtol + atol:
@@ -1513,7 +1511,7 @@ def warmup() -> None:
         hidx, hdiff, hcls = np.zeros(4, np.int64), np.zeros(4, np.float64), np.zeros(4, np.int64)
         _worst(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
         for r, d in ((f32, f32), (f32, f16), (f16, f16), (f16, f32)):
-            _worst_fast(r, d, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
+            _worst(r, d, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
         _worst_int(i64, i64, False, False, 0, 0, hidx, hdiff, hcls)
         # the error model's sums of squares (a unit of its own: squares.py)
         from layerdiff.analyzer.compare import squares

@@ -16,7 +16,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 
 # reassoc: the sums may be taken in any order (vectorized); nothing else of
@@ -39,8 +40,20 @@ def _square_sums(x, p, k, q, by_k, by_q):
             i += q
 
 
+def _dev(d, i, table):
+    raise NotImplementedError
+
+
+@overload(_dev)
+def _ov_dev(d, i, table):
+    # a float16 device tensor comes as its bits: its value is the table's
+    if d.dtype == types.uint16:
+        return lambda d, i, table: table[d[i]]
+    return lambda d, i, table: d[i]
+
+
 @njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
-def _pair_sums(r, d, p, k, q, ek, rk, eq, rq):
+def _pair_sums(r, d, table, p, k, q, ek, rk, eq, rq):
     # as _square_sums, for the error d - r (in their type) and for r at once
     i = 0
     for _ in range(p):
@@ -49,31 +62,7 @@ def _pair_sums(r, d, p, k, q, ek, rk, eq, rq):
             sr = 0.0
             for m in range(q):
                 rv = r[i + m]
-                ev = d[i + m] - rv
-                e2 = ev * ev
-                r2 = rv * rv
-                te = e2 if e2 - e2 == 0.0 else 0.0
-                tr = r2 if r2 - r2 == 0.0 else 0.0
-                se += te
-                sr += tr
-                eq[m] += te
-                rq[m] += tr
-            ek[j] += se
-            rk[j] += sr
-            i += q
-
-
-@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
-def _pair_sums_half(r, bits, table, p, k, q, ek, rk, eq, rq):
-    # as _pair_sums for a float16 device tensor (its bits; table: each code's float32 value)
-    i = 0
-    for _ in range(p):
-        for j in range(k):
-            se = 0.0
-            sr = 0.0
-            for m in range(q):
-                rv = r[i + m]
-                ev = table[bits[i + m]] - rv
+                ev = _dev(d, i + m, table) - rv
                 e2 = ev * ev
                 r2 = rv * rv
                 te = e2 if e2 - e2 == 0.0 else 0.0
@@ -124,10 +113,8 @@ def pair_square_sums(ref: np.ndarray, dev: np.ndarray, first: int,
     ek, rk, eq, rq = np.zeros(k), np.zeros(k), np.zeros(q), np.zeros(q)
     if ref.size:
         r = _contiguous(ref)
-        if dev.dtype == np.float16:
-            _pair_sums_half(r, _contiguous(dev).view(np.uint16), _HALF, p, k, q, ek, rk, eq, rq)
-        else:
-            _pair_sums(r, _contiguous(dev), p, k, q, ek, rk, eq, rq)
+        d = _contiguous(dev)
+        _pair_sums(r, d.view(np.uint16) if d.dtype == np.float16 else d, _HALF, p, k, q, ek, rk, eq, rq)
     return (ek.reshape(kept), rk.reshape(kept)), (eq.reshape(after), rq.reshape(after))
 
 

@@ -19,7 +19,6 @@ from layerdiff.analyzer.compare.kernel import (
     _into_f64,
     _kind,
     _worst,
-    _worst_fast,
     _worst_int,
 )
 
@@ -65,7 +64,7 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     ru, du = r.dtype == np.uint64, d.dtype == np.uint64
     narrow = kr in ("f32", "f16") and kd in ("f32", "f16")
     if narrow:      # read as they are stored, each element widened as it is read
-        k = _worst_fast(r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d,
+        k = _worst(r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d,
                         float(atol), float(rtol), 0, k, hidx, hdiff, hcls)
     else:
         # one float64 scratch piece per side for the whole tensor: a fresh one per
