@@ -228,6 +228,10 @@ def _live_runner(model: bytes | onnx.ModelProto, feeds, live: pb.LiveSource, mod
                       model_name=model_name, device_model_name=device_model_name, model_key=model_key)
 
 
+# how long a collector stopped by an error or Ctrl-C waits for its capture
+STOP_GRACE_S = 0.2
+
+
 class CollectorServer:
     """A running collector; use as a context manager or call stop()."""
 
@@ -273,15 +277,21 @@ class CollectorServer:
             self._health_server.start()
 
     def stop(self, grace: float | None = None) -> None:
+        """Stop serving and remove the work directory it made. ``grace``:
+        wait that long at most for a capture under way (a device run cannot
+        be broken off mid-run) to see its stream closed and end; None: wait
+        for it."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         if self.health is not None:
             self.health.enter_graceful_shutdown()
             self._health_server.stop(1.0)
-        self.flight.shutdown()
+        closing = threading.Thread(target=self.flight.shutdown, name="collector-shutdown", daemon=True)
+        closing.start()
+        closing.join(grace)
         if self._tmp is not None:
-            self._tmp.cleanup()
+            self._tmp.cleanup()     # what a capture still running reads, it has read already
 
     def wait(self) -> None:
         while not self._stopped.wait(1.0):
@@ -290,8 +300,10 @@ class CollectorServer:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.stop()
+    def __exit__(self, exc_type, exc, tb):
+        # a command broken off (Ctrl-C, a failed job) does not wait for the
+        # device run under way to finish before it answers
+        self.stop(grace=None if exc_type is None else STOP_GRACE_S)
 
 
 _DETAIL = re.compile(r"\.? ?(\n\. )?(Detail|gRPC client debug context|Client context):", re.S)
