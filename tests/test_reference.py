@@ -137,3 +137,57 @@ def test_real_models_in_small_segments_give_the_whole_runs_values_bit_for_bit(na
         assert seg.pop(s.tensor).tobytes() == full[s.tensor].tobytes(), s.tensor
     assert seg.spilled_bytes > 0
     seg.close()
+
+
+def test_a_model_held_in_this_process_is_parsed_once_and_let_go_with_its_last_holder():
+    """The embedded analyzer and collector read one device model: whoever
+    asks for it while another holds it (or is parsing it) gets the same
+    parsed model; once no one holds it, it is gone and the next asker
+    parses it anew; a parse that fails fails every asker waiting on it."""
+    import gc
+    import threading
+    import time
+
+    from layerdiff.common.errors import LayerdiffError
+    from layerdiff.common.onnxgraph import ParsedModels, load_model
+
+    models = ParsedModels()
+    data = small_cnn().SerializeToString()
+    parses = []
+
+    def parse():
+        parses.append(1)
+        time.sleep(0.2)
+        return load_model(data, "m.onnx")
+
+    got = []
+    askers = [threading.Thread(target=lambda: got.append(models.hold("k", parse))) for _ in range(3)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(10)
+    assert len(got) == 3 and len(parses) == 1 and got[0] is got[1] is got[2]
+    assert models.hold("k", parse) is got[0] and len(parses) == 1
+    got.clear()
+    gc.collect()
+    again = models.hold("k", parse)
+    assert len(parses) == 2 and again.model.graph.node      # parsed anew: no one held it
+
+    def broken():
+        time.sleep(0.1)
+        return load_model(b"not a model", "bad.onnx")
+
+    errors = []
+
+    def ask():
+        try:
+            models.hold("bad", broken)
+        except LayerdiffError as e:
+            errors.append(str(e))
+
+    askers = [threading.Thread(target=ask) for _ in range(2)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(10)
+    assert len(errors) == 2 and all("bad.onnx" in e for e in errors)

@@ -41,7 +41,7 @@ from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, Unauthenticated, UnavailableError
 from layerdiff.common.memory import release_freed_tensors_to_system
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
-from layerdiff.common.onnxgraph import load_inputs, load_model, runtime_ready, without_weight_data
+from layerdiff.common.onnxgraph import PARSED, load_inputs, load_model, runtime_ready, without_weight_data
 from layerdiff.common.perfschema import PERF_SCHEMA, PerfEncoder, PerfRecord
 from layerdiff.common.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
 from layerdiff.common.security import ClientSecurity, ServerSecurity, flight_middleware, is_loopback
@@ -100,21 +100,40 @@ class CollectorFlight(flight.FlightServerBase):
 
     def _live_runner(self, live: pb.LiveSource):
         model_name = self.store.name(live.model_artifact)
-        data = self.store.read(live.model_artifact, "model_artifact")
-        model: bytes | onnx.ModelProto = data
-        if live.device_model_artifact and self.store.name(live.device_model_artifact).lower().endswith(".onnx") \
-                and not is_tensorflow(model_name, data):
+        device_onnx = bool(live.device_model_artifact) and \
+            self.store.name(live.device_model_artifact).lower().endswith(".onnx")
+        model: bytes | onnx.ModelProto
+        if device_onnx and model_name.lower().endswith(".onnx"):
             # Of the reference, only its inputs are read when a device model
-            # runs: its weights go before the device model's are read.
-            model = without_weight_data(load_model(data, model_name), keep=False)[0]
-        del data
+            # runs: from an embedded analyzer's parse, or parsed and let go
+            # here before the device model is read.
+            ref = PARSED.hold(live.model_artifact, lambda: load_model(
+                self.store.read(live.model_artifact, "model_artifact"), model_name))
+            model = without_weight_data(ref.model, keep=False)[0]
+            del ref
+        else:
+            data = self.store.read(live.model_artifact, "model_artifact")
+            model = data
+            if device_onnx and not is_tensorflow(model_name, data):
+                model = without_weight_data(load_model(data, model_name), keep=False)[0]
+            del data
         feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
                             self.store.name(live.inputs_artifact))
-        device_model = self.store.read(live.device_model_artifact, "device_model_artifact") \
-            if live.device_model_artifact else None
         device_model_name = self.store.name(live.device_model_artifact) if live.device_model_artifact \
             else "device.onnx"
-        return _live_runner(model, feeds, live, model_name, device_model, device_model_name, live.model_artifact)
+        device_model: bytes | onnx.ModelProto | None = None
+        held = None
+        if live.device_model_artifact and device_model_name.lower().endswith(".onnx"):
+            # parsed once in this process with an embedded analyzer aligning it (onnxgraph.PARSED),
+            # held until the runner has taken its weights
+            held = PARSED.hold(live.device_model_artifact, lambda: load_model(
+                self.store.read(live.device_model_artifact, "device_model_artifact"), device_model_name))
+            device_model = held.model
+        elif live.device_model_artifact:
+            device_model = self.store.read(live.device_model_artifact, "device_model_artifact")
+        runner = _live_runner(model, feeds, live, model_name, device_model, device_model_name, live.model_artifact)
+        del held
+        return runner
 
     def perf_source(self, request: pb.CaptureRequest) -> Iterator[PerfRecord]:
         """Performance records: the dump's counter files, or the device model
@@ -207,21 +226,22 @@ class CollectorFlight(flight.FlightServerBase):
 
 
 def _live_runner(model: bytes | onnx.ModelProto, feeds, live: pb.LiveSource, model_name: str,
-                 device_model: bytes | None, device_model_name: str, model_key: str = ""):
+                 device_model: bytes | onnx.ModelProto | None, device_model_name: str, model_key: str = ""):
     """The runner for the file that runs as the device: TensorFlow models on
     TensorFlow (imported only then), ONNX ones on onnxruntime. A device model
     is run whatever the reference is (a TensorFlow network converted to ONNX,
     say). ``model``: the reference's bytes, or its parsed ONNX graph."""
     precision, device = live.precision or "fp32", live.device or "cpu"
     ref_tf = isinstance(model, bytes) and is_tensorflow(model_name, model)
-    runs_tf = is_tensorflow(device_model_name, device_model) if device_model else ref_tf
+    runs_tf = isinstance(device_model, bytes) and is_tensorflow(device_model_name, device_model) \
+        if device_model is not None else ref_tf
     if runs_tf:
         from layerdiff.collector.live.tf import TFLiveRunner
 
-        assert isinstance(model, bytes)     # parsed only for an ONNX device model
+        assert isinstance(model, bytes) and not isinstance(device_model, onnx.ModelProto)  # parsed: ONNX only
         return TFLiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,
                             model_name=model_name, device_model_name=device_model_name, signature=live.signature)
-    if device_model and ref_tf:
+    if device_model is not None and ref_tf:
         # The reference is TensorFlow: the ONNX device model stands in for it.
         model, model_name = device_model, device_model_name
     return LiveRunner(model, feeds, precision=precision, device=device, device_model_bytes=device_model,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,6 +167,59 @@ def without_weight_data(model: onnx.ModelProto, keep: bool = True) -> tuple[onnx
         else:
             light.graph.initializer.add().CopyFrom(init)
     return light, held
+
+
+class ParsedModel:
+    """A parsed model held for its users (see ParsedModels): keep this
+    object, not only ``model``, while the model is read."""
+
+    __slots__ = ("model", "__weakref__")
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+
+
+class ParsedModels:
+    """Models parsed in this process, by their file's sha256, for as long
+    as someone holds them: the embedded analyzer (aligning a device model)
+    and collector (running it) parse a 90 MB device model once and hold one
+    copy of it, not two. Read a shared model, never change it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: weakref.WeakValueDictionary[str, ParsedModel] = weakref.WeakValueDictionary()
+        self._parsing: dict[str, Future] = {}
+
+    def hold(self, key: str, parse: Callable[[], onnx.ModelProto]) -> ParsedModel:
+        """The model ``key`` names, parsed by ``parse`` unless another user
+        holds it already, or is parsing it (then its parse is waited for)."""
+        if not key:
+            return ParsedModel(parse())
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                return held
+            running = self._parsing.get(key)
+            if running is None:
+                mine: Future = Future()
+                self._parsing[key] = mine
+        if running is not None:
+            return running.result()
+        try:
+            held = ParsedModel(parse())
+            with self._lock:
+                self._held[key] = held
+            mine.set_result(held)
+            return held
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._parsing[key]
+
+
+PARSED = ParsedModels()
 
 
 class WeightSplit:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from layerdiff.analyzer.align.names import Aligner
 from layerdiff.analyzer.compare.tolerances import Tolerances
@@ -88,7 +89,8 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     check_collector_allowed(spec.collector)
     declared = parse_precision(spec.precision)
     model_name = spec.model_name or store.name(spec.model_artifact)
-    reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature)
+    reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature,
+                               key=spec.model_artifact)
     inputs_name = store.name(spec.inputs_artifact) if spec.inputs_artifact else "inputs"
     feeds = reference.check_inputs(load_inputs(store.read(spec.inputs_artifact, "inputs_artifact"), inputs_name),
                                    inputs_name)
@@ -264,13 +266,15 @@ def _device_model_facts(spec: pb.JobSpec, store: ArtifactStore, reference) -> tu
     layer when both are Keras models; None otherwise, and names decide),
     and whether it quantizes."""
     from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
-    from layerdiff.common.onnxgraph import load_model
+    from layerdiff.common.onnxgraph import PARSED
     from layerdiff.common.tf.format import FORMAT_KERAS, is_tensorflow
     from layerdiff.common.tf.load import load_tf_model
 
     name = store.name(spec.device_model_artifact)
-    data = store.read(spec.device_model_artifact, "device_model_artifact")
-    if is_tensorflow(name, data):
+    # an ONNX file is read only if no one in this process holds it parsed
+    # (the embedded collector running it): see onnxgraph.PARSED
+    data = None if name.lower().endswith(".onnx") else store.read(spec.device_model_artifact, "device_model_artifact")
+    if data is not None and is_tensorflow(name, data):
         if not (isinstance(reference, TFReference) and reference.format == FORMAT_KERAS):
             return None, False
         try:
@@ -284,13 +288,16 @@ def _device_model_facts(spec: pb.JobSpec, store: ArtifactStore, reference) -> tu
         except Exception as e:   # the names still pair what they can: say so, never fail the job on it
             log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
             return None, False
+    parse = partial(_parse_device_model, store, spec.device_model_artifact, name, data)
+    del data
     try:
-        model = load_model(data, name)
+        held = PARSED.hold(spec.device_model_artifact, parse)
     except LayerdiffError:
         if isinstance(reference, OnnxReference):
             raise
         return None, False      # the collector says what is wrong with it
-    del data    # the parsed model holds the weights: the file's bytes go before the alignment
+    del parse       # the parsed model holds the weights: the file's bytes go before the alignment
+    model = held.model
     quantizes = any(n.op_type in ("QuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
                     for n in model.graph.node)
     if not isinstance(reference, OnnxReference):
@@ -302,6 +309,13 @@ def _device_model_facts(spec: pb.JobSpec, store: ArtifactStore, reference) -> tu
     except Exception as e:   # the names still pair what they can: say so, never fail the job on it
         log.warning("graph alignment of %s failed (%s: %s); pairing by names only", name, type(e).__name__, e)
         return None, quantizes
+
+
+def _parse_device_model(store: ArtifactStore, artifact: str, name: str, data: bytes | None):
+    """The device model parsed, from its bytes or (None) its stored file."""
+    from layerdiff.common.onnxgraph import load_model
+
+    return load_model(data if data is not None else store.read(artifact, "device_model_artifact"), name)
 
 
 def _check_live_perf(spec: pb.JobSpec, store: ArtifactStore) -> None:

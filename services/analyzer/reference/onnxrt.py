@@ -15,6 +15,7 @@ from onnx import numpy_helper
 
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import (
+    ParsedModel,
     TensorSite,
     WeightSplit,
     check_inputs,
@@ -58,9 +59,12 @@ class OnnxReference:
         """The graph's outputs: what the run's outcome is judged by."""
         return frozenset(o.name for o in self.model.graph.output)
 
-    def __init__(self, model_bytes: bytes, name: str = "model.onnx") -> None:
+    def __init__(self, model_bytes: bytes | ParsedModel, name: str = "model.onnx") -> None:
+        """``model_bytes``: the file, or its parsed model held for others
+        too (onnxgraph.PARSED), held here as long as this reference lives."""
         self.name = name
-        self.model = load_model(model_bytes, name)
+        self._held = model_bytes if isinstance(model_bytes, ParsedModel) else ParsedModel(load_model(model_bytes, name))
+        self.model = self._held.model
         self.sites: list[TensorSite] = tensor_sites(self.model)
         self.consumers = consumer_map(self.model)
         # node name -> the tensors it reads, for comparing a node's inputs

@@ -90,10 +90,14 @@ class TFReference:
         return self.graph.run(feeds, only, optimize=False, device="cpu", field_name="model")
 
 
-def open_reference(model_bytes: bytes, name: str, signature: str = ""):
-    """OnnxReference or TFReference, from the file's name and first bytes."""
+def open_reference(model_bytes: bytes, name: str, signature: str = "", key: str = ""):
+    """OnnxReference or TFReference, from the file's name and first bytes;
+    ``key`` (the file's sha256): an ONNX model is parsed once in this
+    process for whoever else reads it (onnxgraph.PARSED: an embedded
+    collector running a device model reads the reference's inputs)."""
     if model_format(name, model_bytes) == FORMAT_ONNX:
         from layerdiff.analyzer.reference.onnxrt import OnnxReference
+        from layerdiff.common.onnxgraph import PARSED, load_model
 
-        return OnnxReference(model_bytes, name)
+        return OnnxReference(PARSED.hold(key, lambda: load_model(model_bytes, name)), name)
     return TFReference(model_bytes, name, signature=signature)

@@ -180,7 +180,7 @@ class LiveRunner:
     """Builds the device model and runs it once, yielding NodeRecords."""
 
     def __init__(self, model_bytes: bytes | onnx.ModelProto, feeds: dict[str, np.ndarray], *, precision: str = "fp32",
-                 device: str = "cpu", device_model_bytes: bytes | None = None,
+                 device: str = "cpu", device_model_bytes: bytes | onnx.ModelProto | None = None,
                  model_name: str = "model.onnx", device_model_name: str = "device.onnx", model_key: str = "") -> None:
         """``model_key``: the model file's sha256, where known (see to_fp16)."""
         chosen = parse_precision(precision)
@@ -189,8 +189,10 @@ class LiveRunner:
         self.precision = precision
         ref = model_bytes if isinstance(model_bytes, onnx.ModelProto) else load_model(model_bytes, model_name)
         self.feeds = check_inputs(ref, feeds, "inputs")
-        if device_model_bytes:
-            self.model = load_model(device_model_bytes, device_model_name)
+        if device_model_bytes is not None and (isinstance(device_model_bytes, onnx.ModelProto) or device_model_bytes):
+            # a parsed device model may be shared (onnxgraph.PARSED): read here, never changed
+            self.model = device_model_bytes if isinstance(device_model_bytes, onnx.ModelProto) else \
+                load_model(device_model_bytes, device_model_name)
             self.feeds = check_inputs(self.model, _by_position(ref, self.model, self.feeds), "inputs")
             self.original: set[str] | None = None     # send everything the device model has
             self.view: dict[str, str] = dequantized_views(self.model)
