@@ -103,14 +103,17 @@ class CollectorFlight(flight.FlightServerBase):
         device_onnx = bool(live.device_model_artifact) and \
             self.store.name(live.device_model_artifact).lower().endswith(".onnx")
         model: bytes | onnx.ModelProto
-        if device_onnx and model_name.lower().endswith(".onnx"):
-            # Of the reference, only its inputs are read when a device model
-            # runs: from an embedded analyzer's parse, or parsed and let go
-            # here before the device model is read.
+        ref = None
+        if model_name.lower().endswith(".onnx"):
+            # the reference as an embedded analyzer parsed it (read, never
+            # changed), else parsed here; of it, only its inputs are read
+            # when a device model runs: its weights go before the device
+            # model is read
             ref = PARSED.hold(live.model_artifact, lambda: load_model(
                 self.store.read(live.model_artifact, "model_artifact"), model_name))
-            model = without_weight_data(ref.model, keep=False)[0]
-            del ref
+            model = without_weight_data(ref.model, keep=False)[0] if device_onnx else ref.model
+            if device_onnx:
+                ref = None
         else:
             data = self.store.read(live.model_artifact, "model_artifact")
             model = data
@@ -132,7 +135,7 @@ class CollectorFlight(flight.FlightServerBase):
         elif live.device_model_artifact:
             device_model = self.store.read(live.device_model_artifact, "device_model_artifact")
         runner = _live_runner(model, feeds, live, model_name, device_model, device_model_name, live.model_artifact)
-        del held
+        del held, ref       # the runner holds what it runs
         return runner
 
     def perf_source(self, request: pb.CaptureRequest) -> Iterator[PerfRecord]:
