@@ -99,6 +99,8 @@ class CollectorFlight(flight.FlightServerBase):
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
 
     def _live_runner(self, live: pb.LiveSource):
+        feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
+                            self.store.name(live.inputs_artifact))
         model_name = self.store.name(live.model_artifact)
         device_onnx = bool(live.device_model_artifact) and \
             self.store.name(live.device_model_artifact).lower().endswith(".onnx")
@@ -120,8 +122,6 @@ class CollectorFlight(flight.FlightServerBase):
             if device_onnx and not is_tensorflow(model_name, data):
                 model = without_weight_data(load_model(data, model_name), keep=False)[0]
             del data
-        feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
-                            self.store.name(live.inputs_artifact))
         device_model_name = self.store.name(live.device_model_artifact) if live.device_model_artifact \
             else "device.onnx"
         device_model: bytes | onnx.ModelProto | None = None
