@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -179,6 +180,36 @@ class ParsedModel:
         self.model = model
 
 
+class SharedMaking:
+    """Things being made in this process, by key: a second asker waits for
+    the first's instead of making its own. Nothing is kept once made."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, Future] = {}
+
+    def get(self, key: str, make: Callable[[], Any]) -> Any:
+        if not key:
+            return make()
+        with self._lock:
+            running = self._running.get(key)
+            if running is None:
+                mine: Future = Future()
+                self._running[key] = mine
+        if running is not None:
+            return running.result()
+        try:
+            made = make()
+            mine.set_result(made)
+            return made
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._running[key]
+
+
 class ParsedModels:
     """Models parsed in this process, by their file's sha256, for as long
     as someone holds them: the embedded analyzer (aligning a device model)
@@ -188,35 +219,21 @@ class ParsedModels:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: weakref.WeakValueDictionary[str, ParsedModel] = weakref.WeakValueDictionary()
-        self._parsing: dict[str, Future] = {}
+        self._parsing = SharedMaking()
 
     def hold(self, key: str, parse: Callable[[], onnx.ModelProto]) -> ParsedModel:
         """The model ``key`` names, parsed by ``parse`` unless another user
         holds it already, or is parsing it (then its parse is waited for)."""
-        if not key:
-            return ParsedModel(parse())
         with self._lock:
-            held = self._held.get(key)
-            if held is not None:
-                return held
-            running = self._parsing.get(key)
-            if running is None:
-                mine: Future = Future()
-                self._parsing[key] = mine
-        if running is not None:
-            return running.result()
-        try:
-            held = ParsedModel(parse())
-            with self._lock:
-                self._held[key] = held
-            mine.set_result(held)
+            held = self._held.get(key) if key else None
+        if held is not None:
             return held
-        except BaseException as e:
-            mine.set_exception(e)
-            raise
-        finally:
-            with self._lock:
-                del self._parsing[key]
+        return self._parsing.get(key, lambda: self._keep(key, ParsedModel(parse())))
+
+    def _keep(self, key: str, held: ParsedModel) -> ParsedModel:
+        with self._lock:
+            self._held[key] = held
+        return held
 
 
 PARSED = ParsedModels()

@@ -18,7 +18,6 @@ import logging
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from layerdiff.collector.live.devices import resolve_provider
 from layerdiff.collector.live.emulate import EMULATED, emulated
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import (
+    SharedMaking,
     TensorSite,
     WeightSplit,
     check_inputs,
@@ -61,36 +61,8 @@ def to_fp16(model: onnx.ModelProto | WeightSplit, key: str = "") -> onnx.ModelPr
     return _BUILDS.get(key, lambda: _to_fp16(WeightSplit.of(model)))
 
 
-class _SharedBuilds:
-    """Builds under way in this process, by key: a second asker waits for
-    the first's instead of making its own. Nothing is kept once made."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: dict[str, Future] = {}
-
-    def get(self, key: str, make: Callable[[], onnx.ModelProto]) -> onnx.ModelProto:
-        if not key:
-            return make()
-        with self._lock:
-            running = self._running.get(key)
-            if running is None:
-                mine = self._running[key] = Future()
-        if running is not None:
-            return running.result()
-        try:
-            built = make()
-            mine.set_result(built)
-            return built
-        except BaseException as e:
-            mine.set_exception(e)
-            raise
-        finally:
-            with self._lock:
-                del self._running[key]
-
-
-_BUILDS = _SharedBuilds()
+# FP16 builds under way, shared by those who ask at the same time
+_BUILDS = SharedMaking()
 
 
 def _to_fp16(split: WeightSplit) -> onnx.ModelProto:
