@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -584,8 +584,8 @@ def inherited_words(row) -> str:
 class ErrorStats:
     """The error model's figures of one compared tensor (see error_stats),
     put on its row by ``apply``."""
-    block: Any = None
-    axis_block: Any = None
+    block: EM.Block | None = None
+    axis_block: EM.Block | None = None
     masked: int = 0
     err_rel: float | None = None
     err_rms: float | None = None
