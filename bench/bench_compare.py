@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from procs import timed
 
 MSPROBE_VERSION = "26.2.0"
 MSPROBE_GOAL = "job at least 10x faster than msprobe compare, at no more than its peak RSS"
@@ -304,45 +305,6 @@ def msprobe_venv(where: Path) -> Path:
     return exe
 
 
-def _tree(pid: int) -> list[int]:
-    """The process and its descendants, now."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _rss(pid: int, field: str = "VmRSS:") -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field)), 0)
-    except OSError:
-        return 0
-
-
-def _peak_child(cmd: list[str], err_path: Path, env: dict | None = None) -> tuple[float, int, int]:
-    """(wall s, peak RSS bytes, exit code) of one whole command: the largest
-    sum of the resident sets of the process and its children (a tool that
-    compares in worker processes counts them), polled every 20 ms, and never
-    less than the process's own high-water mark (wait4's figure would count
-    this process's memory at fork time)."""
-    with open(err_path, "wb") as err:
-        t = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
-        peak = 0
-        while proc.poll() is None:
-            peak = max(peak, sum(_rss(p) for p in _tree(proc.pid)), _rss(proc.pid, "VmHWM:"))
-            time.sleep(0.02)
-        return time.perf_counter() - t, peak, proc.returncode
-
-
 def vs_msprobe(dumps: dict, work: Path, runs: int, venv: Path) -> dict:
     """``msprobe compare`` and ``layerdiff compare`` of the same tensors in
     turn, after one warm-up pair: medians, and the ratios pair by pair."""
@@ -361,8 +323,8 @@ def vs_msprobe(dumps: dict, work: Path, runs: int, venv: Path) -> dict:
     theirs, ours = [], []
     for i in range(runs + 1):
         subprocess.run(["rm", "-rf", str(work / "msprobe-out"), str(work / "ours-out")], check=True)
-        m = _peak_child(ms_cmd, work / "msprobe.err", env)
-        o = _peak_child(ours_cmd, work / "ours.err")
+        m = timed(ms_cmd, work / "msprobe.err", env=env)
+        o = timed(ours_cmd, work / "ours.err")
         if m[2] != 0:
             raise RuntimeError(f"msprobe compare exited {m[2]}: {(work / 'msprobe.err').read_text()[-2000:]}")
         if o[2] not in (0, 1):

@@ -12,39 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import onnx
-from procs import serve
+from procs import serve, status_bytes, timed
 
 from layerdiff.client.demo import det_input, packaged_model
-
-
-def _timed(cmd: list[str], **kw) -> tuple[float, int, int]:
-    """(wall seconds, peak RSS bytes, exit code) of one command. The peak is
-    the kernel's high-water mark of the program itself, polled until it
-    exits (wait4's figure would include this process's memory at fork time)."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
-    err = []
-    threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True).start()
-    peak = 0
-    while proc.poll() is None:
-        try:
-            peak = max(peak, _hwm(proc.pid))
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-        time.sleep(0.02)
-    wall = time.perf_counter() - t
-    if proc.returncode not in (0, 1):
-        print((err[0] if err else b"").decode(errors="replace")[-2000:], file=sys.stderr)
-    return wall, peak, proc.returncode
 
 
 def bench_vs_polygraphy(work: Path, height: int, width: int) -> dict:
@@ -59,13 +36,13 @@ def bench_vs_polygraphy(work: Path, height: int, width: int) -> dict:
     np.savez(work / "page.npz", x=x)
     save_json([{"x": x}], str(work / "page.json"))
     bin_dir = Path(sys.executable).parent
-    ours = _timed([str(bin_dir / "layerdiff"), "run", str(ref), "--inputs", str(work / "page.npz"),
+    ours = timed([str(bin_dir / "layerdiff"), "run", str(ref), "--inputs", str(work / "page.npz"),
                    "--device-model", str(device), "--out", str(work / "ours"), "--no-progress"])
     summary = json.loads((work / "ours" / "summary.json").read_text())
     poly = bin_dir / "polygraphy"
-    p1 = _timed([str(poly), "run", str(ref), "--onnxrt", "--onnx-outputs", "mark", "all",
+    p1 = timed([str(poly), "run", str(ref), "--onnxrt", "--onnx-outputs", "mark", "all",
                  "--load-inputs", str(work / "page.json"), "--save-outputs", str(work / "ref_outputs.json")])
-    p2 = _timed([str(poly), "run", str(device), "--onnxrt", "--onnx-outputs", "mark", "all",
+    p2 = timed([str(poly), "run", str(device), "--onnxrt", "--onnx-outputs", "mark", "all",
                  "--load-inputs", str(work / "page.json"), "--load-outputs", str(work / "ref_outputs.json")])
     poly_wall, poly_rss = p1[0] + p2[0], max(p1[1], p2[1])
     return {
@@ -76,13 +53,6 @@ def bench_vs_polygraphy(work: Path, height: int, width: int) -> dict:
         "wall_ratio": ours[0] / poly_wall, "rss_ratio": ours[1] / poly_rss,
         "goal": "wall_ratio <= 0.33, rss_ratio <= 0.5",
     }
-
-
-def _hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def bench_analyzer_rss(work: Path, side: int) -> dict:
@@ -113,12 +83,12 @@ def bench_analyzer_rss(work: Path, side: int) -> dict:
     collector, caddr = serve("collector", work / "collector")
     analyzer, aaddr = serve("analyzer", work / "analyzer")
     try:
-        base = _hwm(analyzer.pid)
+        base = status_bytes(analyzer.pid, "VmHWM:")
         t = time.perf_counter()
         res = run(ref, work / "in.npz", dump=str(dump), analyzer=aaddr, collector=caddr, out=work / "rss-out",
                   progress=False)
         wall = time.perf_counter() - t
-        peak = _hwm(analyzer.pid)
+        peak = status_bytes(analyzer.pid, "VmHWM:")
     finally:
         analyzer.terminate()
         collector.terminate()
@@ -153,10 +123,10 @@ def bench_activation_scaling(work: Path, sizes: list[tuple[int, int]]) -> dict:
         collector, caddr = serve("collector", work / f"collector-{h}")
         analyzer, aaddr = serve("analyzer", work / f"analyzer-{h}")
         try:
-            idle = _hwm(analyzer.pid)
+            idle = status_bytes(analyzer.pid, "VmHWM:")
             res = run(ref, work / f"in-{h}.npz", precision="fp16", analyzer=aaddr, collector=caddr,
                       out=work / f"scaling-{h}", progress=False)
-            peak = _hwm(analyzer.pid)
+            peak = status_bytes(analyzer.pid, "VmHWM:")
         finally:
             for proc in (analyzer, collector):
                 proc.terminate()

@@ -32,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_job import _timed  # noqa: E402
+from procs import timed  # noqa: E402
 from smallmodel import minilm, minilm_inputs  # noqa: E402
 
 # The same work by hand, for each way a model is run (a device model, an FP16
@@ -125,11 +125,11 @@ def bench_model(work: Path, name: str, model: onnx.ModelProto, feeds: dict, runs
 def _paired(ours_cmd: list[str], plain_cmd: list[str], runs: int) -> dict:
     """Both commands in turn (A B A B ...) after a warm-up of each (file
     caches, compiled kernels): medians and pair-by-pair ratios."""
-    _timed(ours_cmd), _timed(plain_cmd)
+    timed(ours_cmd), timed(plain_cmd)
     ours, base = [], []
     for _ in range(runs):
-        ours.append(_timed(ours_cmd))
-        base.append(_timed(plain_cmd))
+        ours.append(timed(ours_cmd))
+        base.append(timed(plain_cmd))
     wall = [o[0] / b[0] for o, b in zip(ours, base)]
     return {"layerdiff_wall_s": statistics.median(o[0] for o in ours),
             "plain_wall_s": statistics.median(b[0] for b in base),

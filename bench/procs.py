@@ -20,6 +20,54 @@ def serve(service: str, workdir, env: dict | None = None) -> tuple[subprocess.Po
     return proc, re.search(r"listening on (\S+)", proc.stdout.readline()).group(1)
 
 
+def status_bytes(pid: int, field: str = "VmRSS:") -> int:
+    """A /proc/PID/status size (VmRSS, VmHWM) in bytes; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field)), 0)
+    except OSError:
+        return 0
+
+
+def tree(pid: int) -> list[int]:
+    """The process and its descendants, now."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def timed(cmd: list[str], err_path: Path | None = None, **kw) -> tuple[float, int, int]:
+    """(wall seconds, peak RSS bytes, exit code) of one whole command. The
+    peak is the largest sum of the resident sets of the process and its
+    children (a tool that works in worker processes counts them), polled
+    every 20 ms, never less than the process's own high-water mark (wait4's
+    figure would count this process's memory at fork time). Its stderr goes
+    to ``err_path``, else is printed when it fails (an exit status past 1)."""
+    with open(err_path, "wb") if err_path is not None else open(os.devnull, "wb") as sink:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                stderr=sink if err_path is not None else subprocess.PIPE, **kw)
+        err: list[bytes] = []
+        if err_path is None:
+            threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True).start()
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, sum(status_bytes(p) for p in tree(proc.pid)), status_bytes(proc.pid, "VmHWM:"))
+            time.sleep(0.02)
+        wall = time.perf_counter() - t
+    if err_path is None and proc.returncode not in (0, 1):
+        print((err[0] if err else b"").decode(errors="replace")[-2000:], file=sys.stderr)
+    return wall, peak, proc.returncode
+
+
 def wait(pred, timeout: float = 60) -> None:
     end = time.time() + timeout
     while time.time() < end:

@@ -45,7 +45,7 @@ from layerdiff.common.onnxgraph import PARSED, load_inputs, load_model, runtime_
 from layerdiff.common.perfschema import PERF_SCHEMA, PerfEncoder, PerfRecord
 from layerdiff.common.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
 from layerdiff.common.security import ClientSecurity, ServerSecurity, flight_middleware, is_loopback
-from layerdiff.common.tf.format import is_tensorflow
+from layerdiff.common.tf.format import is_tensorflow, onnx_by_name
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -102,33 +102,31 @@ class CollectorFlight(flight.FlightServerBase):
         feeds = load_inputs(self.store.read(live.inputs_artifact, "inputs_artifact"),
                             self.store.name(live.inputs_artifact))
         model_name = self.store.name(live.model_artifact)
-        device_onnx = bool(live.device_model_artifact) and \
-            self.store.name(live.device_model_artifact).lower().endswith(".onnx")
+        device_model_name = self.store.name(live.device_model_artifact) if live.device_model_artifact \
+            else "device.onnx"
+        device_onnx = bool(live.device_model_artifact) and onnx_by_name(device_model_name)
+        # ONNX models as an embedded analyzer parsed them (onnxgraph.PARSED:
+        # read, never changed), else parsed here
         model: bytes | onnx.ModelProto
         ref = None
-        if model_name.lower().endswith(".onnx"):
-            # the reference as an embedded analyzer parsed it (read, never
-            # changed), else parsed here; of it, only its inputs are read
-            # when a device model runs: its weights go before the device
-            # model is read
+        if onnx_by_name(model_name):
             ref = PARSED.hold(live.model_artifact, lambda: load_model(
                 self.store.read(live.model_artifact, "model_artifact"), model_name))
-            model = without_weight_data(ref.model, keep=False)[0] if device_onnx else ref.model
             if device_onnx:
-                ref = None
+                # of the reference, only its inputs are read: its weights go
+                # before the device model's are read
+                model, ref = without_weight_data(ref.model, keep=False)[0], None
+            else:
+                model = ref.model
         else:
             data = self.store.read(live.model_artifact, "model_artifact")
             model = data
             if device_onnx and not is_tensorflow(model_name, data):
                 model = without_weight_data(load_model(data, model_name), keep=False)[0]
             del data
-        device_model_name = self.store.name(live.device_model_artifact) if live.device_model_artifact \
-            else "device.onnx"
         device_model: bytes | onnx.ModelProto | None = None
-        held = None
-        if live.device_model_artifact and device_model_name.lower().endswith(".onnx"):
-            # parsed once in this process with an embedded analyzer aligning it (onnxgraph.PARSED),
-            # held until the runner has taken its weights
+        held = None     # until the runner has taken the device model's weights
+        if device_onnx:
             held = PARSED.hold(live.device_model_artifact, lambda: load_model(
                 self.store.read(live.device_model_artifact, "device_model_artifact"), device_model_name))
             device_model = held.model

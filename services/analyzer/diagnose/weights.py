@@ -116,31 +116,29 @@ def _fp16_rounding(dev, ref) -> float | None:
     return worst if np.isfinite(worst) else None
 
 
+_NAMES = ("reference_node", "reference_weight", "device_node", "device_weight")
+
+
 def compare(weights: list[dict]) -> list[dict]:
     """The rows of weights.csv from GraphAlignment.weights."""
     rows = []
     for w in weights:
+        elements: int | str
         if "attribute" in w:
             ref_v, dev_v = w["attribute"]
-            rows.append({"reference_node": w["reference_node"], "reference_weight": w["reference_weight"],
-                         "device_node": w["device_node"], "device_weight": w["device_weight"],
-                         "relation": "different", "elements": 1, "differing": 1, "max_abs_diff": float("nan"),
-                         "note": f"{dev_v!r} on the device, {ref_v!r} in the reference"})
-            continue
-        if "same_elements" in w:     # the same stored tensor (type, shape, bytes)
-            rows.append({"reference_node": w["reference_node"], "reference_weight": w["reference_weight"],
-                         "device_node": w["device_node"], "device_weight": w["device_weight"], "relation": "equal",
-                         "elements": w["same_elements"], "differing": 0, "max_abs_diff": 0.0, "note": ""})
-            continue
-        try:
-            rel, differing, worst, note = relation(w.get("device"), w.get("reference"), w.get("blocked", False),
-                                                   w.get("folding", False))
-        except (ValueError, TypeError, FloatingPointError) as e:     # a value of a kind not compared here
-            rel, differing, worst, note = "unknown", 0, float("nan"), f"not compared ({type(e).__name__})"
-        ref = w.get("reference")
-        rows.append({"reference_node": w["reference_node"], "reference_weight": w["reference_weight"],
-                     "device_node": w["device_node"], "device_weight": w["device_weight"], "relation": rel,
-                     "elements": int(np.size(ref)) if ref is not None else "", "differing": differing,
+            rel, elements, differing, worst = "different", 1, 1, float("nan")
+            note = f"{dev_v!r} on the device, {ref_v!r} in the reference"
+        elif "same_elements" in w:     # the same stored tensor (type, shape, bytes)
+            rel, elements, differing, worst, note = "equal", w["same_elements"], 0, 0.0, ""
+        else:
+            try:
+                rel, differing, worst, note = relation(w.get("device"), w.get("reference"), w.get("blocked", False),
+                                                       w.get("folding", False))
+            except (ValueError, TypeError, FloatingPointError) as e:     # a value of a kind not compared here
+                rel, differing, worst, note = "unknown", 0, float("nan"), f"not compared ({type(e).__name__})"
+            ref = w.get("reference")
+            elements = int(np.size(ref)) if ref is not None else ""
+        rows.append({**{k: w[k] for k in _NAMES}, "relation": rel, "elements": elements, "differing": differing,
                      "max_abs_diff": worst, "note": note})
     return rows
 

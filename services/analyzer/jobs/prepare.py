@@ -267,13 +267,13 @@ def _device_model_facts(spec: pb.JobSpec, store: ArtifactStore, reference) -> tu
     and whether it quantizes."""
     from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
     from layerdiff.common.onnxgraph import PARSED
-    from layerdiff.common.tf.format import FORMAT_KERAS, is_tensorflow
+    from layerdiff.common.tf.format import FORMAT_KERAS, is_tensorflow, onnx_by_name
     from layerdiff.common.tf.load import load_tf_model
 
     name = store.name(spec.device_model_artifact)
     # an ONNX file is read only if no one in this process holds it parsed
     # (the embedded collector running it): see onnxgraph.PARSED
-    data = None if name.lower().endswith(".onnx") else store.read(spec.device_model_artifact, "device_model_artifact")
+    data = None if onnx_by_name(name) else store.read(spec.device_model_artifact, "device_model_artifact")
     if data is not None and is_tensorflow(name, data):
         if not (isinstance(reference, TFReference) and reference.format == FORMAT_KERAS):
             return None, False

@@ -14,12 +14,19 @@ FORMAT_KERAS = "keras"
 TF_FORMATS = (FORMAT_GRAPHDEF, FORMAT_SAVEDMODEL, FORMAT_KERAS)
 
 
+def onnx_by_name(name: str) -> bool:
+    """A file whose name alone says it is ONNX (model_format needs none of
+    its bytes): it can be parsed, or found parsed (onnxgraph.PARSED),
+    without reading it first."""
+    return (name or "").lower().endswith(".onnx")
+
+
 def model_format(name: str, data: bytes) -> str:
     """Which kind of model a file is, from its name and first bytes (no
     TensorFlow import): onnx, graphdef, savedmodel or keras. Anything not
     recognized is left to the ONNX reader, whose error names the file."""
     lower = (name or "").lower()
-    if lower.endswith(".onnx"):
+    if onnx_by_name(name):
         return FORMAT_ONNX
     if data[:4] == b"PK\x03\x04":
         try:

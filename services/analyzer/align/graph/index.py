@@ -21,6 +21,7 @@ class IndexedGraph:
     def __init__(self, model: onnx.ModelProto, merge_duplicates: bool = False) -> None:
         g = model.graph
         self.inits = {i.name: i for i in g.initializer}
+        self._same: dict[tuple, bool] = {}      # same_bytes, once per pair
         self.nodes = _topological(list(g.node))
         self.producer = {t: (i, k) for i, n in enumerate(self.nodes) for k, t in enumerate(n.output) if t}
         self.inputs = [v.name for v in g.input if v.name not in self.inits]
@@ -122,12 +123,14 @@ class IndexedGraph:
         """Are initializer ``t`` here and ``u`` in ``other`` the same stored
         tensor (type, shape, bytes)? Settles most weights of a device model
         without widening either (a build keeps most of them as they were)."""
-        a, b = self.inits.get(t), other.inits.get(u)
-        if a is None or b is None or a.data_type != b.data_type or a.dims != b.dims:
-            return False
-        if a.name == b.name and a == b:
-            return True     # compared in place: reading raw_data copies it (90 MB of a model, twice)
-        return bool(a.raw_data) and a.raw_data == b.raw_data
+        key = (t, id(other), u)     # the search and the weight rows ask of the same pairs
+        if key not in self._same:
+            a, b = self.inits.get(t), other.inits.get(u)
+            self._same[key] = a is not None and b is not None and a.data_type == b.data_type \
+                and a.dims == b.dims and (
+                    (a.name == b.name and a == b)   # in place: reading raw_data copies it (90 MB a model, twice)
+                    or (bool(a.raw_data) and a.raw_data == b.raw_data))
+        return self._same[key]
 
     def stored(self, t: str) -> np.ndarray | None:
         """An initializer as stored (its own type), else ``value``."""
