@@ -316,3 +316,32 @@ def test_cli_compare_of_user_dumps_exits_with_the_answer(world, services):
                           capture_output=True, text=True, timeout=CALL_TIMEOUT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "by the files' modification times" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_numbered_files_written_in_turn_pair_by_name_across_builds(services, tmp_path):
+    """The usual script: every tensor saved as it comes, named after its
+    place in the run (``0007_conv.npy``, distinct modification times). The
+    device build numbers its tensors one further (a cast ahead of them), so
+    the numbers leave the names on both sides: every tensor pairs by its
+    name, and the bug is named without its number."""
+    model = exported(small_cnn())
+    gold = tensors(model, X)
+    bug = tensors(fp16_build(exported(small_cnn(bug_in="conv2"))), X.astype(np.float16))
+    cast = ("input_fp16", "input_cast", "Cast", X.astype(np.float16))
+    for side, values in (("gold", gold), ("dev", [cast, *bug])):
+        (tmp_path / side).mkdir()
+        for i, (name, _, _, value) in enumerate(values):
+            path = tmp_path / side / f"{i:04d}_{sanitized(name)}.npy"
+            np.save(path, value)
+            os.utime(path, ns=(T0 + i * 1_000_000, T0 + i * 1_000_000))
+    r = run_compare(services, tmp_path / "gold", tmp_path / "dev", tmp_path / "out", precision="fp16")
+    s = r.summary
+    assert s["counts"]["compared"] == len(gold), s["coverage"]["text"]
+    assert s["execution_order"]["from"] == "the files' modification times"
+    comp = s["first_computation_error"]
+    assert comp and is_bug(comp["node"]) and not comp["node"][:1].isdigit(), headline(s)
+    import csv
+
+    with open(tmp_path / "out" / "alignment.csv", newline="", encoding="utf-8") as f:
+        methods = {r["reference_tensor"]: r["method"] for r in csv.DictReader(f) if r["reference_tensor"]}
+    assert set(methods.values()) == {"name"}, methods

@@ -178,9 +178,10 @@ class DumpDirectory:
                      (_EXTENSIONS.get(p.suffix.lower()) == self.fmt if self.fmt else
                       _EXTENSIONS.get(p.suffix.lower()) in _SELF_DESCRIBING)]
             names, self.order_from = execution_order(files)
-            stems = [Path(f).stem for f in names]
-            if self.order_from == ORDER_SEQUENCE:
-                stems = _without_leading_numbers(stems)
+            # a number leading every name is the script's count, not the
+            # tensor's name, whatever gave the order (two builds number
+            # their tensors differently: an FP16 build's casts shift them)
+            stems = _without_leading_numbers([Path(f).stem for f in names])
             return [{"name": stem, "file": f, "order": i, "op_type": ""}
                     for i, (stem, f) in enumerate(zip(stems, names))]
         try:
