@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SHELL := /bin/bash
 
-.PHONY: setup stubs test lint demo bench clean
+.PHONY: setup stubs kernels test lint demo bench clean
 
 setup:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
@@ -19,16 +19,26 @@ setup:
 	$(BIN)/pip install -q --no-deps rapidocr-onnxruntime==1.4.4
 	$(MAKE) stubs
 	# Compiled now, not on a new user's first command: the project's bytecode,
-	# and the metric kernels for this CPU (numba caches them beside kernel.py)
+	# and the metric kernels for this CPU
 	$(BIN)/python -m compileall -q services >/dev/null
-	$(BIN)/python -c "from layerdiff.analyzer.compare import kernel; kernel.warmup()"
+	$(MAKE) kernels
+
+# The metric kernels built ahead of time for this CPU (compare/compiled.py);
+# rebuilt when what they are built from changes. Where they cannot be built,
+# numba compiles them on first use and caches them (warmed here).
+KERNELS := services/analyzer/compare
+$(KERNELS)/_kernels.key: $(KERNELS)/kernel.py $(KERNELS)/contract.py $(KERNELS)/compiled.py $(KERNELS)/build.py
+	$(BIN)/python -m layerdiff.analyzer.compare.build
+	$(BIN)/python -c "from layerdiff.analyzer.compare import compiled; compiled.warmup(just_in_time=True)"
+
+kernels: $(KERNELS)/_kernels.key
 
 stubs:
 	proto/generate.sh $(BIN)/python
 
 # Test modules run side by side on the cores (pytest-xdist), each module in
 # one process so that its fixtures are built once.
-test: lint
+test: lint kernels
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadfile tests
 
 # mypy reads the package as it imports: layerdiff is src/layerdiff (services/,

@@ -21,27 +21,31 @@ accuracy when the tensors nearly agree; where they do not, and building
 the device moments that way would cancel (more than two bits lost), the
 block's moments are summed again in float64.
 
-The state of a pass is a pair of arrays (``_new_state``): integer counters
-and float sums at the ``_I_*`` / ``_F_*`` indices, which
+Beside it, the sums of squares along kept axes behind ``squares.py``.
+
+The state of a pass is a pair of arrays (``contract._new_state``): integer
+counters and float sums at the ``_I_*`` / ``_F_*`` indices, which
 ``metrics.Accumulator`` names field by field.
 
-Why this is one module, over 600 lines: it is one numba compilation unit.
-The ``cache=True`` functions here compile in the LLVM IR emitters, the
-intrinsics, the inline scalar helpers and the module constants, and numba
-invalidates a cached function only when the file defining it changes, not
-when something it compiles in changes in another file: split across files,
-an edit to an emitter, a helper or a constant would leave stale machine
-code in ``__pycache__``.  Everything a cached function compiles in
-therefore lives here, with the Python entry point (``_run``) and
-``warmup`` beside it; what the compiled code never sees (the result types,
-finalize, the numpy definition, the worst-element rows) is in
-``metrics.py`` and ``worst.py``.
+Everything numba compiles is here, and only that: this module is imported
+to build the kernels ahead of time (``build.py``, run by ``make setup``)
+and, where no build matches these sources and this CPU, to compile them
+just in time (``compiled.py`` chooses; the Python side never imports numba
+otherwise). Why one module, over 1000 lines: it is one numba compilation
+unit. The ``cache=True`` functions here compile in the LLVM IR emitters,
+the intrinsics, the inline scalar helpers and the module constants, and
+numba invalidates a cached function only when the file defining it
+changes: split across files, an edit to an emitter, a helper or a constant
+would leave stale machine code in the cache. The one exception,
+``contract.py`` (the values the Python side shares), keys the cache's
+directory by its contents.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-import threading
+from pathlib import Path
 
 import numpy as np
 from llvmlite import binding as _llvm
@@ -51,15 +55,59 @@ from numba.core import cgutils
 from numba.core import config as _nb_config
 from numba.extending import intrinsic, overload
 
-# The constants of the metric definitions (metrics.py re-exports them),
-# defined here because the compiled code freezes them in; the default
-# tolerances are also what warmup() compiles with.
-ATOL_DEFAULT = 0.005
-RTOL_DEFAULT = 0.2
-FP16_MAX = 65504.0
-REL_EPS = 1e-10
+from layerdiff.analyzer.compare import contract
+from layerdiff.analyzer.compare.contract import (
+    _F32_MAX,
+    _F_C_RD,
+    _F_FIRST_DEV,
+    _F_FIRST_REF,
+    _F_M2_D,
+    _F_M2_R,
+    _F_MAX_AE,
+    _F_MAX_ERR,
+    _F_MAX_REL,
+    _F_MEAN_D,
+    _F_MEAN_R,
+    _F_SUM_AD,
+    _F_SUM_AE,
+    _F_SUM_AR,
+    _F_SUM_E2,
+    _F_SUM_ERR,
+    _F_SUM_KL,
+    _F_SUM_REL,
+    _F_V0_DEV,
+    _F_V0_REF,
+    _I_BOTH_NAN,
+    _I_DEV_INF,
+    _I_DEV_NAN,
+    _I_DEV_OVF,
+    _I_FIRST,
+    _I_N,
+    _I_NERR,
+    _I_NFE,
+    _I_NFIN,
+    _I_REF_INF,
+    _I_REF_NAN,
+    _I_REF_OVF,
+    _I_REL1,
+    _I_REL5,
+    _I_V0,
+    FP16_MAX,
+    REL_EPS,
+    _f32_down,
+    _f32_up,
+    display_value,
+)
 
-_F32_MAX = float(np.finfo(np.float32).max)
+# numba re-checks a cached function against its own file only; what it
+# freezes in from contract.py is keyed in by the cache's directory (under
+# NUMBA_CACHE_DIR where one is set), set while this module defines its
+# functions and restored at the end of the module.
+_CACHE_DIR_BEFORE = _nb_config.CACHE_DIR  # type: ignore[attr-defined]  # numba sets its config attributes at import
+_nb_config.CACHE_DIR = str(  # type: ignore[attr-defined]
+    Path(_CACHE_DIR_BEFORE or Path(__file__).parent / "__pycache__") / (
+    "jit-" + hashlib.sha256(Path(contract.__file__).read_bytes()).hexdigest()[:16]))
+
 _F32_MAX_32 = np.float32(_F32_MAX)
 _FP16_MAX_32 = np.float32(FP16_MAX)
 _EPS_32 = np.float32(REL_EPS)
@@ -69,46 +117,6 @@ _FP16_MAX_BITS = 0x477FE000
 # Elements per block: the reference and device slices of one block (<= 16
 # KiB) stay in L1 while the kernel sweeps them two to five times.
 _BLOCK = 2048
-
-
-# ---------------------------------------------------------------------------
-# State of a pass
-# ---------------------------------------------------------------------------
-
-# Layout of the state arrays shared by the compiled code and metrics.Accumulator.
-# Integer part.
-_I_N, _I_NERR, _I_FIRST, _I_V0 = 0, 1, 2, 3
-_I_REF_NAN, _I_REF_INF, _I_DEV_NAN, _I_DEV_INF, _I_REF_OVF, _I_DEV_OVF = 4, 5, 6, 7, 8, 9
-_I_REL1, _I_REL5 = 10, 11
-_I_NFIN, _I_BOTH_NAN, _I_NFE = 12, 13, 14
-_NI = 15
-_INT_FIELDS = (
-    "n", "errors", "first_offset", "v0_offset", "ref_nan", "ref_inf", "dev_nan",
-    "dev_inf", "ref_overflow", "dev_overflow", "n_rel_lt_0_001", "n_rel_lt_0_005",
-    "finite_pairs", "both_nan", "nonfinite_errors",
-)
-# Float part.  Moments are kept centred (Chan et al. parallel form): a
-# reference with a large mean and a small spread keeps its std, and a
-# constant tensor has exactly zero variance.
-_F_FIRST_REF, _F_FIRST_DEV, _F_V0_REF, _F_V0_DEV = 0, 1, 2, 3
-_F_SUM_ERR, _F_MAX_ERR, _F_SUM_AE, _F_MAX_AE, _F_SUM_REL, _F_MAX_REL = 4, 5, 6, 7, 8, 9
-_F_MEAN_R, _F_M2_R, _F_MEAN_D, _F_M2_D, _F_C_RD, _F_SUM_E2 = 10, 11, 12, 13, 14, 15
-_F_SUM_AR, _F_SUM_AD, _F_SUM_KL = 16, 17, 18
-_NF = 19
-_FLOAT_FIELDS = (
-    "first_ref", "first_dev", "v0_ref", "v0_dev", "sum_err", "max_err", "sum_abs_diff",
-    "max_abs_diff", "sum_rel", "max_rel", "mean_ref", "m2_ref", "mean_dev", "m2_dev",
-    "c_ref_dev", "sum_sq_diff", "sum_abs_ref", "sum_abs_dev", "sum_kl",
-)
-
-
-def _new_state():
-    iv = np.zeros(_NI, np.int64)
-    iv[_I_FIRST] = -1
-    iv[_I_V0] = -1
-    fv = np.zeros(_NF, np.float64)
-    fv[_F_FIRST_REF] = fv[_F_FIRST_DEV] = fv[_F_V0_REF] = fv[_F_V0_DEV] = np.nan
-    return iv, fv
 
 
 # ---------------------------------------------------------------------------
@@ -321,42 +329,9 @@ _SUB = 32
 _BAND = 2.0 ** -19
 
 
-def _f32_down(x: float) -> float:
-    """Largest float32 <= x (x finite, |x| < float32 max)."""
-    v = np.float32(x)
-    if float(v) > x:
-        v = np.nextafter(v, np.float32(-np.inf))
-    return float(v)
-
-
-def _f32_up(x: float) -> float:
-    v = np.float32(x)
-    if float(v) < x:
-        v = np.nextafter(v, np.float32(np.inf))
-    return float(v)
-
-
 _T1_LO, _T1_HI = _f32_down(0.001 * (1 - _BAND)), _f32_up(0.001 * (1 + _BAND))
 _T5_LO, _T5_HI = _f32_down(0.005 * (1 - _BAND)), _f32_up(0.005 * (1 + _BAND))
 
-
-def _fast_tolerances(atol: float, rtol: float):
-    """float32 (rtol_lo, atol_lo) for the float32 "may mismatch" test, or None.
-
-    ``ae32 > max(fma(|r|, rtol_lo, atol_lo), 0)`` is true for every element
-    that mismatches in float64 (and, rarely, for some that do not): rtol_lo
-    and atol_lo are rtol and atol shrunk by 2**-20 and rounded down, and
-    atol_lo is lowered by a further 2**-126 so that float32 rounding near the
-    subnormal range cannot hide a mismatch (see the tests).  Tolerances
-    outside [1e-30, 1e30] (other than 0) take the float64 test instead.
-    """
-    def ok(t):
-        return t == 0.0 or 1e-30 <= t <= 1e30
-
-    if not (ok(atol) and ok(rtol)):
-        return None
-    return (_f32_down(rtol * (1 - 2.0 ** -20)),
-            _f32_down(atol * (1 - 2.0 ** -20) - 2.0 ** -126))
 
 
 def _no_unroll_md(module, tag):
@@ -854,18 +829,6 @@ def _ov_ld32(a, i):
 # every other dtype, which is widened to float64 piecewise)
 # ---------------------------------------------------------------------------
 
-
-def display_value(v):
-    """The vendor's display rule, for ref_value/dev_value only: NaN shows as
-    0, an infinity as the largest float32 of its sign. Compiled below for
-    the kernel; plain Python for the numpy definitions."""
-    if v != v:
-        return 0.0
-    if v == np.inf:
-        return _F32_MAX
-    if v == -np.inf:
-        return -_F32_MAX
-    return v
 
 
 _replace64 = njit(inline="always", error_model="numpy")(display_value)
@@ -1434,120 +1397,64 @@ def _worst_int(r, d, ru, du, base, k, hidx, hdiff, hcls):
 
 
 # ---------------------------------------------------------------------------
-# Dispatch
+# Sums of squares along kept axes (squares.py says what they are for)
 # ---------------------------------------------------------------------------
 
 
-def _flat(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
+# reassoc: the sums may be taken in any order (vectorized); nothing else of
+# fastmath, which would let the finiteness test go
+@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
+def _square_sums(x, p, k, q, by_k, by_q):
+    # x: p*k*q elements seen as (p, k, q); by_k[j] += the finite squares of
+    # x[:, j, :], by_q[m] += those of x[:, :, m]
+    i = 0
+    for _ in range(p):
+        for j in range(k):
+            s = 0.0
+            for m in range(q):
+                v = x[i + m]
+                v2 = v * v
+                t = v2 if v2 - v2 == 0.0 else 0.0     # finite (Inf - Inf and NaN are NaN)
+                s += t
+                by_q[m] += t
+            by_k[j] += s
+            i += q
 
 
-# Elements widened to float64 at a time on the generic path (bounded scratch,
-# one compiled signature for every dtype combination).
-_PIECE = 1 << 16
+def _dev(d, i, table):
+    raise NotImplementedError
 
 
-def _kind(a: np.ndarray) -> str:
-    dt = a.dtype
-    if dt == np.float32:
-        return "f32"
-    if dt == np.float16:
-        return "f16"
-    if dt == np.float64:
-        return "f64"
-    if dt.kind == "f":
-        return "float"
-    if dt.kind in "iub":
-        return "int"
-    raise TypeError(f"unsupported tensor dtype {dt}")
+@overload(_dev)
+def _ov_dev(d, i, table):
+    # a float16 device tensor comes as its bits: its value is the table's
+    if d.dtype == types.uint16:
+        return lambda d, i, table: table[d[i]]
+    return lambda d, i, table: d[i]
 
 
-def _as_f64(a: np.ndarray) -> np.ndarray:
-    return a if a.dtype == np.float64 else a.astype(np.float64)
+@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
+def _pair_sums(r, d, table, p, k, q, ek, rk, eq, rq):
+    # as _square_sums, for the error d - r (in their type) and for r at once
+    i = 0
+    for _ in range(p):
+        for j in range(k):
+            se = 0.0
+            sr = 0.0
+            for m in range(q):
+                rv = r[i + m]
+                ev = _dev(d, i + m, table) - rv
+                e2 = ev * ev
+                r2 = rv * rv
+                te = e2 if e2 - e2 == 0.0 else 0.0
+                tr = r2 if r2 - r2 == 0.0 else 0.0
+                se += te
+                sr += tr
+                eq[m] += te
+                rq[m] += tr
+            ek[j] += se
+            rk[j] += sr
+            i += q
 
 
-def _into_f64(a: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """A piece as float64: itself, or converted into the front of ``scratch``."""
-    if a.dtype == np.float64:
-        return a
-    out = scratch[:a.size]
-    np.copyto(out, a, casting="unsafe")
-    return out
-
-
-def _as_i64(a: np.ndarray) -> np.ndarray:
-    """An integer/bool piece as int64 (uint64 as its bits: see ``_isplit``)."""
-    if a.dtype == np.uint64:
-        return a.view(np.int64)
-    return a if a.dtype == np.int64 else a.astype(np.int64)
-
-
-_warm_lock = threading.Lock()
-_warmed = False
-
-
-def warmup() -> None:
-    """Load (or compile) the kernel signatures.  Idempotent, thread-safe."""
-    global _warmed
-    if _warmed:
-        return
-    with _warm_lock:
-        if _warmed:
-            return
-        f32 = np.zeros(16, np.float32)
-        f16 = np.zeros(16, np.uint16)
-        f64 = np.zeros(16, np.float64)
-        rtol_lo, atol_lo = _fast_tolerances(ATOL_DEFAULT, RTOL_DEFAULT)
-        for r, d in ((f32, f32), (f32, f16), (f16, f16), (f16, f32)):
-            iv, fv = _new_state()
-            _acc_fast(r, d, ATOL_DEFAULT, RTOL_DEFAULT, rtol_lo, atol_lo, False, 0, iv, fv)
-        iv, fv = _new_state()
-        _acc_f64(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, iv, fv, True, True)
-        i64 = np.zeros(16, np.int64)
-        _acc_int(i64, i64, False, False, 0, iv, fv)
-        _merge_state(iv, fv, iv.copy(), fv.copy())
-        # the worst elements of a failing node (worst.worst_elements): its only signatures
-        hidx, hdiff, hcls = np.zeros(4, np.int64), np.zeros(4, np.float64), np.zeros(4, np.int64)
-        _worst(f64, f64, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
-        for r, d in ((f32, f32), (f32, f16), (f16, f16), (f16, f32)):
-            _worst(r, d, ATOL_DEFAULT, RTOL_DEFAULT, 0, 0, hidx, hdiff, hcls)
-        _worst_int(i64, i64, False, False, 0, 0, hidx, hdiff, hcls)
-        # the error model's sums of squares (a unit of its own: squares.py)
-        from layerdiff.analyzer.compare import squares
-
-        squares.warmup()
-        _warmed = True
-
-
-def _run(ref, dev, atol, rtol, base):
-    r = _flat(ref)
-    d = _flat(dev)
-    if r.size != d.size:
-        raise ValueError(
-            f"element count mismatch: reference has {r.size} elements, device has {d.size}")
-    atol = float(atol)
-    rtol = float(rtol)
-    base = int(base)
-    kr, kd = _kind(r), _kind(d)
-    if not _warmed:
-        warmup()
-    iv, fv = _new_state()
-    if kr in ("f32", "f16") and kd in ("f32", "f16"):
-        rv = r.view(np.uint16) if kr == "f16" else r
-        dv = d.view(np.uint16) if kd == "f16" else d
-        lo = _fast_tolerances(atol, rtol)
-        rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
-        _acc_fast(rv, dv, atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv)
-    elif kr == "f64" and kd == "f64":
-        _acc_f64(r, d, atol, rtol, base, iv, fv, True, True)
-    elif kr == "int" and kd == "int":
-        ru, du = r.dtype == np.uint64, d.dtype == np.uint64
-        for s in range(0, r.size, _PIECE):
-            _acc_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, base + s,
-                     iv, fv)
-    else:
-        for s in range(0, r.size, _PIECE):
-            _acc_f64(_as_f64(r[s:s + _PIECE]), _as_f64(d[s:s + _PIECE]), atol, rtol,
-                     base + s, iv, fv, kr != "int", kd != "int")
-    return iv, fv
+_nb_config.CACHE_DIR = _CACHE_DIR_BEFORE  # type: ignore[attr-defined]

@@ -100,18 +100,16 @@ from typing import Any
 
 import numpy as np
 
-from layerdiff.analyzer.compare.kernel import (
+from layerdiff.analyzer.compare.compiled import _merge_state, _run, warmup
+from layerdiff.analyzer.compare.contract import (
     _FLOAT_FIELDS,
     _INT_FIELDS,
     ATOL_DEFAULT,
     FP16_MAX,
     REL_EPS,
     RTOL_DEFAULT,
-    _merge_state,
     _new_state,
-    _run,
     display_value,
-    warmup,
 )
 from layerdiff.analyzer.compare.worst import worst_elements, worst_row_key
 

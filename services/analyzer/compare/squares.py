@@ -5,7 +5,7 @@ for each index of the kept axes, the sum of the squared errors and of the
 squared reference values there. Done with numpy, that was a squared copy of
 each tensor, a cleaned copy where a value was not finite, and two reductions
 that widen to float64 a piece at a time: half of a detector's job went into
-it. Here each tensor is read once.
+it. Here each tensor is read once (the compiled loops are in ``kernel.py``).
 
 Each square is taken in the tensor's own type, float32 or float64 (float16
 and integers are widened to float32 first), as ``np.square(x, dtype=...)``
@@ -13,68 +13,9 @@ takes it; a square that is not finite counts as zero; the sums are float64.
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
 
-
-# reassoc: the sums may be taken in any order (vectorized); nothing else of
-# fastmath, which would let the finiteness test go
-@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
-def _square_sums(x, p, k, q, by_k, by_q):
-    # x: p*k*q elements seen as (p, k, q); by_k[j] += the finite squares of
-    # x[:, j, :], by_q[m] += those of x[:, :, m]
-    i = 0
-    for _ in range(p):
-        for j in range(k):
-            s = 0.0
-            for m in range(q):
-                v = x[i + m]
-                v2 = v * v
-                t = v2 if v2 - v2 == 0.0 else 0.0     # finite (Inf - Inf and NaN are NaN)
-                s += t
-                by_q[m] += t
-            by_k[j] += s
-            i += q
-
-
-def _dev(d, i, table):
-    raise NotImplementedError
-
-
-@overload(_dev)
-def _ov_dev(d, i, table):
-    # a float16 device tensor comes as its bits: its value is the table's
-    if d.dtype == types.uint16:
-        return lambda d, i, table: table[d[i]]
-    return lambda d, i, table: d[i]
-
-
-@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
-def _pair_sums(r, d, table, p, k, q, ek, rk, eq, rq):
-    # as _square_sums, for the error d - r (in their type) and for r at once
-    i = 0
-    for _ in range(p):
-        for j in range(k):
-            se = 0.0
-            sr = 0.0
-            for m in range(q):
-                rv = r[i + m]
-                ev = _dev(d, i + m, table) - rv
-                e2 = ev * ev
-                r2 = rv * rv
-                te = e2 if e2 - e2 == 0.0 else 0.0
-                tr = r2 if r2 - r2 == 0.0 else 0.0
-                se += te
-                sr += tr
-                eq[m] += te
-                rq[m] += tr
-            ek[j] += se
-            rk[j] += sr
-            i += q
-
+from layerdiff.analyzer.compare.compiled import kernels
 
 # every float16 code's value (exact in float32)
 _HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -114,7 +55,7 @@ def pair_square_sums(ref: np.ndarray, dev: np.ndarray, first: int,
     if ref.size:
         r = _contiguous(ref)
         d = _contiguous(dev)
-        _pair_sums(r, d.view(np.uint16) if d.dtype == np.float16 else d, _HALF, p, k, q, ek, rk, eq, rq)
+        kernels()._pair_sums(r, d.view(np.uint16) if d.dtype == np.float16 else d, _HALF, p, k, q, ek, rk, eq, rq)
     return (ek.reshape(kept), rk.reshape(kept)), (eq.reshape(after), rq.reshape(after))
 
 
@@ -136,21 +77,5 @@ def square_sums(x: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.nd
     by_k = np.zeros(int(np.prod(kept, dtype=np.int64)), np.float64)
     by_q = np.zeros(int(np.prod(after, dtype=np.int64)), np.float64)
     if x.size:
-        _square_sums(_flat(x), int(np.prod(shape[:first], dtype=np.int64)), by_k.size, by_q.size, by_k, by_q)
+        kernels()._square_sums(_flat(x), int(np.prod(shape[:first], dtype=np.int64)), by_k.size, by_q.size, by_k, by_q)
     return by_k.reshape(kept), by_q.reshape(after)
-
-
-_warm_lock = threading.Lock()
-_warmed = False
-
-
-def warmup() -> None:
-    """Load (or compile) every signature. Idempotent, thread-safe."""
-    global _warmed
-    with _warm_lock:
-        if not _warmed:
-            for dtype in (np.float32, np.float64):
-                square_sums(np.zeros((2, 2, 2), dtype), 1, 1)
-                pair_square_sums(np.zeros((2, 2, 2), dtype), np.zeros((2, 2, 2), dtype), 1, 1)
-            pair_square_sums(np.zeros((2, 2, 2), np.float32), np.zeros((2, 2, 2), np.float16), 1, 1)
-            _warmed = True

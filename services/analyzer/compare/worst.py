@@ -1,6 +1,6 @@
 """The worst mismatching elements of a node, worst first (the rows of
 the per-node detail tables).  The compiled search (a bounded heap per
-piece) is ``kernel._worst`` / ``kernel._worst_int``.
+piece) is ``kernel._worst`` / ``kernel._worst_int`` (as ``compiled.kernels()`` gives them).
 """
 
 from __future__ import annotations
@@ -9,18 +9,8 @@ import math
 
 import numpy as np
 
-from layerdiff.analyzer.compare.kernel import (
-    _PIECE,
-    ATOL_DEFAULT,
-    REL_EPS,
-    RTOL_DEFAULT,
-    _as_i64,
-    _flat,
-    _into_f64,
-    _kind,
-    _worst,
-    _worst_int,
-)
+from layerdiff.analyzer.compare.compiled import _PIECE, _as_i64, _flat, _into_f64, _kind, kernels
+from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, REL_EPS, RTOL_DEFAULT
 
 __all__ = ["worst_elements", "worst_row_key"]
 
@@ -64,7 +54,7 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     ru, du = r.dtype == np.uint64, d.dtype == np.uint64
     narrow = kr in ("f32", "f16") and kd in ("f32", "f16")
     if narrow:      # read as they are stored, each element widened as it is read
-        k = _worst(r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d,
+        k = kernels()._worst(r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d,
                         float(atol), float(rtol), 0, k, hidx, hdiff, hcls)
     else:
         # one float64 scratch piece per side for the whole tensor: a fresh one per
@@ -72,12 +62,12 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
         scratch = None if integer else (np.empty(min(_PIECE, r.size)), np.empty(min(_PIECE, r.size)))
         for s in range(0, r.size, _PIECE):
             if integer:
-                k = _worst_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, s, k,
+                k = kernels()._worst_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, s, k,
                                hidx, hdiff, hcls)
             else:
                 assert scratch is not None    # made above for every tensor that is not integer on both sides
                 rp, dp = r[s:s + _PIECE], d[s:s + _PIECE]
-                k = _worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
+                k = kernels()._worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
                            float(rtol), s, k, hidx, hdiff, hcls)
     rows = []
     for j in range(k):

@@ -1,0 +1,264 @@
+"""The compiled kernels as Python calls them, and where they come from.
+
+``make setup`` builds ``kernel.py`` ahead of time into an extension module
+beside this file (``build.py``): loading it takes a millisecond and no
+numba, where numba itself costs 120 MB and a third of a second before its
+first kernel runs, which a small model's whole job notices. A build is
+used only where it was made from these very sources (``kernel.py``,
+``contract.py`` and the signatures below) on a CPU with the same features
+(it is compiled for the CPU it was built on); otherwise, or where no C
+compiler made one, numba compiles the same functions just in time and
+caches them, as a clone without a build did before (so does a process
+told which CPU to compile for: NUMBA_CPU_NAME, NUMBA_CPU_FEATURES).
+
+Both ways give the same functions under the same names; the exported ones
+take exactly the signatures in ``ENTRIES``, so every call here hands them
+1-D C-ordered arrays of those types (float16 tensors as their uint16 bits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from layerdiff.analyzer.compare import contract
+from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, RTOL_DEFAULT, _fast_tolerances, _new_state
+
+HERE = Path(__file__).parent
+MODULE = "_kernels"
+KEY_FILE = HERE / f"{MODULE}.key"
+AHEAD_OF_TIME, JUST_IN_TIME = "built ahead of time", "compiled just in time"
+
+# The exported functions of kernel.py: a numba signature template and the
+# array types it is built for ({r} and {d}: the reference and device arrays).
+_ARRAY = {"f32": "float32[::1]", "f16": "uint16[::1]", "f64": "float64[::1]", "i64": "int64[::1]"}
+_NARROW: list[tuple[str, ...]] = [("f32", "f32"), ("f32", "f16"), ("f16", "f16"), ("f16", "f32")]
+_STATE = "int64[::1], float64[::1]"
+_HEAP = "int64, int64, int64[::1], float64[::1], int64[::1]"     # base, k, the heap's three arrays
+ENTRIES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
+    "_acc_fast": (f"void({{r}}, {{d}}, float64, float64, float64, float64, boolean, int64, {_STATE})", _NARROW),
+    "_acc_f64": (f"void({{r}}, {{d}}, float64, float64, int64, {_STATE}, boolean, boolean)", [("f64", "f64")]),
+    "_acc_int": (f"void({{r}}, {{d}}, boolean, boolean, int64, {_STATE})", [("i64", "i64")]),
+    "_merge_state": (f"void({_STATE}, {_STATE})", [()]),
+    "_worst": (f"int64({{r}}, {{d}}, float64, float64, {_HEAP})", [("f64", "f64"), *_NARROW]),
+    "_worst_int": (f"int64({{r}}, {{d}}, boolean, boolean, {_HEAP})", [("i64", "i64")]),
+    "_square_sums": ("void({r}, int64, int64, int64, float64[::1], float64[::1])", [("f32",), ("f64",)]),
+    "_pair_sums": ("void({r}, {d}, float32[::1], int64, int64, int64, float64[::1], float64[::1], float64[::1], "
+                   "float64[::1])", [("f32", "f32"), ("f32", "f16"), ("f64", "f64")]),
+}
+
+
+def signature(name: str, kinds: tuple[str, ...]) -> str:
+    template, _ = ENTRIES[name]
+    return template.format(**dict(zip("rd", (_ARRAY[k] for k in kinds))))
+
+
+def exported_name(name: str, kinds: tuple[str, ...]) -> str:
+    return "__".join((name.lstrip("_"), *kinds))
+
+
+def _cpu_identity() -> str:
+    """The model and feature flags of this CPU (the first processor of
+    /proc/cpuinfo), or "" where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            fields = {}
+            for line in f:
+                if not line.strip():
+                    break
+                k, _, v = line.partition(":")
+                fields[k.strip()] = v.strip()
+    except OSError:
+        return ""
+    if "flags" not in fields:
+        return ""
+    return f"{fields.get('vendor_id', '')}|{fields.get('model name', '')}|{fields['flags']}"
+
+
+def build_key() -> str:
+    """What a build must have been made from to be used here ("" where the
+    CPU cannot be told: then nothing built ahead of time is trusted)."""
+    cpu = _cpu_identity()
+    if not cpu:
+        return ""
+    h = hashlib.sha256()
+    for part in ((HERE / "kernel.py").read_bytes(), Path(contract.__file__).read_bytes(),
+                 repr(sorted(ENTRIES.items())).encode(), cpu.encode()):
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()
+
+
+class _Typed:
+    """One exported function of the build, chosen by the types of its array
+    arguments (the build's own wrapper would take any array as the type it
+    was exported for)."""
+
+    def __init__(self, module, name: str, keys: list[tuple[str, ...]]) -> None:
+        self.name = name
+        self.by_key = {k: getattr(module, exported_name(name, k)) for k in keys}
+
+    def __call__(self, *args):
+        key = tuple(_array_kind(a, self.name) for a in args[:len(next(iter(self.by_key)))])
+        fn = self.by_key.get(key)
+        if fn is None:
+            raise TypeError(f"{self.name} is not built for arrays of {key}")
+        return fn(*args)
+
+
+def _array_kind(a, name: str) -> str:
+    if not isinstance(a, np.ndarray) or a.ndim != 1 or not a.flags.c_contiguous:
+        raise TypeError(f"{name} takes 1-D C-ordered arrays")
+    kind = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "f16", np.dtype(np.float64): "f64",
+            np.dtype(np.int64): "i64"}.get(a.dtype)
+    if kind is None:
+        raise TypeError(f"{name} is not built for {a.dtype} arrays")
+    return kind
+
+
+def _ahead_of_time() -> SimpleNamespace | None:
+    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
+        return None         # numba is told which CPU to compile for: it compiles
+    key = build_key()
+    try:
+        if not key or KEY_FILE.read_text().strip() != key:
+            return None
+        module = importlib.import_module(f"{__package__}.{MODULE}")
+    except (OSError, ImportError):
+        return None
+    return SimpleNamespace(how=AHEAD_OF_TIME,
+                           **{name: _Typed(module, name, keys) for name, (_, keys) in ENTRIES.items()})
+
+
+def _just_in_time() -> SimpleNamespace:
+    from layerdiff.analyzer.compare import kernel
+
+    return SimpleNamespace(how=JUST_IN_TIME, **{name: getattr(kernel, name) for name in ENTRIES})
+
+
+_lock = threading.Lock()
+_loaded: SimpleNamespace | None = None
+_warmed = False
+
+
+def kernels() -> SimpleNamespace:
+    """The exported functions by name (``how`` says which way they came)."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = _ahead_of_time() or _just_in_time()
+    return _loaded
+
+
+def warmup(just_in_time: bool = False) -> None:
+    """Load the kernels, and where numba compiles them, every exported
+    signature (from its cache when it has them). ``just_in_time``: compile
+    (or load) numba's versions even where a build is used (``make setup``
+    does, for the tests and for a later fallback). Idempotent, thread-safe."""
+    global _warmed
+    if _warmed and not just_in_time:
+        return
+    k = _just_in_time() if just_in_time else kernels()
+    with _lock:
+        if k.how == JUST_IN_TIME:
+            for name, (_, keys) in ENTRIES.items():
+                for kinds in keys:
+                    getattr(k, name).compile(signature(name, kinds))
+        _warmed = _warmed or k is _loaded
+
+
+# ---------------------------------------------------------------------------
+# The metric pass
+# ---------------------------------------------------------------------------
+
+
+def _flat(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
+
+
+# Elements widened to float64 at a time on the generic path (bounded scratch,
+# one compiled signature for every dtype combination).
+_PIECE = 1 << 16
+
+
+def _kind(a: np.ndarray) -> str:
+    dt = a.dtype
+    if dt == np.float32:
+        return "f32"
+    if dt == np.float16:
+        return "f16"
+    if dt == np.float64:
+        return "f64"
+    if dt.kind == "f":
+        return "float"
+    if dt.kind in "iub":
+        return "int"
+    raise TypeError(f"unsupported tensor dtype {dt}")
+
+
+def _as_f64(a: np.ndarray) -> np.ndarray:
+    return a if a.dtype == np.float64 else a.astype(np.float64)
+
+
+def _into_f64(a: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """A piece as float64: itself, or converted into the front of ``scratch``."""
+    if a.dtype == np.float64:
+        return a
+    out = scratch[:a.size]
+    np.copyto(out, a, casting="unsafe")
+    return out
+
+
+def _as_i64(a: np.ndarray) -> np.ndarray:
+    """An integer/bool piece as int64 (uint64 as its bits: see ``kernel._isplit``)."""
+    if a.dtype == np.uint64:
+        return a.view(np.int64)
+    return a if a.dtype == np.int64 else a.astype(np.int64)
+
+
+def _run(ref, dev, atol, rtol, base):
+    """The state of one metric pass over ``ref`` and ``dev`` (flat offset
+    ``base`` in the whole tensor)."""
+    r = _flat(ref)
+    d = _flat(dev)
+    if r.size != d.size:
+        raise ValueError(
+            f"element count mismatch: reference has {r.size} elements, device has {d.size}")
+    atol = float(atol)
+    rtol = float(rtol)
+    base = int(base)
+    kr, kd = _kind(r), _kind(d)
+    k = kernels()
+    iv, fv = _new_state()
+    if kr in ("f32", "f16") and kd in ("f32", "f16"):
+        rv = r.view(np.uint16) if kr == "f16" else r
+        dv = d.view(np.uint16) if kd == "f16" else d
+        lo = _fast_tolerances(atol, rtol)
+        rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
+        k._acc_fast(rv, dv, atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv)
+    elif kr == "f64" and kd == "f64":
+        k._acc_f64(r, d, atol, rtol, base, iv, fv, True, True)
+    elif kr == "int" and kd == "int":
+        ru, du = bool(r.dtype == np.uint64), bool(d.dtype == np.uint64)
+        for s in range(0, r.size, _PIECE):
+            k._acc_int(_as_i64(r[s:s + _PIECE]), _as_i64(d[s:s + _PIECE]), ru, du, base + s, iv, fv)
+    else:
+        for s in range(0, r.size, _PIECE):
+            k._acc_f64(_as_f64(r[s:s + _PIECE]), _as_f64(d[s:s + _PIECE]), atol, rtol,
+                       base + s, iv, fv, kr != "int", kd != "int")
+    return iv, fv
+
+
+def _merge_state(iv, fv, jv, gv) -> None:
+    """(iv, fv) <- (iv, fv) merged with (jv, gv)."""
+    kernels()._merge_state(iv, fv, jv, gv)
+
+
+__all__ = ["ATOL_DEFAULT", "RTOL_DEFAULT", "ENTRIES", "kernels", "warmup", "build_key"]

@@ -1,0 +1,173 @@
+"""The metric kernels built ahead of time (make setup) against numba's own:
+the same answers from every exported signature, no numba in a process that
+compares, and no build used where it was not made from these sources on
+this CPU."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from layerdiff.analyzer.compare import compiled
+from layerdiff.analyzer.compare.contract import _fast_tolerances, _new_state
+
+ATOL, RTOL = 0.005, 0.2
+# sums the compiler may take in any order (vectorized for the CPU it targets):
+# equal to rounding; every other entry is exact, so equal bit for bit
+_ANY_ORDER = ("_square_sums", "_pair_sums")
+
+
+def _values(rng, n: int, kind: str) -> np.ndarray:
+    """Values of every sort the kernels meet: ordinary, tiny, beyond FP16,
+    NaN and Inf (float kinds), and int64 extremes (i64)."""
+    if kind == "i64":
+        v = rng.integers(-1000, 1000, n, dtype=np.int64)
+        v[::97] = np.iinfo(np.int64).max
+        v[1::89] = np.iinfo(np.int64).min
+        return v
+    x = rng.standard_normal(n) * 3
+    x[::53] *= 1e5                  # past FP16's range
+    x[::71] = 1e-30                 # below the float32 sweep's floor
+    x[::101] = np.nan
+    x[::113] = np.inf
+    x[::127] = -np.inf
+    if kind == "f16":
+        with np.errstate(over="ignore"):        # past FP16's range: Inf, as a device gives it
+            return x.astype(np.float16).view(np.uint16)
+    return x.astype(np.float32 if kind == "f32" else np.float64)
+
+
+def _pair(rng, n: int, kinds: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    r = _values(rng, n, kinds[0])
+    # the device: near the reference mostly (so the mismatch tests are close calls), its own values elsewhere
+    d = _values(rng, n, kinds[1])
+    near = rng.random(n) < 0.7
+    if kinds[0] == kinds[1]:
+        d[near] = r[near]
+        if kinds[0] in ("f32", "f64"):
+            d[near] *= np.asarray(1 + rng.standard_normal(int(near.sum())) * 0.01, r.dtype)
+    return r, d
+
+
+def _calls(name: str, kinds: tuple[str, ...], rng) -> list[tuple]:
+    """Argument lists for one exported signature (fresh output arrays each)."""
+    n = 5000
+    out = []
+    if name == "_merge_state":
+        for _ in range(3):
+            a, b = compiled._run(*_pair(rng, n, ("f32", "f32")), ATOL, RTOL, 0), \
+                compiled._run(*_pair(rng, n, ("f32", "f32")), ATOL, RTOL, n)
+            out.append((a[0].copy(), a[1].copy(), b[0], b[1]))
+        return out
+    if name in ("_square_sums",):
+        for p, k, q in ((1, 5000, 1), (10, 50, 10), (2, 1, 2500)):
+            out.append((_values(rng, n, kinds[0]), p, k, q, np.zeros(k), np.zeros(q)))
+        return out
+    r, d = _pair(rng, n, kinds)
+    if name == "_pair_sums":
+        from layerdiff.analyzer.compare.squares import _HALF
+        for p, k, q in ((1, 5000, 1), (10, 50, 10), (2, 1, 2500)):
+            out.append((r, d, _HALF, p, k, q, np.zeros(k), np.zeros(k), np.zeros(q), np.zeros(q)))
+        return out
+    for atol, rtol in ((ATOL, RTOL), (0.0, 1e-3), (1e-40, 0.5)):
+        iv, fv = _new_state()
+        if name == "_acc_fast":
+            lo = _fast_tolerances(atol, rtol)
+            out.append((r, d, atol, rtol, *(lo or (0.0, 0.0)), lo is None, 7, iv, fv))
+        elif name == "_acc_f64":
+            out.append((r, d, atol, rtol, 7, iv, fv, True, False))
+        elif name == "_acc_int":
+            out.append((r, d, False, rtol > 0.3, 7, iv, fv))
+        elif name == "_worst":
+            out.append((r, d, atol, rtol, 7, 0, np.zeros(40, np.int64), np.zeros(40), np.zeros(40, np.int64)))
+        elif name == "_worst_int":
+            out.append((r, d, False, rtol > 0.3, 7, 0, np.zeros(40, np.int64), np.zeros(40),
+                        np.zeros(40, np.int64)))
+    return out
+
+
+def _outputs(fn, args: tuple):
+    args = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
+    ret = fn(*args)
+    return ret, [a for a in args if isinstance(a, np.ndarray)]
+
+
+def test_every_exported_signature_answers_as_numba_does():
+    built = compiled._ahead_of_time()
+    assert built is not None, "make setup builds the kernels for this CPU"
+    jit = compiled._just_in_time()
+    rng = np.random.default_rng(11)
+    tried = 0
+    for name, (_, keys) in compiled.ENTRIES.items():
+        for kinds in keys:
+            calls = _calls(name, kinds, rng)
+            assert calls, f"no call made for {name}{kinds}"
+            for args in calls:
+                got_ret, got = _outputs(getattr(built, name), args)
+                want_ret, want = _outputs(getattr(jit, name), args)
+                assert got_ret == want_ret, (name, kinds)
+                for g, w in zip(got, want):
+                    if name in _ANY_ORDER:
+                        np.testing.assert_allclose(g, w, rtol=1e-12, err_msg=f"{name}{kinds}")
+                    else:
+                        np.testing.assert_array_equal(g, w, err_msg=f"{name}{kinds}")
+                tried += 1
+    assert tried >= 40
+
+
+def test_the_build_refuses_arrays_it_was_not_made_for():
+    built = compiled._ahead_of_time()
+    assert built is not None
+    iv, fv = _new_state()
+    f32 = np.zeros(8, np.float32)
+    with pytest.raises(TypeError, match="int32"):
+        built._acc_fast(np.zeros(8, np.int32), f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv)
+    with pytest.raises(TypeError, match="C-ordered"):
+        built._acc_fast(np.zeros(16, np.float32)[::2], f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv)
+    with pytest.raises(TypeError, match="not built"):
+        built._acc_fast(np.zeros(8), f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv)
+
+
+def test_a_build_from_other_sources_or_for_another_cpu_is_not_used(monkeypatch, tmp_path):
+    assert compiled._ahead_of_time() is not None
+    with monkeypatch.context() as m:      # another CPU (a copied image): its instructions may not run here
+        m.setattr(compiled, "_cpu_identity", lambda: "GenuineIntel|another|fpu sse2")
+        assert compiled._ahead_of_time() is None
+    with monkeypatch.context() as m:      # a CPU that cannot be told
+        m.setattr(compiled, "_cpu_identity", lambda: "")
+        assert compiled._ahead_of_time() is None
+    with monkeypatch.context() as m:      # built before the sources changed
+        key = tmp_path / "_kernels.key"
+        key.write_text("0" * 64 + "\n")
+        m.setattr(compiled, "KEY_FILE", key)
+        assert compiled._ahead_of_time() is None
+        m.setattr(compiled, "KEY_FILE", tmp_path / "absent.key")
+        assert compiled._ahead_of_time() is None
+    with monkeypatch.context() as m:      # numba told to compile for another CPU
+        m.setenv("NUMBA_CPU_NAME", "haswell")
+        assert compiled._ahead_of_time() is None
+
+
+def test_a_comparison_runs_without_numba():
+    """What a job runs (the metric pass, the worst elements, the error
+    model's sums) loads no numba and no LLVM: 120 MB and a third of a second
+    a small model's whole job would notice."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from layerdiff.analyzer.compare import compiled, metrics, worst, squares
+        r = np.linspace(-3, 3, 3000, dtype=np.float32)
+        d = r.astype(np.float16)
+        d[5] = np.float16(7)
+        m = metrics.compare(r, d)
+        rows = worst.worst_elements(r, d)
+        sums = squares.pair_square_sums(r.reshape(30, 100), d.reshape(30, 100), 0, 0)
+        assert m.errors == 1 and rows[0][0] == 5 and sums is not None
+        print(compiled.kernels().how, sorted(k for k in ("numba", "llvmlite") if k in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"{compiled.AHEAD_OF_TIME} []"
