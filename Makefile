@@ -27,11 +27,11 @@ setup:
 # rebuilt when what they are built from changes. Where they cannot be built,
 # numba compiles them on first use and caches them (warmed here).
 KERNELS := services/analyzer/compare
-$(KERNELS)/_kernels.key: $(KERNELS)/kernel.py $(KERNELS)/contract.py $(KERNELS)/compiled.py $(KERNELS)/build.py
+$(KERNELS)/_kernels.sha256: $(KERNELS)/kernel.py $(KERNELS)/contract.py $(KERNELS)/compiled.py $(KERNELS)/build.py
 	$(BIN)/python -m layerdiff.analyzer.compare.build
 	$(BIN)/python -c "from layerdiff.analyzer.compare import compiled; compiled.warmup(just_in_time=True)"
 
-kernels: $(KERNELS)/_kernels.key
+kernels: $(KERNELS)/_kernels.sha256
 
 stubs:
 	proto/generate.sh $(BIN)/python

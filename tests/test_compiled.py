@@ -140,7 +140,7 @@ def test_a_build_from_other_sources_or_for_another_cpu_is_not_used(monkeypatch, 
         m.setattr(compiled, "_cpu_identity", lambda: "")
         assert compiled._ahead_of_time() is None
     with monkeypatch.context() as m:      # built before the sources changed
-        key = tmp_path / "_kernels.key"
+        key = tmp_path / "_kernels.sha256"
         key.write_text("0" * 64 + "\n")
         m.setattr(compiled, "KEY_FILE", key)
         assert compiled._ahead_of_time() is None

@@ -50,9 +50,11 @@ DOCKERFILES = (DOCKERFILE, DOCKERFILE_COLLECTOR)
 CONSTRAINTS = DEPLOY / "constraints.txt"
 COLLECTOR_REQUIREMENTS = DEPLOY / "requirements-collector.txt"
 IMAGE_UID = 10001
-# Of the project's own files, the build context may leave out only caches and
-# the generated stubs (the image build generates those from the .proto files).
-REGENERATED_OR_CACHE = re.compile(r"(^|/)(__pycache__|[^/]*\.egg-info)(/|$)|\.py[cod]$|_pb2(_grpc)?\.pyi?$")
+# Of the project's own files, the build context may leave out only caches, the
+# kernels built for this host's CPU
+# and the generated stubs (the image build generates those from the .proto files).
+REGENERATED_OR_CACHE = re.compile(r"(^|/)(__pycache__|[^/]*\.egg-info)(/|$)|\.py[cod]$|_pb2(_grpc)?\.pyi?$"
+                                  r"|(^|/)_kernels\.[^/]*$")
 
 
 # ===================================================================== helpers

@@ -32,7 +32,7 @@ from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, RTOL_DEFAULT, _fas
 
 HERE = Path(__file__).parent
 MODULE = "_kernels"
-KEY_FILE = HERE / f"{MODULE}.key"
+KEY_FILE = HERE / f"{MODULE}.sha256"
 AHEAD_OF_TIME, JUST_IN_TIME = "built ahead of time", "compiled just in time"
 
 # The exported functions of kernel.py: a numba signature template and the
