@@ -31,7 +31,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.live.emulate import EMULATED, emulated
-from layerdiff.collector.live.onnxrt import dequantized_views, to_fp16, to_int8_qdq
+from layerdiff.collector.live.int8 import to_int8_qdq
+from layerdiff.collector.live.onnxrt import dequantized_views, to_fp16
 from layerdiff.common.onnxgraph import tensor_sites
 from layerdiff.common.schema import NodeRecord
 

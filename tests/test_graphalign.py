@@ -647,7 +647,8 @@ def test_attention_fusion_covers_the_self_attention():
 
 
 def test_fp16_and_int8_builds_pair_through_casts_and_quantizers(cnn):
-    from layerdiff.collector.live.onnxrt import to_fp16, to_int8_qdq
+    from layerdiff.collector.live.int8 import to_int8_qdq
+    from layerdiff.collector.live.onnxrt import to_fp16
 
     model, feeds, ref_vals = cnn
     fp16 = to_fp16(model)

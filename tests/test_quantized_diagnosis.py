@@ -11,7 +11,7 @@ import numpy as np
 from test_impact import FEEDS, _job, encoder, scaled
 
 from layerdiff.client.api import run
-from layerdiff.collector.live.onnxrt import to_int8_qdq
+from layerdiff.collector.live.int8 import to_int8_qdq
 
 
 def _alignment(out) -> list[dict]:

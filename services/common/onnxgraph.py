@@ -254,6 +254,14 @@ class WeightSplit:
     def of(model: onnx.ModelProto | WeightSplit) -> WeightSplit:
         return model if isinstance(model, WeightSplit) else WeightSplit(model)
 
+    @staticmethod
+    def from_parts(light: onnx.ModelProto, held: dict[str, bytes]) -> WeightSplit:
+        """The split of a model made from another split's parts (a graph cut
+        out of it, the weights' data still held there)."""
+        split = WeightSplit(light)
+        split._parts = (light, held)
+        return split
+
     def parts(self) -> tuple[onnx.ModelProto, dict[str, bytes]]:
         with self._lock:
             if self._parts is None:

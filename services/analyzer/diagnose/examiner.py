@@ -469,11 +469,12 @@ class NodeExaminer:
                           if t in self.values.outputs}
                 device.update({t: self.values.inputs[(n, k)][0] for n, k, t in self._external_reads(group)
                                if (n, k) in self.values.inputs})
-                iso = run_group_isolated(onnx_model, [self._index[n] for n in group], device,
-                                         self.feeds)[site.tensor]
+                iso = run_group_isolated(getattr(self.reference, "split", onnx_model),
+                                         [self._index[n] for n in group], device, self.feeds)[site.tensor]
             else:
                 outs = isolate(site, self.values.inputs_of(site.node), self.feeds) if isolate else \
-                    run_isolated(self.reference.model, site.order, self.values.inputs_of(site.node), self.feeds)
+                    run_isolated(getattr(self.reference, "split", self.reference.model), site.order,
+                                 self.values.inputs_of(site.node), self.feeds)
                 iso = outs[site.output_index]
             row.isolated = compare_node(iso, dev, tol, 0, force_compare).metrics
             row.weight_range = self.weights_beyond_range(row)

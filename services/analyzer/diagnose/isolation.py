@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from layerdiff.common.onnxgraph import WeightSplit, lean_session
+
 if TYPE_CHECKING:
     from layerdiff.common.schema import BufferLease
 
@@ -100,12 +102,15 @@ class IsolationUnavailable(Exception):
     pass
 
 
-def run_isolated(model: onnx.ModelProto, node_index: int, device_inputs: dict[int, np.ndarray],
+def run_isolated(model: onnx.ModelProto | WeightSplit, node_index: int, device_inputs: dict[int, np.ndarray],
                  feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """Outputs of reference node ``node_index`` computed alone in FP32 on the
     CPU, reading the device's values for its activations and the reference's
-    own weights (so a wrong device weight shows as the node's own error)."""
-    node = model.graph.node[node_index]
+    own weights (so a wrong device weight shows as the node's own error).
+    ``model``: the reference, or its ``WeightSplit`` (its weights then go to
+    the re-run in place, not copied into a graph and parsed back)."""
+    graph = model.parts()[0].graph if isinstance(model, WeightSplit) else model.graph
+    node = graph.node[node_index]
     values: dict[str, np.ndarray] = {}
     for k, t in enumerate(node.input):
         if t and t not in values and k in device_inputs:
@@ -114,14 +119,17 @@ def run_isolated(model: onnx.ModelProto, node_index: int, device_inputs: dict[in
     return [outs[o] for o in node.output if o in outs]
 
 
-def run_group_isolated(model: onnx.ModelProto, node_indices: list[int], device_values: dict[str, np.ndarray],
-                       feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_group_isolated(model: onnx.ModelProto | WeightSplit, node_indices: list[int],
+                       device_values: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The reference nodes ``node_indices`` (in execution order) computed
     alone in FP32 on the CPU, as one unit: what they read from outside the
     unit comes from the device (``device_values`` by tensor name) or the
     model inputs, their weights are the reference's. A fused device node
     (Conv+BN+Relu as one kernel) is re-run as the group it stands for.
     Returns every output of the unit's nodes by name."""
+    held: dict[str, bytes] = {}
+    if isinstance(model, WeightSplit):
+        model, held = model.parts()
     nodes = [model.graph.node[i] for i in node_indices]
     for node in nodes:
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -162,8 +170,10 @@ def run_group_isolated(model: onnx.ModelProto, node_indices: list[int], device_v
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
+    so.intra_op_num_threads = 1     # a node or a few: a thread pool of its own costs more than it saves
     try:
-        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess = lean_session(WeightSplit.from_parts(m, {t: held[t] for t in used_inits if t in held}), so,
+                            ["CPUExecutionProvider"])
         return dict(zip(out_names, (np.asarray(v) for v in sess.run(None, values))))
     except Exception as e:  # an op that needs more context than its unit
         raise IsolationUnavailable(f"the node cannot run alone ({type(e).__name__})") from None

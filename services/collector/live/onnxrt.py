@@ -15,10 +15,8 @@ nodes it fused away simply never appear.
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -26,6 +24,7 @@ import onnxruntime as ort
 
 from layerdiff.collector.live.devices import resolve_provider
 from layerdiff.collector.live.emulate import EMULATED, emulated
+from layerdiff.collector.live.int8 import to_int8_qdq
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import (
     SharedMaking,
@@ -108,31 +107,6 @@ def fp16_weight(w: np.ndarray, min_positive_val: float = 5.96e-08, max_finite_va
             huge = np.isinf(h) & np.isfinite(w)
             h[huge] = np.copysign(np.asarray(max_finite_val, w.dtype), w[huge]).astype(np.float16)
     return h
-
-
-class _Calibration:
-    """One-shot calibration reader over the given feeds."""
-
-    def __init__(self, feeds: dict[str, np.ndarray]) -> None:
-        self._items = [feeds]
-
-    def get_next(self):
-        return self._items.pop() if self._items else None
-
-
-def to_int8_qdq(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    class Reader(_Calibration, CalibrationDataReader):
-        pass
-
-    with tempfile.TemporaryDirectory(prefix="layerdiff-int8-") as tmp:
-        src, dst = Path(tmp, "model.onnx"), Path(tmp, "model.int8.onnx")
-        onnx.save_model(model, str(src))
-        logging.getLogger().setLevel(logging.ERROR)  # the quantizer warns about pre-processing
-        quantize_static(str(src), str(dst), Reader(feeds), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
-        return onnx.load_model(str(dst))
 
 
 def dequantized_views(model: onnx.ModelProto) -> dict[str, str]:
