@@ -328,3 +328,44 @@ def test_retention_settings_come_from_the_environment():
     assert (r.days, r.max_bytes, r.max_jobs) == (0.5, 512 * 1024 ** 2, 0)
     with pytest.raises(LayerdiffError, match="LAYERDIFF_RETAIN_BYTES.*'lots'"):
         Retention.from_env({"LAYERDIFF_RETAIN_BYTES": "lots"})
+
+
+def test_a_file_handed_over_in_this_process_is_taken_as_it_lies(tmp_path):
+    """The embedded services take the user's model file itself (a hard link)
+    instead of writing a copy of a 90 MB model: the user's file keeps its
+    times whatever the store does, a file changed after it was read is
+    copied instead, and a file changed while a job reads it is refused."""
+    import hashlib
+
+    from layerdiff.client.api import read_upload
+    from layerdiff.common.artifacts import ArtifactStore, FileStamp
+    from layerdiff.common.errors import LayerdiffError
+
+    user = tmp_path / "model.onnx"
+    user.write_bytes(os.urandom(4096))
+    os.utime(user, ns=(1_000_000_000, 1_000_000_000))
+    data, name, origin = read_upload(user, "model")
+    analyzer, collector = ArtifactStore(tmp_path / "a"), ArtifactStore(tmp_path / "c")
+    ref = analyzer.put(data, name, origin)
+    assert ref.id == hashlib.sha256(data).hexdigest() and ref.size == 4096 and ref.name == "model.onnx"
+    assert analyzer.path(ref.id).stat().st_ino == user.stat().st_ino, "taken as it lies, not copied"
+    collector.link_from(analyzer, ref.id)
+    analyzer.hold([ref.id])
+    collector.hold([ref.id])
+    assert user.stat().st_mtime_ns == 1_000_000_000, "the user's file keeps its times"
+    assert analyzer.read(ref.id) == data and collector.read(ref.id) == data
+    analyzer.release([ref.id])
+    assert [a for a, _, _ in analyzer.entries()] == [ref.id]
+    assert analyzer.discard(ref.id) and user.read_bytes() == data, "the store lets go of its link only"
+    # changed in place while a job holds it: refused, in one line naming the file
+    with user.open("r+b") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(LayerdiffError, match="model.onnx.*changed on disk"):
+        collector.read(ref.id)
+    # changed between its read and its hand-over: copied from the bytes read
+    data, name, origin = read_upload(user, "model")
+    assert origin is not None
+    user.write_bytes(os.urandom(4096))
+    again = analyzer.put(data, name, origin)
+    assert analyzer.read(again.id) == data and analyzer.path(again.id).stat().st_ino != user.stat().st_ino
+    assert FileStamp.of(user) != origin.stamp

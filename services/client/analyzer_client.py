@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from layerdiff.common.artifacts import chunks_of
+from layerdiff.common.artifacts import LocalFile, chunks_of
 from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
 from layerdiff.common.net import channel, connect_timeout, wait_ready
 from layerdiff.common.security import ClientSecurity, with_token
@@ -111,10 +111,12 @@ class AnalyzerClient:
             raise
         self.stub = pbg.AnalyzerStub(with_token(self.channel, security))
 
-    def upload(self, data: bytes, name: str) -> str:
+    def upload(self, data: bytes, name: str, origin: LocalFile | None = None) -> str:
+        """The artifact id of ``data``; ``origin``: the file it was read from
+        (the embedded analyzer takes it as it lies on disk)."""
         if self.local is not None:      # the embedded analyzer: handed over, not sent
             store, beside = self.local
-            artifact = store.put(data, name).id
+            artifact = store.put(data, name, origin).id
             if beside is not None:
                 beside.link_from(store, artifact)
             return artifact

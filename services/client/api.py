@@ -32,6 +32,7 @@ import numpy as np
 
 from layerdiff.client.analyzer_client import AnalyzerClient, Interrupted, rpc_failure
 from layerdiff.client.follow import RunResult, fetch_result, follow
+from layerdiff.common.artifacts import FileStamp, LocalFile
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.npz import write_npz
 from layerdiff.v1 import layerdiff_pb2 as pb
@@ -40,23 +41,33 @@ from layerdiff.v1 import layerdiff_pb2 as pb
 def read_artifact(path_or_bytes, field: str) -> tuple[bytes, str]:
     """The bytes and name of a file to upload (a directory travels as a tar).
     An empty file is bad input, never "no file"."""
+    data, name, _ = read_upload(path_or_bytes, field)
+    return data, name
+
+
+def read_upload(path_or_bytes, field: str) -> tuple[bytes, str, LocalFile | None]:
+    """``read_artifact``, and the file the bytes were read from where they
+    are one file's, unchanged while it was read (the embedded services take
+    it as it lies: ``ArtifactStore.put``)."""
     if isinstance(path_or_bytes, (bytes, bytearray)):
         if not path_or_bytes:
             raise LayerdiffError("is empty (0 bytes)", field=field)
-        return bytes(path_or_bytes), field
+        return bytes(path_or_bytes), field, None
     p = Path(path_or_bytes)
     if p.is_dir():
         # A SavedModel is a directory: it travels as one tar archive.
         from layerdiff.common.tf.archive import pack_directory
 
-        return pack_directory(p), f"{p.resolve().name}.tar"
+        return pack_directory(p), f"{p.resolve().name}.tar", None
     try:
+        before = FileStamp.of(p)
         data = p.read_bytes()
+        origin = LocalFile(p, before) if FileStamp.of(p) == before and len(data) == before.size else None
     except OSError as e:
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=str(p), field=field) from e
     if not data:
         raise LayerdiffError("is empty (0 bytes)", file=str(p), field=field)
-    return data, p.name
+    return data, p.name, origin
 
 
 def _inputs_bytes(inputs) -> tuple[bytes, str]:
@@ -164,9 +175,10 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
                           clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")
     # the files' bytes, held until their upload only: a 90 MB model is not
     # kept in this process through the job
-    held: dict[str, tuple[bytes, str]] = {"model": read_artifact(model, "model"), "inputs": _inputs_bytes(inputs)}
+    held: dict[str, tuple[bytes, str, LocalFile | None]] = {"model": read_upload(model, "model"),
+                                                             "inputs": (*_inputs_bytes(inputs), None)}
     if device_model is not None:
-        held["device_model"] = read_artifact(device_model, "device_model")
+        held["device_model"] = read_upload(device_model, "device_model")
     model_name = held["model"][1]
     options = compare_options(atol=atol, rtol=rtol, diff_cnt=diff_cnt, op_config=op_config,
                               map_node_dict=map_node_dict, skip_keys=skip_keys, exclude_node_list=exclude_node_list,

@@ -2,7 +2,12 @@
 boundary (never by path, so no directory is shared between processes).
 
 The store keeps each artifact under its content address (sha256) in the
-service's own private directory. A job holds the artifacts it uses
+service's own private directory. A file handed over in this process (the
+embedded services) is taken as it lies on disk, a hard link to the user's
+own file, where it is on the same file system and unchanged since it was
+read: a 90 MB model copied into the store costs a tenth of a small model's
+whole job. Such an entry is never touched (its times are the user's) and
+is checked unchanged whenever it is read. A job holds the artifacts it uses
 (``hold`` / ``release``) so that retention (``entries`` / ``discard``) never
 deletes them under it; an upload that finds the disk full is refused with
 RESOURCE_EXHAUSTED and leaves nothing behind.
@@ -15,8 +20,10 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -60,6 +67,8 @@ class ArtifactStore:
         self._names: dict[str, str] = {}
         self._held: Counter[str] = Counter()
         self._lock = threading.Lock()
+        # entries that are the user's own files (hard links): id -> (their stamp, when taken or last used)
+        self._linked: dict[str, tuple[FileStamp, float]] = {}
         for partial in self.root.glob(".upload-*"):   # left by a service that died mid-upload
             _unlink(partial)
 
@@ -127,13 +136,41 @@ class ArtifactStore:
             if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
 
-    def put(self, data: bytes, name: str) -> pb.ArtifactRef:
+    def put(self, data: bytes, name: str, origin: LocalFile | None = None) -> pb.ArtifactRef:
         """Store bytes handed over in this process (the embedded services),
         under the checks an upload passes; read in place, not copied into
-        messages."""
+        messages. ``origin``: the file they were read from, taken as it is
+        where it can be (see the module's docstring)."""
+        if origin is not None:
+            taken = self._take(data, name, origin)
+            if taken is not None:
+                return taken
         # one piece: hashed and written in one call each, which let other
         # threads run, instead of a hundred hand-overs of the interpreter
         return self.receive(iter([_Piece(name, len(data), memoryview(data))]))
+
+    def _take(self, data: bytes, name: str, origin: LocalFile) -> pb.ArtifactRef | None:
+        """A hard link to ``origin`` as the entry of ``data``, or None (another
+        file system, a link refused, the file changed since it was read)."""
+        if len(data) > self.max_bytes or self.used_bytes() + len(data) > self.quota:
+            return None         # the upload's own checks say so
+        digest = hashlib.sha256(data).hexdigest()
+        dst = self.root / digest
+        tmp = self.root / f".upload-link-{digest[:16]}-{threading.get_ident()}"
+        try:
+            os.link(origin.path, tmp)
+            if FileStamp.of(tmp) != origin.stamp:
+                return None
+            with self._lock:
+                if not dst.exists():
+                    os.replace(tmp, dst)
+                    self._linked[digest] = (origin.stamp, time.time())
+                self._names[digest] = name
+        except OSError:
+            return None
+        finally:
+            _unlink(tmp)
+        return pb.ArtifactRef(id=digest, name=name, size=len(data))
 
     def has(self, artifact_id: str) -> bool:
         try:
@@ -147,11 +184,15 @@ class ArtifactStore:
         collector takes the analyzer's artifacts so): a hard link where both
         lie on one file system, a copy elsewhere; nothing if already held."""
         src = other.path(artifact_id)
+        with other._lock:
+            linked = other._linked.get(artifact_id)
         with self._lock:
             dst = self.root / artifact_id
             if not dst.exists():
                 try:
                     os.link(src, dst)
+                    if linked is not None:      # the user's own file still: left untouched here too
+                        self._linked[artifact_id] = (linked[0], time.time())
                 except OSError:
                     fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
                     os.close(fd)
@@ -174,7 +215,14 @@ class ArtifactStore:
         return self._names.get(artifact_id, artifact_id[:12])
 
     def read(self, artifact_id: str, field: str = "artifact") -> bytes:
-        return self.path(artifact_id, field).read_bytes()
+        p = self.path(artifact_id, field)
+        with self._lock:
+            linked = self._linked.get(artifact_id)
+        data = p.read_bytes()
+        if linked is not None and FileStamp.of(p) != linked[0]:
+            raise LayerdiffError("changed on disk while the job ran; run again on the file as it is now",
+                                 file=self.name(artifact_id), field=field)
+        return data
 
     # ------------------------------------------------------------ retention
 
@@ -185,6 +233,9 @@ class ArtifactStore:
             for a in artifact_ids:
                 if a:
                     self._held[a] += 1
+                    if a in self._linked:      # the user's file: its times are not ours to change
+                        self._linked[a] = (self._linked[a][0], time.time())
+                        continue
                     try:
                         os.utime(self.root / a)
                     except (OSError, ValueError):
@@ -212,7 +263,9 @@ class ArtifactStore:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                out.append((e.name, st.st_mtime, st.st_size))
+                with self._lock:
+                    linked = self._linked.get(e.name)
+                out.append((e.name, linked[1] if linked else st.st_mtime, st.st_size))
         return out
 
     def discard(self, artifact_id: str, mtime: float | None = None) -> bool:
@@ -222,14 +275,38 @@ class ArtifactStore:
             if self._held.get(artifact_id):
                 return False
             p = self.root / artifact_id
+            linked = self._linked.get(artifact_id)
             try:
-                if mtime is not None and p.stat().st_mtime != mtime:
+                if mtime is not None and (linked[1] if linked else p.stat().st_mtime) != mtime:
                     return False
                 p.unlink()
             except OSError:
                 return False
             self._names.pop(artifact_id, None)
+            self._linked.pop(artifact_id, None)
             return True
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What tells a file's content unchanged without reading it: the same
+    file (device, inode), size and modification time (to the nanosecond)."""
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @staticmethod
+    def of(path) -> FileStamp:
+        st = os.stat(path)
+        return FileStamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """The file an upload's bytes were read from, as it was when read."""
+    path: Path
+    stamp: FileStamp
 
 
 class _Piece:
