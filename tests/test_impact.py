@@ -179,6 +179,30 @@ def test_the_impact_re_run_equals_a_re_run_made_by_hand():
     assert runner.runs == 2
 
 
+def test_one_session_for_several_re_runs_gives_each_re_runs_outputs():
+    """Several computation errors re-run on one session (each tensor switched
+    in by a Where): the outputs of each, bit for bit, are those of a session
+    made for it alone; a value kept after the session was made still goes in."""
+    model = encoder()
+    rng = np.random.default_rng(4)
+    tensors = ["l1/softmax_out", "l1/scores_out", "l2/softmax_out", "l2/ln_out"]
+    values = InjectedValues()
+    for t in tensors:
+        ref = _reference_value(model, t)
+        values.keep(t, ref + rng.standard_normal(ref.shape).astype(np.float32) * np.float32(0.05))
+    shared = ImpactRunner(model, FEEDS, values, Tolerances().default)
+    shared.prepare(tensors)
+    assert shared._switched is not None
+    alone = ImpactRunner(model, FEEDS, values, Tolerances().default)
+    for t in tensors:
+        got, want = shared.outputs_with(t, values.values[t]), alone.outputs_with(t, values.values[t])
+        assert got.keys() == want.keys()
+        for k in got:
+            assert got[k].tobytes() == want[k].tobytes(), (t, k)
+    values.values["l2/softmax_out"] = _reference_value(model, "l2/softmax_out")
+    assert shared.measure("l2/softmax_out").harmful is False
+
+
 def _reference_value(model: onnx.ModelProto, tensor: str) -> np.ndarray:
     import onnxruntime as ort
 

@@ -304,10 +304,12 @@ def _measure_impact(rows: list[Row], impact) -> None:
     order (the budget goes to the earliest), as the last piece of its evidence."""
     if impact is None:
         return
-    for r in rows:
+    measured = [r for r in rows if r.finding is not None and r.finding.verdict == diagnose.COMPUTATION
+                and not r.is_input and not r.is_constant]
+    impact.prepare([r.site.tensor for r in measured])
+    for r in measured:
         f = r.finding
-        if f is None or f.verdict != diagnose.COMPUTATION or r.is_input or r.is_constant:
-            continue
+        assert f is not None        # chosen above for its finding
         f.impact = impact.measure(r.site.tensor)
         if f.impact.harmful is False:
             f.impact.why = _why_absorbed(r)
