@@ -175,7 +175,7 @@ class NodeExaminer:
                     self._wait(_Waiting(row, ref, dev, lease.retain() if lease is not None else None, tol,
                                         force_compare, missing))
                 else:
-                    self.examine(row, ref, dev, tol, force_compare)
+                    self.examine(row, ref, dev, tol, force_compare, lease)
                     self._unit_done(row.site)
             else:
                 self._unit_done(row.site)
@@ -282,7 +282,7 @@ class NodeExaminer:
         w = self._waiting.pop(wid)
         self._waiting_bytes -= w.ref.nbytes + w.dev.nbytes
         try:
-            self.examine(w.row, w.ref, w.dev, w.tol, w.force_compare)
+            self.examine(w.row, w.ref, w.dev, w.tol, w.force_compare, w.lease)
         finally:
             if w.lease is not None:
                 w.lease.release()
@@ -425,14 +425,17 @@ class NodeExaminer:
         return e, (f"the RMSE INT8 rounding gives over its reduction of {k} (weight step {fmt(s_w)}, input step "
                    f"{fmt(s_x)}): {fmt(e)}")
 
-    def examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool) -> None:
+    def examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool,
+                lease: BufferLease | None = None) -> None:
         """Fill the row's evidence (a failing output row). A node whose error
         is plainly inherited is not re-run: the closer look costs a pass over
-        its tensors and a session of its own."""
+        its tensors and a session of its own. ``lease``: the receive buffer
+        ``dev`` lies in, where it does."""
         with np.errstate(all="ignore"):
-            self._examine(row, ref, dev, tol, force_compare)
+            self._examine(row, ref, dev, tol, force_compare, lease)
 
-    def _examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool) -> None:
+    def _examine(self, row, ref: np.ndarray, dev: np.ndarray, tol, force_compare: bool,
+                 lease: BufferLease | None) -> None:
         from layerdiff.analyzer.compare.node import SkipNode, compare_node, reconcile
 
         site = row.site
@@ -444,7 +447,7 @@ class NodeExaminer:
         except SkipNode:
             return
         if self.injected is not None and dev_aligned.shape == ref.shape:
-            self.injected.keep(site.tensor, dev_aligned)
+            self.injected.keep(site.tensor, dev_aligned, lease if np.may_share_memory(dev_aligned, dev) else None)
         axes = getattr(self.reference, "layout", "NCHW")   # TensorFlow references are NHWC
         if may_be_uneven(row.outcome.metrics):
             row.uneven = uneven_axis(ref, dev_aligned, axes if ref.ndim == 4 else "")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -31,6 +32,9 @@ import onnxruntime as ort
 from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.reference.onnxrt import reference_session
 from layerdiff.common.onnxgraph import WeightSplit
+
+if TYPE_CHECKING:
+    from layerdiff.common.schema import BufferLease
 
 MAX_RUNS = 24
 BUDGET_S = 120.0
@@ -69,24 +73,35 @@ class Impact:
 @dataclass
 class InjectedValues:
     """Device values (in the reference's layout) of the nodes that may have
-    an error of their own, kept for the impact re-runs; bounded in bytes."""
+    an error of their own, kept for the impact re-runs; bounded in bytes.
+    A value that lies in its receive buffer keeps that buffer (its
+    ``BufferLease``, retained) instead of a copy."""
     cap_bytes: int = KEEP_BYTES
     values: dict[str, np.ndarray] = field(default_factory=dict)
     used: int = 0
     dropped: set = field(default_factory=set)
+    leases: list = field(default_factory=list)
 
-    def keep(self, tensor: str, value: np.ndarray) -> None:
+    def keep(self, tensor: str, value: np.ndarray, lease: BufferLease | None = None) -> None:
+        """``lease``: the receive buffer ``value`` lies in (then not copied)."""
         if tensor in self.values:
             return
         if self.used + value.nbytes > self.cap_bytes:
             self.dropped.add(tensor)
             return
-        self.values[tensor] = np.array(value, copy=True)
+        if lease is not None:
+            self.leases.append(lease.retain())
+            self.values[tensor] = value
+        else:
+            self.values[tensor] = np.array(value, copy=True)
         self.used += value.nbytes
 
     def release(self) -> None:
         self.values.clear()
         self.used = 0
+        for lease in self.leases:
+            lease.release()
+        self.leases.clear()
 
 
 class ImpactRunner:

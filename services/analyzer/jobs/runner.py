@@ -350,46 +350,47 @@ class JobRunner:
         # device values of nodes with an error of their own, for the impact re-runs
         injected = InjectedValues(cap_bytes=budget.impact) if isinstance(p.reference, OnnxReference) else None
 
-        def on_ready(collector: CollectorClient) -> None:
-            if p.golden and isinstance(p.reference, DumpReference) and p.reference.model is None:
-                return      # the golden dump's names and values pair the device's
-            graph = dump_graph_alignment(spec, p.reference, collector)
-            if graph is not None:
-                p.aligner = make_aligner(p.reference, spec.options, graph)
-
+        # (released however the job ends: a kept value may hold its receive buffer)
         try:
-            with self._stream(job, collector_request=None, on_ready=on_ready) as stream:
-                job.executor = executor = self.executor(job.id, p.max_cores or None)
-                try:
-                    if job.cancelled.is_set():
-                        executor.cancel()
-                    p.settle_graph(spec.options)     # made while the collector started the device
-                    self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget)
-                finally:
-                    executor.close()
-                    job.executor = None
-        finally:
-            baseline = reference.graph_outputs()
-            reference.close()
-        if job.cancelled.is_set():
-            raise _Cancelled()
-        if p.perf.enabled and perf is None:
-            perf = self._capture_perf(job, p)
-        job.emit(pb.REPORTING, nodes_done=total, nodes_total=total)
-        job_info = self._job_info(job, p, started)
-        job_info["memory"] = reference.memory()
-        sections = None
-        if perf is not None:
-            from layerdiff.analyzer.report.perf.report import write_perf_sections
+            def on_ready(collector: CollectorClient) -> None:
+                if p.golden and isinstance(p.reference, DumpReference) and p.reference.model is None:
+                    return      # the golden dump's names and values pair the device's
+                graph = dump_graph_alignment(spec, p.reference, collector)
+                if graph is not None:
+                    p.aligner = make_aligner(p.reference, spec.options, graph)
 
-            sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
-                               rep, job_info)
-        # device values are kept for the impact re-runs of an ONNX reference only
-        impact = ImpactRunner(p.reference.split, p.feeds, injected, p.tolerances.default, baseline=baseline) \
-            if injected and isinstance(p.reference, OnnxReference) else None
-        if p.weights_aside is not None:
-            p.weights = p.weights_aside.result()
-        try:
+            try:
+                with self._stream(job, collector_request=None, on_ready=on_ready) as stream:
+                    job.executor = executor = self.executor(job.id, p.max_cores or None)
+                    try:
+                        if job.cancelled.is_set():
+                            executor.cancel()
+                        p.settle_graph(spec.options)     # made while the collector started the device
+                        self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget)
+                    finally:
+                        executor.close()
+                        job.executor = None
+            finally:
+                baseline = reference.graph_outputs()
+                reference.close()
+            if job.cancelled.is_set():
+                raise _Cancelled()
+            if p.perf.enabled and perf is None:
+                perf = self._capture_perf(job, p)
+            job.emit(pb.REPORTING, nodes_done=total, nodes_total=total)
+            job_info = self._job_info(job, p, started)
+            job_info["memory"] = reference.memory()
+            sections = None
+            if perf is not None:
+                from layerdiff.analyzer.report.perf.report import write_perf_sections
+
+                sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
+                                   rep, job_info)
+            # device values are kept for the impact re-runs of an ONNX reference only
+            impact = ImpactRunner(p.reference.split, p.feeds, injected, p.tolerances.default, baseline=baseline) \
+                if injected and isinstance(p.reference, OnnxReference) else None
+            if p.weights_aside is not None:
+                p.weights = p.weights_aside.result()
             summary = write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,
                                    node_runtime=p.reference.node_runtime(), consumers=p.reference.consumers,
                                    all_sites=p.reference.sites, aligner=p.aligner,
@@ -399,11 +400,11 @@ class JobRunner:
                                    outputs=getattr(p.reference, "model_outputs", frozenset()),
                                    order=ExecutionOrder(getattr(p.reference, "order_from", ""),
                                                         getattr(p.reference, "order_unknown", "")))
+            _check_report_quota(job.report_dir)
+            return summary
         finally:
             if injected is not None:
                 injected.release()
-        _check_report_quota(job.report_dir)
-        return summary
 
     def _parameters(self, job: Job, p: Prepared) -> dict:
         o = job.spec.options
