@@ -369,3 +369,28 @@ def test_a_file_handed_over_in_this_process_is_taken_as_it_lies(tmp_path):
     again = analyzer.put(data, name, origin)
     assert analyzer.read(again.id) == data and analyzer.path(again.id).stat().st_ino != user.stat().st_ino
     assert FileStamp.of(user) != origin.stamp
+
+
+def test_files_read_ahead_are_handed_over_once_and_only_as_they_are(tmp_path):
+    """The command line reads the model files beside its imports: the reader
+    gets those bytes (and their sha256) once; a file changed since is read
+    again, a missing one gets the usual one-line error."""
+    import hashlib
+
+    from layerdiff.client import prefetch
+    from layerdiff.client.api import read_upload
+    from layerdiff.common.errors import LayerdiffError
+
+    model, other = tmp_path / "m.onnx", tmp_path / "d.onnx"
+    model.write_bytes(b"a" * 1000)
+    other.write_bytes(b"b" * 1000)
+    prefetch.start([model, other, tmp_path, tmp_path / "missing.onnx", None])
+    data, name, origin = read_upload(model, "model")
+    assert data == b"a" * 1000 and name == "m.onnx" and origin is not None
+    assert origin.sha256 == hashlib.sha256(data).hexdigest()
+    assert prefetch.take(model) is None, "handed over once"
+    other.write_bytes(b"c" * 1001)          # changed after it was read ahead: read again
+    data, _, origin = read_upload(other, "device_model")
+    assert data == b"c" * 1001 and origin is not None and origin.sha256 == ""
+    with pytest.raises(LayerdiffError, match="missing.onnx.*cannot be read"):
+        read_upload(tmp_path / "missing.onnx", "model")

@@ -253,6 +253,9 @@ def _job_line(a):
 
 
 def _cmd_run(a) -> int:
+    from layerdiff.client import prefetch
+
+    prefetch.start([a.model, a.device_model])      # read while the job's code is imported
     from layerdiff.client.api import run
 
     result = run(a.model, a.inputs, out=a.out, device=a.device, precision=a.precision, device_model=a.device_model,

@@ -154,7 +154,7 @@ class ArtifactStore:
         file system, a link refused, the file changed since it was read)."""
         if len(data) > self.max_bytes or self.used_bytes() + len(data) > self.quota:
             return None         # the upload's own checks say so
-        digest = hashlib.sha256(data).hexdigest()
+        digest = origin.sha256 or hashlib.sha256(data).hexdigest()
         dst = self.root / digest
         tmp = self.root / f".upload-link-{digest[:16]}-{threading.get_ident()}"
         try:
@@ -304,9 +304,11 @@ class FileStamp:
 
 @dataclass(frozen=True)
 class LocalFile:
-    """The file an upload's bytes were read from, as it was when read."""
+    """The file an upload's bytes were read from, as it was when read
+    (``sha256``: of those bytes, where the reader made it already)."""
     path: Path
     stamp: FileStamp
+    sha256: str = ""
 
 
 class _Piece:
