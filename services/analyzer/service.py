@@ -74,25 +74,29 @@ class AnalyzerService(pbg.AnalyzerServicer):
             if finished:
                 return
 
+    def report_files(self, job_id: str, context=None) -> list[tuple[str, Path]]:
+        """(path in the report, file) of every file of a DONE job's report
+        (``context``: the caller's, whose token must have submitted it; None
+        in this process: the embedded client's own job)."""
+        job = self._job(job_id, context) if context is not None else self.runner.get(job_id)
+        if job.state != pb.DONE:
+            raise LayerdiffError(f"job is {pb.JobState.Name(job.state)}, reports exist once it is DONE"
+                                 + (f" ({job.error})" if job.error else ""), field="job_id")
+        root = job.report_dir
+        if not (root / "summary.json").is_file():
+            raise _gone(job_id, root)
+        return [(p.relative_to(root).as_posix(), p) for p in sorted(p for p in root.rglob("*") if p.is_file())]
+
     def FetchReport(self, request, context):
         try:
-            job = self._job(request.job_id, context)
-            if job.state != pb.DONE:
-                raise LayerdiffError(f"job is {pb.JobState.Name(job.state)}, reports exist once it is DONE"
-                                     + (f" ({job.error})" if job.error else ""), field="job_id")
+            files = self.report_files(request.job_id, context)
         except Exception as e:
             abort_with(context, e)
-        root = job.report_dir
-        gone = NotFoundError(f"the reports of job {request.job_id!r} are no longer on the analyzer ({root})",
-                             field="job_id")
-        if not (root / "summary.json").is_file():
-            abort_with(context, gone)
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            rel = path.relative_to(root).as_posix()
+        for rel, path in files:
             try:
                 f = open(path, "rb")
             except FileNotFoundError:   # deleted under retention while being fetched
-                abort_with(context, gone)
+                abort_with(context, _gone(request.job_id, path.parent))
             with f:
                 offset = 0
                 while True:
@@ -198,3 +202,7 @@ class AnalyzerServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _gone(job_id: str, root: Path) -> NotFoundError:
+    return NotFoundError(f"the reports of job {job_id!r} are no longer on the analyzer ({root})", field="job_id")

@@ -5,10 +5,15 @@ Watch, FetchReport, Cancel; and what a failed call or a Ctrl-C becomes
 """
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -18,6 +23,9 @@ from layerdiff.common.net import channel, connect_timeout, wait_ready
 from layerdiff.common.security import ClientSecurity, with_token
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
+
+if TYPE_CHECKING:
+    from layerdiff.common.artifacts import ArtifactStore
 
 CALL_TIMEOUT = 600.0
 # Ctrl-C: the Cancel call (and the wait for a Submit under way) may take this long.
@@ -83,15 +91,23 @@ def _sigint_held():
 
 
 
+@dataclass(frozen=True)
+class Embedded:
+    """The analyzer (and the collector) running in this process: uploads
+    are handed to their stores, not sent; a report is taken from the
+    analyzer's directory (hard links where it can), not streamed."""
+    store: ArtifactStore
+    beside: ArtifactStore | None            # the embedded collector's store
+    reports: Callable[[str], list[tuple[str, Path]]]    # job id -> (path in the report, file)
+
+
 class AnalyzerClient:
     """The analyzer's calls. ``submit``, ``watch``, ``fetch`` and ``cancel``
     raise grpc.RpcError as the service answers; ``run``, ``watch`` and
     ``fetch`` below turn every failure into a LayerdiffError."""
 
-    def __init__(self, address: str, connect_timeout_s: float | None = None, local=None) -> None:
-        """``local``: (the analyzer's store, the collector's or None) where
-        the analyzer (and the collector) run in this process: uploads are
-        handed to them in memory, in a file each, instead of sent."""
+    def __init__(self, address: str, connect_timeout_s: float | None = None, local: Embedded | None = None) -> None:
+        """``local``: where the analyzer (and the collector) run in this process."""
         self.address = address
         self.local = local
         wait = connect_timeout() if connect_timeout_s is None else connect_timeout_s
@@ -115,10 +131,9 @@ class AnalyzerClient:
         """The artifact id of ``data``; ``origin``: the file it was read from
         (the embedded analyzer takes it as it lies on disk)."""
         if self.local is not None:      # the embedded analyzer: handed over, not sent
-            store, beside = self.local
-            artifact = store.put(data, name, origin).id
-            if beside is not None:
-                beside.link_from(store, artifact)
+            artifact = self.local.store.put(data, name, origin).id
+            if self.local.beside is not None:
+                self.local.beside.link_from(self.local.store, artifact)
             return artifact
         call = self.stub.PutArtifact.future(chunks_of(data, name), timeout=CALL_TIMEOUT)
         try:
@@ -173,6 +188,8 @@ class AnalyzerClient:
             raise LayerdiffError(f"cannot create the report directory: {e.strerror}", file=str(out),
                                  field="out") from None
         root = out.resolve()
+        if self.local is not None:
+            return _take_report(self.local.reports(job_id), out, root)
         written: list[Path] = []
         handle = None
         stream = self.stub.FetchReport(pb.ReportRequest(job_id=job_id), timeout=CALL_TIMEOUT)
@@ -223,3 +240,25 @@ class AnalyzerClient:
         closing = threading.Thread(target=self.channel.close, name="channel-close", daemon=True)
         closing.start()
         closing.join(CLOSE_TIMEOUT)
+
+
+def _take_report(files: list[tuple[str, Path]], out: Path, root: Path) -> list[Path]:
+    """An embedded analyzer's report files into ``out``: hard links where
+    both lie on one file system (its directory goes with the process, the
+    links stay), copies elsewhere."""
+    written = []
+    for rel, src in files:
+        target = (out / rel).resolve()
+        if root not in target.parents:
+            raise LayerdiffError(f"report file {rel!r} would land outside {out}", field="path")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            try:
+                os.link(src, target)
+            except OSError:
+                shutil.copyfile(src, target)
+        except OSError as e:
+            raise LayerdiffError(f"cannot write a report: {e.strerror}", file=str(target), field="out") from None
+        written.append(target)
+    return written

@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 from layerdiff.client import prefetch
-from layerdiff.client.analyzer_client import AnalyzerClient, Interrupted, rpc_failure
+from layerdiff.client.analyzer_client import AnalyzerClient, Embedded, Interrupted, rpc_failure
 from layerdiff.client.follow import RunResult, fetch_result, follow
 from layerdiff.common.artifacts import FileStamp, LocalFile
 from layerdiff.common.errors import LayerdiffError
@@ -264,7 +264,8 @@ def _run_job(make_spec: Callable[[AnalyzerClient, str], pb.JobSpec], *, analyzer
                 collector, collector_store = embedded.address, embedded.flight.store
             if analyzer is None:
                 embedded = stack.enter_context(AnalyzerServer())
-                analyzer, local = embedded.address, (embedded.service.store, collector_store)
+                analyzer = embedded.address
+                local = Embedded(embedded.service.store, collector_store, embedded.service.report_files)
             client = AnalyzerClient(analyzer, local=local)
             stack.callback(client.close)
             spec = make_spec(client, collector)
