@@ -250,10 +250,14 @@ class _Switched:
         self.outputs = outputs
 
         def switched(m: onnx.ModelProto) -> None:
+            produced = set()
             for node in m.graph.node:
                 for k, o in enumerate(node.output):
                     if o in values:
                         node.output[k] = o + _SUFFIX
+                        produced.add(o)
+            if produced != set(values):     # a tensor no node makes (a graph input): re-run on its own
+                raise ValueError("not every tensor is a node's output")
             for t, v in values.items():
                 m.graph.input.append(onnx.helper.make_tensor_value_info(
                     t + _DEVICE, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
