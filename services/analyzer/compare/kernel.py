@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -104,9 +105,22 @@ from layerdiff.analyzer.compare.contract import (
 # NUMBA_CACHE_DIR where one is set), set while this module defines its
 # functions and restored at the end of the module.
 _CACHE_DIR_BEFORE = _nb_config.CACHE_DIR  # type: ignore[attr-defined]  # numba sets its config attributes at import
+
+
+def _jit_cache_base() -> Path:
+    """NUMBA_CACHE_DIR where set, else beside this file where it can be
+    written (as numba would), else the user's cache directory."""
+    if _CACHE_DIR_BEFORE:
+        return Path(_CACHE_DIR_BEFORE)
+    here = Path(__file__).parent
+    beside = here / "__pycache__"
+    if os.access(beside if beside.exists() else here, os.W_OK):
+        return beside
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layerdiff" / "numba"
+
+
 _nb_config.CACHE_DIR = str(  # type: ignore[attr-defined]
-    Path(_CACHE_DIR_BEFORE or Path(__file__).parent / "__pycache__") / (
-    "jit-" + hashlib.sha256(Path(contract.__file__).read_bytes()).hexdigest()[:16]))
+    _jit_cache_base() / ("jit-" + hashlib.sha256(Path(contract.__file__).read_bytes()).hexdigest()[:16]))
 
 _F32_MAX_32 = np.float32(_F32_MAX)
 _FP16_MAX_32 = np.float32(FP16_MAX)
