@@ -619,3 +619,55 @@ def test_golden_tensors_named_like_spill_files_keep_their_own_values(tmp_path):
     assert np.array_equal(ref.value(ref.node_inputs["x"][0]), np.full(3, 9.0, np.float32))
     ref.close()
     assert not (tmp_path / "spill").exists()
+
+
+def test_a_golden_dump_read_in_this_process_is_mapped_where_it_lies(tmp_path):
+    """The embedded collector hands the analyzer its records directly: each
+    .npy file it maps whole is used where it lies (no copy of a 500 MB
+    golden dump written into the spill directory); what it cannot map so (a
+    Fortran-ordered file, a tensor received over the wire) is spilled, and
+    every value reads back the same either way."""
+    from layerdiff.analyzer.reference.dump import DumpReference
+    from layerdiff.collector.dumps.directory import DumpDirectory
+
+    gold = tmp_path / "gold"
+    gold.mkdir()
+    rng = np.random.default_rng(0)
+    values = {"a": rng.standard_normal((2, 3, 4)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float16),
+              "c": np.asfortranarray(rng.standard_normal((3, 5)).astype(np.float32))}
+    for i, (name, v) in enumerate(values.items()):
+        np.save(gold / f"{name}.npy", v)
+        os.utime(gold / f"{name}.npy", ns=(10**9 * (i + 1),) * 2)
+    ref = DumpReference("gold")
+    ref.start(tmp_path / "spill")
+    for rec in DumpDirectory(str(gold)).records():
+        ref.take(rec)
+    ref.take(NodeRecord(name="wire", array=np.arange(6, dtype=np.float32)))
+    ref.seal()
+    spilled = sorted(p.name for p in (tmp_path / "spill").iterdir())
+    assert len(spilled) == 2, spilled          # the Fortran-ordered file and the received tensor
+    for name, v in values.items():
+        assert np.array_equal(ref.value(name), v), name
+    assert np.array_equal(ref.value("wire"), np.arange(6, dtype=np.float32))
+    ref.close()
+    assert all((gold / f"{n}.npy").exists() for n in values), "the user's files stay"
+
+
+def test_two_dumps_through_a_collector_of_this_process_answer_as_through_one_of_another(tmp_path):
+    """The golden dump read in this process (mapped where it lies) or
+    streamed from a collector process: the same comparison, row for row."""
+    model = small_cnn()
+    feeds = {"input": np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype(np.float32)}
+    ref_vals = OnnxReference(model.SerializeToString()).run(feeds)
+    gold, dev = tmp_path / "gold", tmp_path / "dev"
+    write_dump(gold, [NodeRecord(name=k, array=v) for k, v in ref_vals.items()])
+    write_dump(dev, [NodeRecord(name=k, array=(v * np.float32(1.001) if k.endswith("2") else v))
+                     for k, v in ref_vals.items()])
+    here = compare(str(gold), str(dev), out=tmp_path / "here", progress=False)
+    other = ServiceProcess("collector", tmp_path / "collector")
+    try:
+        there = compare(str(gold), str(dev), out=tmp_path / "there", progress=False, collector=other.address)
+    finally:
+        other.stop()
+    rows = lambda r: [(n["tensor"], n["errors"], n["cosine"], n["verdict"]) for n in r.summary["nodes"]]  # noqa: E731
+    assert rows(here) == rows(there) and len(rows(here)) == len(ref_vals)

@@ -214,16 +214,20 @@ class CollectorFlight(flight.FlightServerBase):
                                              status=self.status).SerializeToString())]
 
     def _dump_graph(self, body: bytes) -> pb.DeviceGraph:
-        from layerdiff.collector.dumps.graph import dump_graph
-
         try:
             source = pb.DumpSource.FromString(body)
         except Exception as e:
             raise pa.ArrowInvalid(f"action body is not a layerdiff.v1.DumpSource: {e}") from None
         try:
-            return dump_graph(self._confined(source))
+            return self.dump_graph(source)
         except Exception as e:
             raise _to_flight_error(e) from None
+
+    def dump_graph(self, source: pb.DumpSource) -> pb.DeviceGraph:
+        """The graph the dump's manifest describes (empty if none)."""
+        from layerdiff.collector.dumps.graph import dump_graph
+
+        return dump_graph(self._confined(source))
 
 
 def _live_runner(model: bytes | onnx.ModelProto, feeds, live: pb.LiveSource, model_name: str,
@@ -251,6 +255,19 @@ def _live_runner(model: bytes | onnx.ModelProto, feeds, live: pb.LiveSource, mod
 
 # how long a collector stopped by an error or Ctrl-C waits for its capture
 STOP_GRACE_S = 0.2
+
+
+# The collectors serving in this process, by address (from their start to
+# their stop): an analyzer of this process reads a golden dump through the
+# one it names directly (``in_process``), not through its own socket.
+_IN_PROCESS: dict[str, CollectorFlight] = {}
+_IN_PROCESS_LOCK = threading.Lock()
+
+
+def in_process(address: str) -> CollectorFlight | None:
+    """The collector serving ``address`` in this process, if one does."""
+    with _IN_PROCESS_LOCK:
+        return _IN_PROCESS.get(address)
 
 
 class CollectorServer:
@@ -281,6 +298,8 @@ class CollectorServer:
         self.flight = CollectorFlight(f"{security.flight_scheme()}://{host}:{port}", Path(workdir), security, roots)
         self.port = self.flight.port
         self.address = f"{host}:{self.port}"
+        with _IN_PROCESS_LOCK:
+            _IN_PROCESS[self.address] = self.flight
         self._stopped = threading.Event()
         self.health = None
         if health_port is None and os.environ.get("LAYERDIFF_HEALTH_PORT", "").strip():
@@ -305,6 +324,8 @@ class CollectorServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        with _IN_PROCESS_LOCK:
+            _IN_PROCESS.pop(self.address, None)
         if self.health is not None:
             self.health.enter_graceful_shutdown()
             self._health_server.stop(1.0)

@@ -46,7 +46,7 @@ from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
 from layerdiff.analyzer.report.files import JobReport, write_report
-from layerdiff.collector.service import CollectorClient
+from layerdiff.collector.service import CollectorClient, CollectorFlight, in_process
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import EXIT_NO_ANSWER, LayerdiffError, LimitError, NotFoundError
 from layerdiff.common.schema import BufferPool, TensorAssembler, check_dump_mode
@@ -511,7 +511,7 @@ class JobRunner:
         golden.start(self.workdir / SPILL_DIR / job.id)
         limit = env_limit("LAYERDIFF_REFERENCE_DUMP_BYTES", REFERENCE_DUMP_BYTES_DEFAULT, size=True)
         assembler = TensorAssembler(pool=BufferPool())
-        def read_order(collector: CollectorClient) -> None:
+        def read_order(collector: CollectorClient | CollectorFlight) -> None:
             if spec.reference_dump.dump.watch:
                 return      # read as the runtime writes it: no order to ask for yet
             try:
@@ -521,16 +521,31 @@ class JobRunner:
                 return
             golden.read_order(graph.order_from, graph.order_unknown)
 
+        local = in_process(spec.reference_dump.collector)
         try:
-            with self._stream(job, golden=True, on_ready=read_order) as stream:
-                for batch in stream:
-                    if job.cancelled.is_set():
-                        break
-                    for rec in assembler.feed(batch):
+            if local is not None:
+                # its collector serves in this process: its records as it reads them (a .npy
+                # file mapped, then kept where it lies instead of copied into the spill)
+                try:
+                    read_order(local)
+                    for rec in local.source(pb.CaptureRequest(job_id=job.id, dump=spec.reference_dump.dump)):
+                        if job.cancelled.is_set():
+                            break
                         self._take_golden(golden, rec, limit, where)
-                if not job.cancelled.is_set():
-                    for rec in assembler.finish():
-                        self._take_golden(golden, rec, limit, where)
+                except (LayerdiffError, _Cancelled):
+                    raise
+                except Exception as e:      # what the collector's stream would have reported of it
+                    raise LayerdiffError(f"internal error: {type(e).__name__}: {e}", field="collector") from None
+            else:
+                with self._stream(job, golden=True, on_ready=read_order) as stream:
+                    for batch in stream:
+                        if job.cancelled.is_set():
+                            break
+                        for rec in assembler.feed(batch):
+                            self._take_golden(golden, rec, limit, where)
+                    if not job.cancelled.is_set():
+                        for rec in assembler.finish():
+                            self._take_golden(golden, rec, limit, where)
         except LayerdiffError as e:
             if job.cancelled.is_set():
                 raise _Cancelled() from None

@@ -5,7 +5,10 @@ a runtime), compared with the device dump without a model.
 The golden collector streams the dump first; every tensor is written as it
 arrives into the job's spill directory (``.npy``, straight from the receive
 buffer) and read back mapped when its comparison needs it, so the analyzer
-holds none of the golden dump in its own memory whatever its size.
+holds none of the golden dump in its own memory whatever its size. A
+collector serving in the analyzer's own process hands its records over
+directly: a ``.npy`` file it maps whole is then mapped where it lies,
+not copied.
 
 What a model gives a model job comes from the dump here:
 
@@ -51,6 +54,27 @@ class _Golden:
     key: str = ""          # its spill file's key; "" when the record was unreadable
     error: str = ""
     about: str = ""        # what the dump recorded of the call (JSON text: a module's attrs, an operator's args)
+
+
+def _whole_npy(arr: np.ndarray) -> Path | None:
+    """The .npy file ``arr`` maps whole, as ``np.load`` maps it, where it
+    does (a golden dump read in this process): kept where it lies, not
+    copied into the spill directory (half a large two-dump job's time went
+    into those copies). Anything else (an array received over the wire,
+    spliced, converted) is None."""
+    m = arr if isinstance(arr, np.memmap) else arr.base
+    if not isinstance(m, np.memmap) or not m.filename or not str(m.filename).endswith(".npy") \
+            or m.shape != arr.shape or m.dtype != arr.dtype or not arr.flags.c_contiguous \
+            or m.ctypes.data != arr.ctypes.data:
+        return None
+    try:
+        mapped = np.load(m.filename, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(mapped, np.memmap) or mapped.offset != m.offset or mapped.shape != arr.shape \
+            or mapped.dtype != arr.dtype or not mapped.flags.c_contiguous:
+        return None
+    return Path(str(m.filename))
 
 
 class DumpReference:
@@ -138,8 +162,10 @@ class DumpReference:
     def _save(self, key: str, arr: np.ndarray) -> None:
         if self.spill is None:
             raise RuntimeError("DumpReference.start was not called")
-        path = self.spill / f"{key}.npy"
-        np.save(path, np.ascontiguousarray(arr), allow_pickle=False)
+        path = _whole_npy(arr)
+        if path is None:
+            path = self.spill / f"{key}.npy"
+            np.save(path, np.ascontiguousarray(arr), allow_pickle=False)
         self._spilled[key] = path
         self.bytes += arr.nbytes
 
