@@ -521,7 +521,8 @@ class JobRunner:
                 return
             golden.read_order(graph.order_from, graph.order_unknown)
 
-        local = in_process(spec.reference_dump.collector)
+        # (a dump watched as it is written streams: the stream's close ends its wait on a cancel)
+        local = None if spec.reference_dump.dump.watch else in_process(spec.reference_dump.collector)
         try:
             if local is not None:
                 # its collector serves in this process: its records as it reads them (a .npy
