@@ -15,7 +15,7 @@ from layerdiff.v1 import layerdiff_pb2 as pb
 if TYPE_CHECKING:
     from layerdiff.analyzer.execute.fanout import CeleryPool
     from layerdiff.analyzer.execute.local import LocalPool
-    from layerdiff.analyzer.jobs.receive import CollectorStream
+    from layerdiff.analyzer.jobs.receive import CollectorStream, InProcessStream
 
 TERMINAL = {pb.DONE, pb.FAILED, pb.CANCELLED}
 # What a job's record keeps of its final event.
@@ -31,7 +31,7 @@ class Job:
     events: list = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    call: CollectorStream | None = None                 # the collector stream being read, for Cancel
+    call: CollectorStream | InProcessStream | None = None   # the collector stream being read, for Cancel
     executor: LocalPool | CeleryPool | None = None     # the comparisons' pool, for Cancel
     error: str = ""
     created_at: float = field(default_factory=time.time)

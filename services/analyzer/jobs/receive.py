@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from layerdiff.collector.service import CollectorClient, flight_message
+from layerdiff.collector.service import CollectorClient, CollectorFlight, flight_message
 from layerdiff.common.errors import LayerdiffError, PermissionDenied, Unauthenticated, UnavailableError
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -178,3 +178,45 @@ def collector_error(address: str, e: BaseException) -> LayerdiffError:
     if isinstance(e, flight.FlightUnauthorizedError):
         return PermissionDenied(text, field="dump_path")
     return LayerdiffError(text)
+
+
+class InProcessStream:
+    """A dump read by a collector serving in this process: its records as
+    its reader makes them, not encoded, sent over a socket and assembled
+    again (a two-dump job's tensors copied four times over, and a golden
+    dump then copied into the spill; its ``.npy`` files are handed over
+    mapped where they lie). Iterate ``records()``; ``cancel()`` may be
+    called from any thread and ends the iteration at the next record."""
+
+    def __init__(self, source: CollectorFlight, request: pb.CaptureRequest) -> None:
+        self.source = source
+        self.address = "this process"
+        self.request = request
+        self._cancelled = threading.Event()
+
+    @staticmethod
+    def serves(source: CollectorFlight | None, request: pb.CaptureRequest) -> bool:
+        """Does the in-process collector ``source`` serve this request so (a
+        dump, not one watched as it is written: that stream's close ends
+        its wait on a cancel)?"""
+        return source is not None and request.WhichOneof("source") == "dump" and not request.dump.watch
+
+    def open(self) -> InProcessStream:
+        return self
+
+    def records(self) -> Iterator:
+        try:
+            for rec in self.source.source(self.request):
+                if self._cancelled.is_set():
+                    return
+                yield rec
+        except LayerdiffError:
+            raise
+        except Exception as e:      # what the collector's stream would have reported of it
+            raise LayerdiffError(f"internal error: {type(e).__name__}: {e}", field="collector") from None
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def close(self) -> None:
+        self._cancelled.set()

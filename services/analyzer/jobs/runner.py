@@ -40,7 +40,7 @@ from layerdiff.analyzer.jobs.prepare import (
     make_aligner,
     prepare,
 )
-from layerdiff.analyzer.jobs.receive import CollectorStream, upload_timeout
+from layerdiff.analyzer.jobs.receive import CollectorStream, InProcessStream, upload_timeout
 from layerdiff.analyzer.jobs.records import JobRecords, Retention, drop_broker_keys, is_disk_full
 from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
@@ -468,7 +468,25 @@ class JobRunner:
         ``collector_request`` may amend the capture request, ``on_ready`` is
         called with the collector once it answers. Closed (connection and
         watchdog released) when the block ends."""
-        collector = CollectorClient(job.spec.reference_dump.collector if golden else job.spec.collector)
+        address = job.spec.reference_dump.collector if golden else job.spec.collector
+        local = in_process(address)
+        if local is not None and (golden or job.spec.dump_path):
+            request = pb.CaptureRequest(job_id=job.id, dump=job.spec.reference_dump.dump) if golden \
+                else self._capture_request(job, local)
+            if collector_request is not None:
+                collector_request(request)
+            if InProcessStream.serves(local, request):
+                if on_ready is not None:
+                    on_ready(local)
+                inner = InProcessStream(local, request)
+                job.call = inner
+                try:
+                    yield inner
+                finally:
+                    job.call = None
+                    inner.close()
+                return
+        collector = CollectorClient(address)
         stream = None
         try:
             collector.wait_ready(stop=job.cancelled)
@@ -521,24 +539,12 @@ class JobRunner:
                 return
             golden.read_order(graph.order_from, graph.order_unknown)
 
-        # (a dump watched as it is written streams: the stream's close ends its wait on a cancel)
-        local = None if spec.reference_dump.dump.watch else in_process(spec.reference_dump.collector)
         try:
-            if local is not None:
-                # its collector serves in this process: its records as it reads them (a .npy
-                # file mapped, then kept where it lies instead of copied into the spill)
-                try:
-                    read_order(local)
-                    for rec in local.source(pb.CaptureRequest(job_id=job.id, dump=spec.reference_dump.dump)):
-                        if job.cancelled.is_set():
-                            break
+            with self._stream(job, golden=True, on_ready=read_order) as stream:
+                if isinstance(stream, InProcessStream):     # read where it lies, in this process
+                    for rec in stream.records():
                         self._take_golden(golden, rec, limit, where)
-                except (LayerdiffError, _Cancelled):
-                    raise
-                except Exception as e:      # what the collector's stream would have reported of it
-                    raise LayerdiffError(f"internal error: {type(e).__name__}: {e}", field="collector") from None
-            else:
-                with self._stream(job, golden=True, on_ready=read_order) as stream:
+                else:
                     for batch in stream:
                         if job.cancelled.is_set():
                             break
@@ -591,19 +597,26 @@ class JobRunner:
         consumer = StreamConsumer(p, executor, references, rep, job.report_dir, progress,
                                   dump_mode=check_dump_mode(job.spec.dump_mode), injected=injected, budget=budget)
         try:
-            for batch in stream:
-                if job.cancelled.is_set():
-                    break
-                if not batch.num_rows:     # a heartbeat: the source is quiet, report what is finished
-                    consumer.finish_done()
-                    continue
-                if job.state != pb.COMPARING:
-                    job.emit(pb.COMPARING, nodes_done=consumer.done, nodes_total=total)
-                for rec in assembler.feed(batch):
+            if isinstance(stream, InProcessStream):     # a dump read in this process: its records as read
+                for rec in stream.records():
+                    if job.state != pb.COMPARING:
+                        job.emit(pb.COMPARING, nodes_done=consumer.done, nodes_total=total)
                     consumer.take(rec)
+            else:
+                for batch in stream:
+                    if job.cancelled.is_set():
+                        break
+                    if not batch.num_rows:     # a heartbeat: the source is quiet, report what is finished
+                        consumer.finish_done()
+                        continue
+                    if job.state != pb.COMPARING:
+                        job.emit(pb.COMPARING, nodes_done=consumer.done, nodes_total=total)
+                    for rec in assembler.feed(batch):
+                        consumer.take(rec)
+                if not job.cancelled.is_set():
+                    for rec in assembler.finish():
+                        consumer.take(rec)
             if not job.cancelled.is_set():
-                for rec in assembler.finish():
-                    consumer.take(rec)
                 consumer.finish()
         except BaseException:
             consumer.abandon()
