@@ -150,6 +150,48 @@ def test_uneven_error_along_an_axis_is_found():
     assert diagnose.uneven_axis(ref, ref + 0.001, "NCHW") == ""
 
 
+def test_uneven_error_read_a_block_at_a_time_is_the_whole_tensors(monkeypatch):
+    """The halves' errors summed a block of elements at a time (no float64
+    copy of a large activation) give the sentence of the whole tensor's
+    means, NaN and Inf pairs left out, for blocks that cut across every axis."""
+    from layerdiff.analyzer.diagnose import evidence
+
+    def whole(ref, dev, names):
+        bad = ~(np.isfinite(ref) & np.isfinite(dev))
+        r, d = np.where(bad, 0, ref).astype(np.float64), np.where(bad, 0, dev).astype(np.float64)
+        err, scale = np.abs(d - r), float(np.sqrt(np.mean(r * r))) or 1.0
+        found = []
+        for ax, size in enumerate(ref.shape):
+            if size < 2:
+                continue
+            cut = (slice(None),) * ax
+            a = err[cut + (slice(0, size // 2),)].mean() / scale
+            b = err[cut + (slice(size // 2, size),)].mean() / scale
+            if max(a, b) >= evidence.UNEVEN_MIN_REL and max(a, b) / max(min(a, b), 1e-12) >= 10:
+                found.append((max(a, b) / max(min(a, b), 1e-12), ax, "second" if b > a else "first"))
+        return max(found)[1:] if found else None
+
+    rng = np.random.default_rng(1)
+    monkeypatch.setattr(evidence, "PROFILE_BLOCK", 37)
+    seen = 0
+    for k in range(200):
+        shape = tuple(int(x) for x in rng.integers(1, 9, rng.integers(1, 5)))
+        ref = rng.standard_normal(shape).astype(np.float32)
+        dev = ref.copy()
+        ax = int(rng.integers(0, len(shape)))
+        dev[(slice(None),) * ax + (slice(shape[ax] // 2, None),)] += np.float32(rng.standard_normal() * 3)
+        if k % 5 == 0 and ref.size > 2:
+            dev.reshape(-1)[0], ref.reshape(-1)[1] = np.nan, np.inf
+        text = diagnose.uneven_axis(ref, dev, "NCHW"[:len(shape)])
+        want = whole(ref, dev, "NCHW"[:len(shape)])
+        if want is None or ref.size < 8:        # nothing uneven, or too small to say
+            assert text == "", (shape, text)
+            continue
+        seen += 1
+        assert f"{want[1]} half of axis {want[0]}" in text, (shape, text, want)
+    assert seen > 50
+
+
 def test_int8_build_gets_range_advice(services, tmp_path):
     """A fixed-point build: per quantized-op input range from the reference,
     INT16 advice where the range exceeds 30."""

@@ -57,14 +57,38 @@ def may_be_uneven(m: M.NodeMetrics) -> bool:
     return not m.mean_abs_diff / scale < UNEVEN_MIN_REL / 3
 
 
+# elements of a tensor taken at a time by _error_profiles (its float64 copies
+# of them, 8 MiB each, instead of the whole tensor's: a detector's largest
+# activation held three float64 copies, 225 MB, at the analyzer's peak)
+PROFILE_BLOCK = 1 << 20
+
+
+def _error_profiles(ref: np.ndarray, dev: np.ndarray) -> tuple[list[np.ndarray], float]:
+    """For each axis, the sums of |d - r| at each of its indices over all
+    the others, and the sum of r², over the pairs finite on both sides (as
+    _finite_pairs counts them), in float64, a block of elements at a time."""
+    r_all, d_all = np.ravel(ref), np.ravel(dev)
+    strides = [int(np.prod(ref.shape[ax + 1:], dtype=np.int64)) for ax in range(ref.ndim)]
+    profiles = [np.zeros(size) for size in ref.shape]
+    sum_r2 = 0.0
+    for f0 in range(0, r_all.size, PROFILE_BLOCK):
+        r, d = _finite_pairs(r_all[f0:f0 + PROFILE_BLOCK], d_all[f0:f0 + PROFILE_BLOCK])
+        err = np.abs(d - r)
+        sum_r2 += float(np.dot(r, r))
+        flat = np.arange(f0, f0 + r.size, dtype=np.int64)
+        for ax, size in enumerate(ref.shape):
+            if size > 1:
+                profiles[ax] += np.bincount((flat // strides[ax]) % size, weights=err, minlength=size)
+    return profiles, sum_r2
+
+
 def uneven_axis(ref: np.ndarray, dev: np.ndarray, names: str = "") -> str:
     """A sentence when the error sits on one part of an axis (the vendor's
     example: only the second half of H is wrong), else ''."""
     if ref.shape != dev.shape or ref.ndim == 0 or ref.size < 8:
         return ""
-    r, d = _finite_pairs(ref, dev)
-    err = np.abs(d - r)
-    scale = float(np.sqrt(np.mean(r * r))) or 1.0
+    profiles, sum_r2 = _error_profiles(ref, dev)
+    scale = math.sqrt(sum_r2 / ref.size) or 1.0
     labels = names if len(names) == ref.ndim else ""
     best = ""
     best_ratio = 0.0
@@ -72,9 +96,9 @@ def uneven_axis(ref: np.ndarray, dev: np.ndarray, names: str = "") -> str:
         if size < 2:
             continue
         half = size // 2
-        before = (slice(None),) * ax      # the halves as views: no copy of the tensor per axis
-        a = float(err[before + (slice(0, half),)].mean()) / scale
-        b = float(err[before + (slice(half, size),)].mean()) / scale
+        per_index = ref.size // size      # elements at each index of the axis
+        a = float(profiles[ax][:half].sum()) / (per_index * half) / scale
+        b = float(profiles[ax][half:].sum()) / (per_index * (size - half)) / scale
         hi, lo = max(a, b), min(a, b)
         if hi < UNEVEN_MIN_REL:
             continue
