@@ -522,3 +522,16 @@ def test_timeline_keeps_overlapping_slices_apart():
     tracks = check_trace_events(doc)
     lanes = {_track_names(doc)[tid]: [(e["name"], e["ts"]) for e in evs] for tid, evs in tracks.items()}
     assert lanes == {"runs": [("run 0", 0.0)], "s0": [("a", 0.0), ("c", 15.0)], "s0 (overlap 1)": [("b", 5.0)]}
+
+
+def test_counter_files_read_through_the_embedded_services(cnn_files, tmp_path):
+    """With the embedded services the dump's tensors are read in this
+    process, its performance records still stream: the counters read back."""
+    model, inputs, _ = cnn_files
+    nodes, rows = _known_table()
+    dump = tmp_path / "dump"
+    _write_counter_csv(dump / "op_perf.csv", rows, ["name", "op_type", "stream_id"] + list(COUNTER_COLUMNS))
+    res = run(model, inputs, dump=str(dump), out=tmp_path / "out", progress=False, perf_mode="perf", clock_mhz=500)
+    agg = _csv(tmp_path / "out" / "op_perf.csv")
+    assert [r["name"] for r in agg] == [n for n, _, _ in nodes] and all(r["runs"] == "3" for r in agg)
+    assert res.summary["perf"]["perf_mode"] == "perf"

@@ -197,9 +197,10 @@ class InProcessStream:
     @staticmethod
     def serves(source: CollectorFlight | None, request: pb.CaptureRequest) -> bool:
         """Does the in-process collector ``source`` serve this request so (a
-        dump, not one watched as it is written: that stream's close ends
-        its wait on a cancel)?"""
-        return source is not None and request.WhichOneof("source") == "dump" and not request.dump.watch
+        dump's tensors, not its performance records, nor a dump watched as
+        it is written: that stream's close ends its wait on a cancel)?"""
+        return source is not None and request.WhichOneof("source") == "dump" and not request.dump.watch \
+            and request.stream != pb.CAPTURE_STREAM_PERF
 
     def open(self) -> InProcessStream:
         return self
