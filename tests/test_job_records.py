@@ -379,6 +379,7 @@ def test_files_read_ahead_are_handed_over_once_and_only_as_they_are(tmp_path):
 
     from layerdiff.client import prefetch
     from layerdiff.client.api import read_upload
+    from layerdiff.common.artifacts import FileStamp
     from layerdiff.common.errors import LayerdiffError
 
     model, other = tmp_path / "m.onnx", tmp_path / "d.onnx"
@@ -389,8 +390,10 @@ def test_files_read_ahead_are_handed_over_once_and_only_as_they_are(tmp_path):
     assert data == b"a" * 1000 and name == "m.onnx" and origin is not None
     assert origin.sha256 == hashlib.sha256(data).hexdigest()
     assert prefetch.take(model) is None, "handed over once"
+    assert prefetch._reads[other.resolve()].done.wait(30)     # its read ahead is over
     other.write_bytes(b"c" * 1001)          # changed after it was read ahead: read again
     data, _, origin = read_upload(other, "device_model")
     assert data == b"c" * 1001 and origin is not None and origin.sha256 == ""
+    assert origin.stamp == FileStamp.of(other)
     with pytest.raises(LayerdiffError, match="missing.onnx.*cannot be read"):
         read_upload(tmp_path / "missing.onnx", "model")
