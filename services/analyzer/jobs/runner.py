@@ -350,9 +350,9 @@ class JobRunner:
         # device values of nodes with an error of their own, for the impact re-runs
         injected = InjectedValues(cap_bytes=budget.impact) if isinstance(p.reference, OnnxReference) else None
 
-        # (released however the job ends: a kept value may hold its receive buffer)
+        # the kept values are released however the job ends (one may hold its receive buffer)
         try:
-            def on_ready(collector: CollectorClient) -> None:
+            def on_ready(collector: CollectorClient | CollectorFlight) -> None:
                 if p.golden and isinstance(p.reference, DumpReference) and p.reference.model is None:
                     return      # the golden dump's names and values pair the device's
                 graph = dump_graph_alignment(spec, p.reference, collector)
@@ -467,7 +467,8 @@ class JobRunner:
         dump's, from its own collector), open and watched for liveness;
         ``collector_request`` may amend the capture request, ``on_ready`` is
         called with the collector once it answers. Closed (connection and
-        watchdog released) when the block ends."""
+        watchdog released) when the block ends. A dump whose collector
+        serves in this process is an ``InProcessStream`` of its records."""
         address = job.spec.reference_dump.collector if golden else job.spec.collector
         local = in_process(address)
         if local is not None and (golden or job.spec.dump_path):
