@@ -338,8 +338,9 @@ def test_a_file_handed_over_in_this_process_is_taken_as_it_lies(tmp_path):
     import hashlib
 
     from layerdiff.client.api import read_upload
-    from layerdiff.common.artifacts import ArtifactStore, FileStamp
+    from layerdiff.common.artifacts import ArtifactStore
     from layerdiff.common.errors import LayerdiffError
+    from layerdiff.common.localfile import FileStamp
 
     user = tmp_path / "model.onnx"
     user.write_bytes(os.urandom(4096))
@@ -379,8 +380,8 @@ def test_files_read_ahead_are_handed_over_once_and_only_as_they_are(tmp_path):
 
     from layerdiff.client import prefetch
     from layerdiff.client.api import read_upload
-    from layerdiff.common.artifacts import FileStamp
     from layerdiff.common.errors import LayerdiffError
+    from layerdiff.common.localfile import FileStamp
 
     model, other = tmp_path / "m.onnx", tmp_path / "d.onnx"
     model.write_bytes(b"a" * 1000)

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from layerdiff.common.artifacts import LocalFile, chunks_of
+from layerdiff.common.artifacts import chunks_of
 from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
+from layerdiff.common.localfile import LocalFile
 from layerdiff.common.net import channel, connect_timeout, wait_ready
 from layerdiff.common.security import ClientSecurity, with_token
 from layerdiff.v1 import layerdiff_pb2 as pb
@@ -195,9 +196,7 @@ class AnalyzerClient:
         stream = self.stub.FetchReport(pb.ReportRequest(job_id=job_id), timeout=CALL_TIMEOUT)
         try:
             for chunk in stream:
-                target = (out / chunk.path).resolve()
-                if root not in target.parents:
-                    raise LayerdiffError(f"report file {chunk.path!r} would land outside {out}", field="path")
+                target = _report_target(out, root, chunk.path)
                 try:
                     if chunk.offset == 0:
                         if handle:
@@ -242,15 +241,22 @@ class AnalyzerClient:
         closing.join(CLOSE_TIMEOUT)
 
 
+def _report_target(out: Path, root: Path, rel: str) -> Path:
+    """Where a report file named ``rel`` goes in ``out`` (``root``: out
+    resolved); a name that would leave it is refused."""
+    target = (out / rel).resolve()
+    if root not in target.parents:
+        raise LayerdiffError(f"report file {rel!r} would land outside {out}", field="path")
+    return target
+
+
 def _take_report(files: list[tuple[str, Path]], out: Path, root: Path) -> list[Path]:
     """An embedded analyzer's report files into ``out``: hard links where
     both lie on one file system (its directory goes with the process, the
     links stay), copies elsewhere."""
     written = []
     for rel, src in files:
-        target = (out / rel).resolve()
-        if root not in target.parents:
-            raise LayerdiffError(f"report file {rel!r} would land outside {out}", field="path")
+        target = _report_target(out, root, rel)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.unlink(missing_ok=True)

@@ -33,8 +33,8 @@ import numpy as np
 from layerdiff.client import prefetch
 from layerdiff.client.analyzer_client import AnalyzerClient, Embedded, Interrupted, rpc_failure
 from layerdiff.client.follow import RunResult, fetch_result, follow
-from layerdiff.common.artifacts import FileStamp, LocalFile
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.localfile import FileStamp, LocalFile
 from layerdiff.common.npz import write_npz
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -62,8 +62,8 @@ def read_upload(path_or_bytes, field: str) -> tuple[bytes, str, LocalFile | None
         return pack_directory(p), f"{p.resolve().name}.tar", None
     try:
         ahead = prefetch.take(p)        # read beside the imports, where the command line asked
-        if ahead is not None and FileStamp(*ahead[1]) == FileStamp.of(p):
-            return ahead[0], p.name, LocalFile(p, FileStamp(*ahead[1]), ahead[2])
+        if ahead is not None and ahead[1] == FileStamp.of(p):
+            return ahead[0], p.name, LocalFile(p, ahead[1], ahead[2])
         before = FileStamp.of(p)
         data = p.read_bytes()
         origin = LocalFile(p, before) if FileStamp.of(p) == before and len(data) == before.size else None

@@ -12,35 +12,31 @@ rest of the client is imported.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from pathlib import Path
 
+from layerdiff.common.localfile import FileStamp
+
 
 class _Read:
-    """One file's read under way: its bytes, the (dev, ino, size, mtime_ns)
-    it had before and after (unchanged, or no result) and their sha256."""
+    """One file's read under way: its bytes, the stamp it had before and
+    after (unchanged, or no result) and their sha256."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.done = threading.Event()
-        self.result: tuple[bytes, tuple[int, int, int, int], str] | None = None
+        self.result: tuple[bytes, FileStamp, str] | None = None
 
     def run(self) -> None:
         try:
-            before = _stamp(self.path)
+            before = FileStamp.of(self.path)
             data = self.path.read_bytes()
-            if _stamp(self.path) == before and len(data) == before[2] and data:
+            if FileStamp.of(self.path) == before and len(data) == before.size and data:
                 self.result = (data, before, hashlib.sha256(data).hexdigest())
         except OSError:
             pass        # the reader that asks reads it again and says what is wrong
         finally:
             self.done.set()
-
-
-def _stamp(path: Path) -> tuple[int, int, int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 _lock = threading.Lock()
@@ -74,7 +70,7 @@ def _run_all(reads: list[_Read]) -> None:
         r.run()
 
 
-def take(path: Path) -> tuple[bytes, tuple[int, int, int, int], str] | None:
+def take(path: Path) -> tuple[bytes, FileStamp, str] | None:
     """The prefetched (bytes, stamp, sha256) of ``path``, once; None where
     it was not prefetched or could not be read whole and unchanged."""
     try:

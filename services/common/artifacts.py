@@ -23,11 +23,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from layerdiff.common.errors import LayerdiffError, LimitError, NotFoundError
+from layerdiff.common.localfile import FileStamp, LocalFile
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -285,30 +285,6 @@ class ArtifactStore:
             self._names.pop(artifact_id, None)
             self._linked.pop(artifact_id, None)
             return True
-
-
-@dataclass(frozen=True)
-class FileStamp:
-    """What tells a file's content unchanged without reading it: the same
-    file (device, inode), size and modification time (to the nanosecond)."""
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-
-    @staticmethod
-    def of(path) -> FileStamp:
-        st = os.stat(path)
-        return FileStamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    """The file an upload's bytes were read from, as it was when read
-    (``sha256``: of those bytes, where the reader made it already)."""
-    path: Path
-    stamp: FileStamp
-    sha256: str = ""
 
 
 class _Piece:

@@ -143,7 +143,6 @@ def _just_in_time() -> SimpleNamespace:
 
 _lock = threading.Lock()
 _loaded: SimpleNamespace | None = None
-_warmed = False
 
 
 def kernels() -> SimpleNamespace:
@@ -158,19 +157,15 @@ def kernels() -> SimpleNamespace:
 
 def warmup(just_in_time: bool = False) -> None:
     """Load the kernels, and where numba compiles them, every exported
-    signature (from its cache when it has them). ``just_in_time``: compile
-    (or load) numba's versions even where a build is used (``make setup``
-    does, for the tests and for a later fallback). Idempotent, thread-safe."""
-    global _warmed
-    if _warmed and not just_in_time:
-        return
+    signature (from its cache when it has them; a signature it holds
+    already costs nothing). ``just_in_time``: numba's versions even where
+    a build is used (``make setup`` does, for the tests and for a later
+    fallback)."""
     k = _just_in_time() if just_in_time else kernels()
-    with _lock:
-        if k.how == JUST_IN_TIME:
-            for name, (_, keys) in ENTRIES.items():
-                for kinds in keys:
-                    getattr(k, name).compile(signature(name, kinds))
-        _warmed = _warmed or k is _loaded
+    if k.how == JUST_IN_TIME:
+        for name, (_, keys) in ENTRIES.items():
+            for kinds in keys:
+                getattr(k, name).compile(signature(name, kinds))
 
 
 # ---------------------------------------------------------------------------

@@ -250,21 +250,26 @@ class _Switched:
         self.outputs = outputs
 
         def switched(m: onnx.ModelProto) -> None:
-            produced = set()
+            # each switch placed right after the node whose output it chooses from
+            # (onnxruntime wants the nodes in an order they can run in)
+            nodes: list[onnx.NodeProto] = []
             for node in m.graph.node:
-                for k, o in enumerate(node.output):
-                    if o in values:
-                        node.output[k] = o + _SUFFIX
-                        produced.add(o)
-            if produced != set(values):     # a tensor no node makes (a graph input): re-run on its own
-                raise ValueError("not every tensor is a node's output")
+                n = onnx.NodeProto()
+                n.CopyFrom(node)
+                nodes.append(n)
+                for k, t in enumerate(n.output):
+                    if t in values:
+                        n.output[k] = t + _SUFFIX
+                        nodes.append(onnx.helper.make_node("Where", [t + _USE, t + _DEVICE, t + _SUFFIX], [t],
+                                                           name=t + _USE))
+            if sum(n.op_type == "Where" and n.name.endswith(_USE) for n in nodes) != len(values):
+                raise ValueError("not every tensor is a node's output")    # a graph input: re-run on its own
+            del m.graph.node[:]
+            m.graph.node.extend(nodes)
             for t, v in values.items():
                 m.graph.input.append(onnx.helper.make_tensor_value_info(
                     t + _DEVICE, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
                 m.graph.input.append(onnx.helper.make_tensor_value_info(t + _USE, onnx.TensorProto.BOOL, []))
-                m.graph.node.append(onnx.helper.make_node("Where", [t + _USE, t + _DEVICE, t + _SUFFIX], [t],
-                                                          name=t + _USE))
-            _topological(m)
 
         self.session = reference_session(split, edit=switched, quiet=True)
         self._off = {t + _USE: np.array(False) for t in values}
@@ -283,20 +288,3 @@ class _Switched:
 
 _DEVICE = "::layerdiff-device"
 _USE = "::layerdiff-use"
-
-
-def _topological(m: onnx.ModelProto) -> None:
-    """Each switch moved to just after the node whose output it chooses
-    from (onnxruntime wants nodes in an order they can run in)."""
-    switches = {n.input[2]: n for n in m.graph.node if n.op_type == "Where" and n.name.endswith(_USE)}
-    ordered: list[onnx.NodeProto] = []
-    for n in m.graph.node:
-        if n.op_type == "Where" and n.name.endswith(_USE):
-            continue
-        ordered.append(n)
-        ordered.extend(switches[o] for o in n.output if o in switches)
-    kept = [onnx.NodeProto() for _ in ordered]
-    for dst, src in zip(kept, ordered):
-        dst.CopyFrom(src)
-    del m.graph.node[:]
-    m.graph.node.extend(kept)

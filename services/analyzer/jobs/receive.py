@@ -190,7 +190,6 @@ class InProcessStream:
 
     def __init__(self, source: CollectorFlight, request: pb.CaptureRequest) -> None:
         self.source = source
-        self.address = "this process"
         self.request = request
         self._cancelled = threading.Event()
 

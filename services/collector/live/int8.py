@@ -84,25 +84,15 @@ def _op_types() -> list[str]:
 
 
 def _calibrated_tensors(model: onnx.ModelProto, op_types: list[str]) -> list[str]:
-    """The tensors the min/max calibrator would calibrate: float inputs and
-    outputs of nodes of those types, weights left out (its own selection,
-    with its own rules, in a stable order)."""
-    from onnx import TensorProto
+    """The tensors the min/max calibrator would calibrate, chosen by its own
+    rule (float inputs and outputs of nodes of those types, weights left
+    out), in a stable order."""
+    from types import SimpleNamespace
 
-    infos = {vi.name: vi for vi in model.graph.value_info}
-    infos.update({o.name: o for o in model.graph.output})
-    infos.update({i.name: i for i in model.graph.input})
-    weights = {i.name for i in model.graph.initializer}
-    chosen: dict[str, None] = {}
-    for node in model.graph.node:
-        if node.op_type not in op_types:
-            continue
-        for t in (*node.input, *node.output):
-            vi = infos.get(t)
-            if vi is not None and vi.type.HasField("tensor_type") and t not in weights \
-                    and vi.type.tensor_type.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16):
-                chosen[t] = None
-    return list(chosen)
+    from onnxruntime.quantization.calibrate import CalibraterBase
+
+    chosen, _ = CalibraterBase.select_tensors_to_calibrate(SimpleNamespace(op_types_to_calibrate=op_types), model)
+    return sorted(chosen)
 
 
 def _calibrated_in_memory(model: onnx.ModelProto | WeightSplit, feeds: dict[str, np.ndarray]) -> onnx.ModelProto | None:
