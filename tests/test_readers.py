@@ -109,6 +109,33 @@ def test_manifest_that_lies_and_hostile_entries_are_skipped(live_records, tmp_pa
     assert [r.name for r in recs if r.status == "ok"] == [n["name"] for n in nodes[6:]]
 
 
+def test_links_out_of_the_dump_are_refused_and_links_inside_followed(tmp_path):
+    from layerdiff.collector.dumps.manifest import resolve_inside
+
+    dump, outside = tmp_path / "dump", tmp_path / "secret"
+    (dump / "sub").mkdir(parents=True)
+    outside.mkdir()
+    np.save(outside / "x.npy", np.arange(3.0))
+    np.save(dump / "sub" / "y.npy", np.arange(4.0))
+    (dump / "out.npy").symlink_to(outside / "x.npy")                 # a file linked out
+    (dump / "away").symlink_to(outside)                              # a directory linked out
+    (dump / "a\\b.npy").symlink_to(outside / "x.npy")              # a backslash is part of the name
+    (dump / "in.npy").symlink_to(dump / "sub" / "y.npy")             # a link that stays inside
+    for rel in ("out.npy", "away/x.npy", "a\\b.npy", "./away/x.npy", "sub//../away/x.npy"):
+        with pytest.raises(LayerdiffError, match="outside the dump directory"):
+            resolve_inside(dump, rel, "n")
+    assert resolve_inside(dump, "in.npy", "n") == (dump / "sub" / "y.npy").resolve()
+    assert resolve_inside(dump, "sub/y.npy", "n") == (dump / "sub" / "y.npy").resolve()
+    assert resolve_inside(dump, "missing.npy", "n").name == "missing.npy"
+    (dump / "manifest.json").write_text(json.dumps({"nodes": [
+        {"name": "leak", "file": "out.npy"}, {"name": "deep", "file": "away/x.npy"},
+        {"name": "ok", "file": "in.npy"}]}))
+    recs = {r.name: r for r in DumpDirectory(str(dump)).records()}
+    assert "outside the dump directory" in recs["leak"].message
+    assert "outside the dump directory" in recs["deep"].message
+    assert recs["ok"].status == "ok" and np.array_equal(recs["ok"].array, np.arange(4.0))
+
+
 def test_broken_onnx_and_npz_files(tmp_path, live_records):
     from onnx import numpy_helper
 

@@ -594,13 +594,19 @@ def _window_sums(x: np.ndarray, size: tuple[int, ...]) -> np.ndarray:
     """Sums of ``x`` over every window of ``size`` (running sums, one axis
     at a time): entry i is the sum over x[i : i + size]."""
     for axis, w in enumerate(size):
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (1, 0)
-        c = np.pad(np.cumsum(x, axis=axis, dtype=np.float64), pad)
-        hi = [slice(None)] * x.ndim
-        lo = [slice(None)] * x.ndim
-        hi[axis], lo[axis] = slice(w, None), slice(None, c.shape[axis] - w)
-        x = c[tuple(hi)] - c[tuple(lo)]
+        c = np.cumsum(x, axis=axis, dtype=np.float64)
+        n = c.shape[axis]
+        if w > n:      # no window fits
+            x = np.zeros(tuple(0 if a == axis else m for a, m in enumerate(c.shape)))
+            continue
+        # window i ends at i + w - 1; all but the first start after the sum c[i - 1]
+        out = np.take(c, range(w - 1, n), axis=axis) if axis else c[w - 1:].copy()
+        rest = [slice(None)] * c.ndim
+        rest[axis] = slice(1, None)
+        before = [slice(None)] * c.ndim
+        before[axis] = slice(0, n - w)
+        out[tuple(rest)] -= c[tuple(before)]
+        x = out
     return x
 
 

@@ -31,11 +31,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from layerdiff.collector.dumps.readers import npy_file_of, read_npy
 from layerdiff.common.onnxgraph import TensorSite, node_name, node_runtime, tensor_sites
 from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, NodeRecord, attribute, original_op
 
@@ -54,27 +56,6 @@ class _Golden:
     key: str = ""          # its spill file's key; "" when the record was unreadable
     error: str = ""
     about: str = ""        # what the dump recorded of the call (JSON text: a module's attrs, an operator's args)
-
-
-def _whole_npy(arr: np.ndarray) -> Path | None:
-    """The .npy file ``arr`` maps whole, as ``np.load`` maps it, where it
-    does (a golden dump read in this process): kept where it lies, not
-    copied into the spill directory (half a large two-dump job's time went
-    into those copies). Anything else (an array received over the wire,
-    spliced, converted) is None."""
-    m = arr if isinstance(arr, np.memmap) else arr.base
-    if not isinstance(m, np.memmap) or not m.filename or not str(m.filename).endswith(".npy") \
-            or m.shape != arr.shape or m.dtype != arr.dtype or not arr.flags.c_contiguous \
-            or m.ctypes.data != arr.ctypes.data:
-        return None
-    try:
-        mapped = np.load(m.filename, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(mapped, np.memmap) or mapped.offset != m.offset or mapped.shape != arr.shape \
-            or mapped.dtype != arr.dtype or not mapped.flags.c_contiguous:
-        return None
-    return Path(str(m.filename))
 
 
 class DumpReference:
@@ -162,7 +143,10 @@ class DumpReference:
     def _save(self, key: str, arr: np.ndarray) -> None:
         if self.spill is None:
             raise RuntimeError("DumpReference.start was not called")
-        path = _whole_npy(arr)
+        # a golden .npy read in this process is kept where it lies, not
+        # copied into the spill directory (half a large two-dump job's time
+        # went into those copies)
+        path = npy_file_of(arr)
         if path is None:
             path = self.spill / f"{key}.npy"
             np.save(path, np.ascontiguousarray(arr), allow_pickle=False)
@@ -323,7 +307,8 @@ class DumpReference:
     def value(self, tensor: str) -> np.ndarray | None:
         """A golden value, mapped from its spill file (None if not dumped)."""
         path = self._files.get(tensor)
-        return None if path is None else np.load(path, mmap_mode="r")
+        # mapped as a plain array: a memmap runs Python on every view taken of it
+        return None if path is None else read_npy(path, sys.maxsize)
 
     def missing_reason(self, tensor: str) -> str:
         return self._unavailable.get(tensor, "")

@@ -21,6 +21,8 @@ Ascend runtime dumps by layerdiff.collector.dumps.ascend.
 """
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -36,8 +38,8 @@ def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | 
     truncated or object-typed files are refused before any allocation."""
     shown = name or str(path)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             try:
                 version = np.lib.format.read_magic(f)
             except ValueError as e:
@@ -54,25 +56,52 @@ def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | 
             except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, TokenError...
                 raise LayerdiffError(f"corrupt .npy header ({type(e).__name__}: {e})", file=shown) from e
             header_end = f.tell()
+            if dtype.hasobject or dtype.name not in ALLOWED_DTYPES:
+                raise LayerdiffError(f"dtype {dtype} is not a plain numeric type", file=shown, field="dtype")
+            count = 1
+            for s in shape:
+                count *= s
+            nbytes = count * dtype.itemsize
+            if nbytes > max_bytes or span_bytes(shape, dtype.itemsize) > max_bytes:
+                raise LayerdiffError(f"declared shape {shape} is {nbytes} bytes, over the limit of {max_bytes}",
+                                     file=shown, field="shape")
+            if size - header_end < nbytes:
+                raise LayerdiffError(f"truncated: header declares {nbytes} bytes of data, file holds "
+                                     f"{size - header_end}", file=shown)
+            if nbytes == 0:
+                return np.zeros(shape, dtype=dtype)
+            # the whole file mapped read-only from the descriptor already
+            # open (np.memmap opens, stats and wraps it again: a thousand
+            # tensors of a dump paid that a thousand times)
+            mapped = _NpyMap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=shown) from e
-    if dtype.hasobject or dtype.name not in ALLOWED_DTYPES:
-        raise LayerdiffError(f"dtype {dtype} is not a plain numeric type", file=shown, field="dtype")
-    count = 1
-    for s in shape:
-        count *= s
-    nbytes = count * dtype.itemsize
-    if nbytes > max_bytes or span_bytes(shape, dtype.itemsize) > max_bytes:
-        raise LayerdiffError(f"declared shape {shape} is {nbytes} bytes, over the limit of {max_bytes}", file=shown,
-                             field="shape")
-    if size - header_end < nbytes:
-        raise LayerdiffError(f"truncated: header declares {nbytes} bytes of data, file holds {size - header_end}",
-                             file=shown)
-    if nbytes == 0:
-        return np.zeros(shape, dtype=dtype)
-    arr = np.memmap(path, dtype=dtype, mode="r", offset=header_end, shape=tuple(shape),
-                    order="F" if fortran else "C")
-    return np.asarray(arr)
+    arr = np.ndarray(tuple(shape), dtype=dtype, buffer=mapped, offset=header_end, order="F" if fortran else "C")
+    if not fortran:
+        mapped.path, mapped.data_address, mapped.data_bytes = str(path), arr.ctypes.data, nbytes
+    return arr
+
+
+class _NpyMap(mmap.mmap):
+    """A .npy file read_npy mapped, knowing which file and where its data
+    lies (a C-order file's; see npy_file_of)."""
+
+    path = ""
+    data_address = 0
+    data_bytes = 0
+
+
+def npy_file_of(arr: np.ndarray) -> Path | None:
+    """The .npy file whose data ``arr`` is, whole and in C order, as
+    read_npy mapped it (np.load maps that file the same way); None for
+    anything else (a part of it, a copy, an array received or made)."""
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if not isinstance(base, _NpyMap) or not base.path or not arr.flags.c_contiguous \
+            or arr.ctypes.data != base.data_address or arr.nbytes != base.data_bytes:
+        return None
+    return Path(base.path)
 
 
 def size_of(dtype: np.dtype, shape, max_bytes: int, shown: str) -> int:
