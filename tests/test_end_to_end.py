@@ -44,8 +44,12 @@ def test_planted_bug_is_the_first_failing_node(services, cnn_files, tmp_path):
     assert 0 < len(detail) <= 128
     diffs = [float(r["abs_diff"]) for r in detail]
     assert diffs == sorted(diffs, reverse=True)
-    summary = json.loads((out / "summary.json").read_text())
+    text = (out / "summary.json").read_text()
+    summary = json.loads(text)
     assert summary["first_failing_node"]["node"] == "conv2"
+    # one line a node, found with grep
+    nodes = text[text.index('"nodes": [\n'):].split("\n")[1:len(summary["nodes"]) + 1]
+    assert [json.loads(line.strip().rstrip(","))["node"] for line in nodes] == [r["node"] for r in rows]
     assert summary["counts"]["compared"] == 9 and summary["counts"]["failed"] >= 1
     assert summary["parameters"]["atol"] == 0.005 and summary["parameters"]["rtol"] == 0.2
     assert summary["version"]

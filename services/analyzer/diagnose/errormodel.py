@@ -412,7 +412,7 @@ def rel_rms(err: np.ndarray, ref: np.ndarray) -> float:
     r = np.asarray(ref, np.float64).ravel()
     # two passes where every value is finite (a finite sum of squares says
     # so), the pairs sorted out only where one is not
-    num2, den2 = float(np.dot(e, e)), float(np.dot(r, r))
+    num2, den2 = float(np.einsum("i,i->", e, e)), float(np.einsum("i,i->", r, r))     # not BLAS (see evidence)
     if not (math.isfinite(num2) and math.isfinite(den2)):
         ok = np.isfinite(e) & np.isfinite(r)
         if not ok.all():

@@ -29,12 +29,12 @@ info panel.  Each file holds numbers only and can be loaded on its own.
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
 from layerdiff.analyzer.report.files import summary_number
+from layerdiff.analyzer.report.jsontext import json_text
 
 REL_ERR_FILE = "model_explorer_rel_err.json"
 COSINE_FILE = "model_explorer_cosine.json"
@@ -96,6 +96,6 @@ def write_node_data(out_dir: Path, summary: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     rel, cos = node_data(summary)
     path = out_dir / REL_ERR_FILE
-    path.write_text(json.dumps(rel, indent=1, allow_nan=False), encoding="utf-8")
-    (out_dir / COSINE_FILE).write_text(json.dumps(cos, indent=1, allow_nan=False), encoding="utf-8")
+    path.write_text(json_text(rel, allow_nan=False), encoding="utf-8")
+    (out_dir / COSINE_FILE).write_text(json_text(cos, allow_nan=False), encoding="utf-8")
     return path

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from layerdiff.analyzer.compare.node import NodeOutcome
 from layerdiff.analyzer.diagnose import verdicts as diagnose
 from layerdiff.analyzer.diagnose import weights as weights_mod
 from layerdiff.analyzer.diagnose.errormodel import Block, Budget
+from layerdiff.analyzer.report.jsontext import json_text
 from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import TensorSite
 from layerdiff.common.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
@@ -424,8 +424,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
             if s.node not in seen:
                 seen.add(s.node)
                 w.writerow([s.node, "NA", "NA"])
-    (out / "node_runtime.json").write_text(json.dumps(node_runtime, indent=1), encoding="utf-8")
-    (out / "consumer_map.json").write_text(json.dumps(consumers, indent=1), encoding="utf-8")
+    (out / "node_runtime.json").write_text(json_text(node_runtime), encoding="utf-8")
+    (out / "consumer_map.json").write_text(json_text(consumers), encoding="utf-8")
 
     first = rep.first_failing()
     comps = [r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION and not r.finding.benign]
@@ -498,7 +498,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         "nodes": [node_summary(r) for r in rows],
     }
     summary.update((sections() if callable(sections) else sections) or {})
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")
+    (out / "summary.json").write_text(json_text(summary, allow_nan=False), encoding="utf-8")
     # what a person reads: the page, and the errors to overlay on the graph
     from layerdiff.analyzer.report.explorer import write_node_data
     from layerdiff.analyzer.report.html import write_html

@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 
 from layerdiff.analyzer.align.names import Aligner
+from layerdiff.analyzer.report.jsontext import json_text
 from layerdiff.analyzer.report.perf.files import (
     op_statistic,
     write_op_statistic,
@@ -179,5 +180,5 @@ def write_perf_only(out: Path, data: PerfData, aligner: Aligner, sites, settings
         "outcome": perf_only_outcome(),
         **sections,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False), encoding="utf-8")
+    (out / "summary.json").write_text(json_text(summary, allow_nan=False), encoding="utf-8")
     return summary

@@ -1,0 +1,27 @@
+"""JSON as the reports write it: an object's keys and a list's items one to a
+line down to the second level, each written compactly below that. As easy
+to read and grep as indented JSON (a node, a tensor per line), and written
+by json's C encoder: with ``indent`` json uses its Python one, a tenth of a
+two-dump job's time for its summary."""
+from __future__ import annotations
+
+import json
+
+# levels laid out one item to a line (the summary itself, then its lists: the nodes)
+LEVELS = 2
+
+
+def json_text(obj: object, *, allow_nan: bool = True, levels: int = LEVELS) -> str:
+    """``obj`` as JSON text (see the module); ``allow_nan`` as json.dumps."""
+    return _text(obj, 0, levels, allow_nan)
+
+
+def _text(obj: object, depth: int, levels: int, allow_nan: bool) -> str:
+    if depth >= levels or not isinstance(obj, (dict, list, tuple)) or not obj:
+        return json.dumps(obj, allow_nan=allow_nan)
+    pad, inner = " " * depth, " " * (depth + 1)
+    if isinstance(obj, dict):
+        items = [f"{inner}{json.dumps(k if isinstance(k, str) else json.dumps(k))}: "
+                 f"{_text(v, depth + 1, levels, allow_nan)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    return "[\n" + ",\n".join(inner + _text(v, depth + 1, levels, allow_nan) for v in obj) + "\n" + pad + "]"
