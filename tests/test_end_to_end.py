@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 
 import numpy as np
 import onnx
@@ -187,6 +188,29 @@ def test_progress_streams_while_the_job_runs(services, cnn_files, tmp_path):
     done = [e.nodes_done for e in events if e.state == pb.COMPARING]
     assert done == sorted(done) and max(done) == 9
     assert events[-1].first_failing_node == "conv2"
+
+
+def test_progress_events_are_paced_but_never_hide_a_failing_node(tmp_path):
+    """A thousand passing nodes in a blink make a handful of events (each
+    carrying the count), while every failing node and the last one get
+    their own at once."""
+    from layerdiff.analyzer.jobs.job import PROGRESS_EVERY_S, Job
+
+    job = Job("j", pb.JobSpec(), tmp_path)
+    failing = {10, 500, 501}
+    start = time.monotonic()
+    for done in range(1, 1001):
+        job.progress(done, 1000, f"n{done}", done not in failing)
+    took = time.monotonic() - start
+    events = job.events
+    assert [e.nodes_done for e in events] == sorted(e.nodes_done for e in events)
+    assert {e.nodes_done for e in events if not e.node_passed} == failing
+    assert all(e.node == f"n{e.nodes_done}" for e in events)
+    assert events[-1].nodes_done == 1000 and events[-1].node_passed
+    assert len(events) <= len(failing) + 2 + took / PROGRESS_EVERY_S
+    time.sleep(PROGRESS_EVERY_S)
+    job.progress(1, 0, "again", True)        # a passing node after a pause: sent (total unknown)
+    assert job.events[-1].node == "again"
 
 
 def test_fp16_run_of_the_demo_model(services, tmp_path):

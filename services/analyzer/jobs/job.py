@@ -3,6 +3,7 @@ streams), what Cancel reaches, the record kept of it across restarts
 (jobs/records.py), and the exit status a failure ends it with."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
     from layerdiff.analyzer.jobs.receive import CollectorStream, InProcessStream
 
 TERMINAL = {pb.DONE, pb.FAILED, pb.CANCELLED}
+# A passing node's progress event waits until the last one is this old (s):
+# an event a node cost a tenth of a two-dump job's time (made, kept, sent
+# and read back by the client); a failing node, the last one and a change of
+# state are always sent at once.
+PROGRESS_EVERY_S = 0.1
 # What a job's record keeps of its final event.
 RECORDED_EVENT_FIELDS = ("nodes_done", "nodes_total", "message", "first_failing_node", "outcome", "exit_status")
 
@@ -39,6 +45,7 @@ class Job:
     dropped: int = 0    # events let go from the front of ``events`` (a finished job's history)
     owner: str = ""     # digest of the token that submitted it ("" on a service without tokens)
     thread: threading.Thread | None = None    # the job's own thread, while it runs here
+    progress_at: float = -math.inf        # when the last progress event was made (time.monotonic)
 
     def emit(self, state: pb.JobState.ValueType | None = None, **kw) -> None:
         with self.cond:
@@ -46,6 +53,16 @@ class Job:
                 self.state = state
             self.events.append(pb.JobEvent(job_id=self.id, state=self.state, **kw))
             self.cond.notify_all()
+
+    def progress(self, done: int, total: int, node: str, passed: bool) -> None:
+        """A node is finished: its event, where it failed, is the last one
+        or the last such event is PROGRESS_EVERY_S old; else only counted,
+        in the next event's ``nodes_done``."""
+        now = time.monotonic()
+        if passed and not 0 < total <= done and now - self.progress_at < PROGRESS_EVERY_S:
+            return
+        self.progress_at = now
+        self.emit(nodes_done=done, nodes_total=total, node=node, node_passed=passed)
 
     @property
     def done(self) -> bool:

@@ -585,7 +585,7 @@ class JobRunner:
         assembler = TensorAssembler(pool=BufferPool())
 
         def progress(done: int, node: str, passed: bool) -> None:
-            job.emit(nodes_done=done, nodes_total=total, node=node, node_passed=passed)
+            job.progress(done, total, node, passed)
 
         def references():
             while True:   # the reference runs on its own thread: a Cancel must not wait for it
