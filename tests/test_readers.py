@@ -109,6 +109,34 @@ def test_manifest_that_lies_and_hostile_entries_are_skipped(live_records, tmp_pa
     assert [r.name for r in recs if r.status == "ok"] == [n["name"] for n in nodes[6:]]
 
 
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_npy_headers_read_as_numpy_reads_them(tmp_path, version):
+    """numpy's own header layout is read without its parser; any other
+    layout still goes through it; either way the array is np.load's."""
+    import io
+
+    arrays = [np.float32(3.0), np.arange(5, dtype=np.int64), np.zeros((1, 3, 4, 2), np.float16),
+              np.asfortranarray(np.arange(12.0).reshape(3, 4)), np.array([True, False]),
+              np.zeros((2, 0, 3), np.uint8), np.arange(6, dtype=">f8").reshape(2, 3)]
+    for i, a in enumerate(arrays):
+        buf = io.BytesIO()
+        np.lib.format.write_array(buf, np.asarray(a), version=version)
+        (tmp_path / f"{i}.npy").write_bytes(buf.getvalue())
+        got, want = read_npy(tmp_path / f"{i}.npy"), np.load(tmp_path / f"{i}.npy")
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), a
+        assert got.flags.f_contiguous == want.flags.f_contiguous
+    def header(text: bytes) -> bytes:
+        text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+        return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text
+    (tmp_path / "reordered.npy").write_bytes(header(b"{'shape': (2,), 'fortran_order': False, 'descr': '<f4'}")
+                                            + np.arange(2, dtype=np.float32).tobytes())
+    assert np.array_equal(read_npy(tmp_path / "reordered.npy"), [0.0, 1.0])
+    (tmp_path / "nodtype.npy").write_bytes(header(b"{'descr': '<q9', 'fortran_order': False, 'shape': (2,), }")
+                                          + bytes(16))
+    with pytest.raises(LayerdiffError, match="corrupt .npy header"):
+        read_npy(tmp_path / "nodtype.npy")
+
+
 def test_links_out_of_the_dump_are_refused_and_links_inside_followed(tmp_path):
     from layerdiff.collector.dumps.manifest import resolve_inside
 
