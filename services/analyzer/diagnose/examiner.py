@@ -18,6 +18,7 @@ from layerdiff.analyzer.diagnose.isolation import DeviceValues, IsolationUnavail
 from layerdiff.analyzer.diagnose.verdicts import QUANT_OPS
 
 if TYPE_CHECKING:
+    from layerdiff.analyzer.compare import metrics as M
     from layerdiff.analyzer.report.files import Row
     from layerdiff.common.schema import BufferLease
 
@@ -486,10 +487,10 @@ class NodeExaminer:
                 row.clipped = _clipped(iso, dev_aligned, row.quant_step, "its re-run on its device inputs") \
                     or row.clipped
             if iso.shape == dev_aligned.shape and iso.dtype.kind == "f":
-                with np.errstate(all="ignore"):
-                    own = np.subtract(dev_aligned, iso, dtype=np.float32)
-                row.own_rel = EM.rel_rms(own, iso)
-                row.own_block = EM.worst_block(own, iso, axes if iso.ndim == 4 else "")
+                # the error the node adds itself, never made whole (a tensor's
+                # worth of memory per examined node, at the analyzer's peak)
+                row.own_rel = _own_rel(row.isolated, iso, dev_aligned)
+                row.own_block = EM.worst_blocks(None, iso, axes if iso.ndim == 4 else "", dev=dev_aligned)[0]
                 self._magnitudes(row, iso)
             # the exact mask-like values, where the error model's sample of
             # the reference saw some (a full median is a sort of the tensor)
@@ -676,6 +677,17 @@ def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout
             out.clipped = _clipped(ref, d, out.quant_step)
             out.device = d
     return out
+
+
+def _own_rel(m: M.NodeMetrics, iso: np.ndarray, dev: np.ndarray) -> float:
+    """||dev - iso|| / ||iso|| over the finite pairs (EM.rel_rms): the
+    re-run's comparison ``m`` holds it where every value is finite
+    (rel_euclidean, undefined where both are zero: rel_rms's 0 then);
+    else from the error made whole."""
+    if not (m.ref_nan + m.ref_inf + m.dev_nan + m.dev_inf):
+        return 0.0 if math.isnan(m.rel_euclidean) else m.rel_euclidean
+    with np.errstate(all="ignore"):
+        return EM.rel_rms(np.subtract(dev, iso, dtype=np.float32), iso)
 
 
 def _clipped(ref: np.ndarray, dev: np.ndarray, step: float, what: str = "the reference") -> str:
