@@ -13,7 +13,7 @@ setup:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# the versions the images install (deploy/constraints.txt): what is tested is what is deployed
 	$(BIN)/pip install -q --upgrade pip setuptools wheel -c deploy/constraints.txt
-	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev,bench,tf,torch]'
+	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev,bench,tf,torch,notebook]'
 	# The demo model ships its weights inside this wheel; its runtime
 	# dependencies are not needed because only the .onnx files are read.
 	$(BIN)/pip install -q --no-deps rapidocr-onnxruntime==1.4.4

@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 
 from layerdiff.common.errors import LayerdiffError
 
-__all__ = ["CUR_NPU_NODENAME_FILENAME", "LayerdiffError", "__version__", "compare", "onnx_dump_fmap", "run",
-           "tf_dump_fmap"]
+__all__ = ["CUR_NPU_NODENAME_FILENAME", "LayerdiffError", "__version__", "compare", "onnx_dump_fmap", "read_report",
+           "run", "tf_dump_fmap"]
 
 # The seed tool's name for the device's node list (see layerdiff.client.fmap).
 CUR_NPU_NODENAME_FILENAME = "dump_memory_nodename.log"
@@ -22,6 +22,14 @@ def run(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.cl
     from layerdiff.client.api import run as _run
 
     return _run(*args, **kwargs)
+
+
+def read_report(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.client.results.read_report
+    """A report's table (nodes by default) as a pyarrow Table or a pandas
+    DataFrame; see :func:`layerdiff.client.results.read_report`."""
+    from layerdiff.client.results import read_report as _read
+
+    return _read(*args, **kwargs)
 
 
 def compare(*args, **kwargs):  # pragma: no cover - thin re-export, see layerdiff.client.api.compare

@@ -19,7 +19,7 @@ import threading
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from layerdiff.client.cli_services import add_health, add_service, add_worker
-from layerdiff.client.cli_tools import add_convert, add_dump, add_histogram, add_overflow, add_perf_diff
+from layerdiff.client.cli_tools import add_convert, add_diff, add_dump, add_histogram, add_overflow, add_perf_diff
 from layerdiff.common.precision import NAMES as PRECISION_NAMES
 
 # gRPC's own log lines (a failed TLS handshake, a refused connection) are not
@@ -328,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert(sub)
     add_dump(sub)
     add_overflow(sub)
+    add_diff(sub)
     add_perf_diff(sub)
     add_histogram(sub)
     add_health(sub)

@@ -149,6 +149,40 @@ def _cmd_histogram(a) -> int:
 
 
 
+def add_diff(sub) -> None:
+    p = sub.add_parser("diff", help="compare two reports of the same model: a regression gate",
+                       description="Compare two reports node by node (read from their nodes.parquet): the nodes "
+                                   "whose verdict got worse or better, whose relative RMS error grew or shrank past "
+                                   "--error-factor (and past what the node may add), and those compared in one "
+                                   "report only. Exit status 1 when anything got worse, 0 when nothing did, 2 "
+                                   "when a report cannot be read, 3 when they share no tensor.")
+    p.add_argument("old", help="the earlier report (its directory)")
+    p.add_argument("new", help="the report to check")
+    p.add_argument("--error-factor", type=float, default=2.0,
+                   help="how many times larger an error must get to count (default 2)")
+    p.add_argument("--json", help="also write every change as JSON to this file")
+    p.set_defaults(func=_cmd_diff)
+
+
+def _cmd_diff(a) -> int:
+    import json
+
+    from layerdiff.client.regress import diff_reports, format_diff
+    from layerdiff.common.errors import EXIT_NO_ANSWER, LayerdiffError
+
+    if not a.error_factor >= 1.0:
+        raise LayerdiffError(f"--error-factor {a.error_factor:g} is not a factor of 1 or more", field="error_factor")
+    d = diff_reports(a.old, a.new, error_factor=a.error_factor)
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(d.as_dict(), f, indent=1)
+    if not d.common:
+        print(f"NO ANSWER: the reports share no tensor ({a.old}, {a.new}): not the same model")
+        return EXIT_NO_ANSWER
+    print(format_diff(d))
+    return 1 if d.worse else 0
+
+
 def add_perf_diff(sub) -> None:
     p = sub.add_parser("perf-diff", help="compare the performance of two runs against a baseline",
                        description="List the nodes whose time or counters changed between BASE and NEW beyond "

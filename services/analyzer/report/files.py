@@ -27,6 +27,7 @@ from layerdiff.analyzer.diagnose import verdicts as diagnose
 from layerdiff.analyzer.diagnose import weights as weights_mod
 from layerdiff.analyzer.diagnose.errormodel import Block, Budget
 from layerdiff.analyzer.report.jsontext import json_text
+from layerdiff.analyzer.report.tables import write_tables
 from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import TensorSite
 from layerdiff.common.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
@@ -400,9 +401,11 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                [(s.tensor, why) for s, why in rep.folded] +
                [(s.tensor, "not dumped by the device (not produced, or fused away where no device graph says so)")
                 for s in rep.not_dumped])
-    write_alignment(out / "alignment.csv", rep, aligner, all_sites)
+    aligned = alignment_rows(rep, aligner, all_sites)
+    write_alignment(out / "alignment.csv", aligned)
     if weights is not None:
         weights_mod.write_csv(out / "weights.csv", weights)
+    write_tables(out, rows, detail_files, aligned, weights)
     _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
     _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
     _write_log(out / "check_skip.log", rep.check_skip)
@@ -508,12 +511,14 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
 ALIGNMENT_COLUMNS = ["reference_tensor", "device_tensor", "method", "confidence", "note"]
 
 
-def write_alignment(path: Path, rep: JobReport, aligner, sites: list[TensorSite]) -> None:
-    """alignment.csv: how every reference tensor and every device tensor was
-    paired, or why not: map (map_node_dict), graph, fused, name, value;
-    "fused into" for reference tensors a device fusion covers, "folded" for
-    those the device computes as constants, "not dumped",
-    and "unmatched" device tensors with the closest reference names."""
+def alignment_rows(rep: JobReport, aligner, sites: list[TensorSite]) -> list[tuple[str, str, str, float | None, str]]:
+    """How every reference tensor and every device tensor was paired, or
+    why not (reference tensor, device tensor, method, confidence, note):
+    map (map_node_dict), graph, fused, name, value; "fused into" for
+    reference tensors a device fusion covers, "folded" for those the device
+    computes as constants, "not dumped", and "unmatched" device tensors with
+    the closest reference names. The rows of alignment.csv and
+    alignment.parquet."""
     by_value = {r["device_tensor"] for r in rep.value_pairs}
     rows = [r for r in aligner.rows() if r.get("device_tensor") not in by_value]
     # names left open (ambiguous, a near miss) are listed once, with the unmatched device tensors below
@@ -522,27 +527,30 @@ def write_alignment(path: Path, rep: JobReport, aligner, sites: list[TensorSite]
     rank = {s.tensor: s.order for s in sites}
     last = len(sites)
     decided.sort(key=lambda r: (rank.get(r.get("reference_tensor", ""), last), r.get("device_tensor", "")))
+    out: list[tuple[str, str, str, float | None, str]] = []
+    for r in decided:
+        conf = r.get("confidence")
+        out.append((r.get("reference_tensor", ""), r.get("device_tensor", ""), r.get("method", ""),
+                    None if conf is None else float(conf), r.get("note", "")))
+    out += [(s.tensor, "", "fused into", None, f"computed inside device node {dev}") for s, dev in rep.fused]
+    out += [(s.tensor, "", "folded", None, why) for s, why in rep.folded]
+    out += [(s.tensor, "", "not dumped", None, "") for s in rep.not_dumped]
+    out += [(ref, dev, "attributed", None, why) for dev, ref, why in rep.attributed]
+    for name, reason in rep.invalid_out:
+        close = aligner.closest(name.split(" (input ")[0])
+        note = "; ".join(x for x in (reason, why_open.get(name, "")) if x)
+        note += f"; closest reference names: {', '.join(close)}" if close else ""
+        out.append(("", name, "unmatched", None, note))
+    return out
+
+
+def write_alignment(path: Path, rows: list[tuple[str, str, str, float | None, str]]) -> None:
+    """alignment.csv from alignment_rows (names and notes on one line each)."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(ALIGNMENT_COLUMNS)
-        for r in decided:
-            conf = r.get("confidence")
-            w.writerow([_one_line(r.get("reference_tensor", "")), _one_line(r.get("device_tensor", "")),
-                        r.get("method", ""), "" if conf is None else f"{float(conf):.3g}",
-                        _one_line(r.get("note", ""))])
-        for s, dev in rep.fused:
-            w.writerow([_one_line(s.tensor), "", "fused into", "", _one_line(f"computed inside device node {dev}")])
-        for s, why in rep.folded:
-            w.writerow([_one_line(s.tensor), "", "folded", "", _one_line(why)])
-        for s in rep.not_dumped:
-            w.writerow([_one_line(s.tensor), "", "not dumped", "", ""])
-        for dev, ref, why in rep.attributed:
-            w.writerow([_one_line(ref), _one_line(dev), "attributed", "", _one_line(why)])
-        for name, reason in rep.invalid_out:
-            close = aligner.closest(name.split(" (input ")[0])
-            note = "; ".join(x for x in (reason, why_open.get(name, "")) if x)
-            note += f"; closest reference names: {', '.join(close)}" if close else ""
-            w.writerow(["", _one_line(name), "unmatched", "", _one_line(note)])
+        w.writerows([_one_line(ref), _one_line(dev), method, "" if conf is None else f"{conf:.3g}", _one_line(note)]
+                    for ref, dev, method, conf, note in rows)
 
 
 def _write_log(path: Path, items: list[tuple[str, str]]) -> None:

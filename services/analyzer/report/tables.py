@@ -1,0 +1,104 @@
+"""The report's tables as Parquet (common.schema.REPORT_TABLES): the same
+rows as cpu_vs_npu.csv and summary.json's nodes (nodes.parquet), the detail
+CSVs (elements.parquet), alignment.csv and weights.csv, typed. Built from
+the same rows the CSV and JSON files are written from."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from layerdiff.common.schema import ALIGNMENT_SCHEMA, ELEMENTS_SCHEMA, NODES_SCHEMA, REPORT_TABLES, WEIGHTS_SCHEMA
+
+# NodeMetrics fields under their column names (the device is "npu" in the seed's columns)
+_METRICS = {"max_abs_err": "max_abs_err", "mean_abs_err": "mean_abs_err", "max_rel_err": "max_rel_err",
+            "mean_rel_err": "mean_rel_err", "ref_mean": "ref_mean", "ref_std": "ref_std", "ref_rms": "ref_rms",
+            "max_abs_diff": "max_abs_diff", "mean_abs_diff": "mean_abs_diff", "cosine": "cosine", "mse": "mse",
+            "rmse": "rmse", "pearson": "pearson", "sqnr_db": "sqnr_db", "rel_euclidean": "rel_euclidean",
+            "kl_div": "kl_div", "rel_err_lt_0_001": "rel_err_lt_0_001", "rel_err_lt_0_005": "rel_err_lt_0_005",
+            "ref_nan": "ref_nan", "ref_inf": "ref_inf", "npu_nan": "dev_nan", "npu_inf": "dev_inf",
+            "fp16_overflow": "fp16_overflow", "npu_fp16_overflow": "dev_fp16_overflow",
+            "finite_pairs": "finite_pairs", "both_nan": "both_nan", "nonfinite_errors": "nonfinite_errors",
+            "atol": "atol", "rtol": "rtol", "errors": "errors", "total": "total",
+            "first_diff_offset": "first_mismatch_offset", "ref_value": "ref_value", "npu_value": "dev_value"}
+
+
+def node_rows(rows: list, aligned: list[tuple]) -> list[dict]:
+    """One dict a compared tensor, in NODES_SCHEMA's columns (``rows``: the
+    report's Rows in cpu_vs_npu.csv's order; ``aligned``: alignment_rows)."""
+    by_device = {dev: (method, conf) for ref, dev, method, conf, _ in aligned if dev}
+    by_ref = {ref: (method, conf) for ref, dev, method, conf, _ in aligned if ref}
+    out = []
+    for i, r in enumerate(rows):
+        m = r.outcome.metrics
+        f, b = r.finding, r.budget
+        impact = f.impact if f is not None else None
+        method, conf = by_device.get(r.device_name) or by_ref.get(r.site.tensor) or (None, None)
+        iso = r.isolated
+        d = {"index": i, "node": r.site.node, "tensor": r.site.tensor, "role": r.role,
+             "input_index": r.site.output_index if r.is_input else None, "op_type": r.site.op_type,
+             "order": r.site.order, "device_name": r.device_name, "alignment_method": method,
+             "alignment_confidence": conf, "device_dtype": r.device_dtype or None, "constant": r.is_constant,
+             "passed": not r.failed, "first_diff_index": list(m.first_mismatch_index), "shape": list(m.shape),
+             "note": r.outcome.note, "overflow": r.overflow or None,
+             "verdict": f.verdict if f is not None else None, "cause": (f.cause or None) if f is not None else None,
+             "evidence": list(f.evidence) if f is not None else [],
+             "impact_harmful": impact.harmful if impact is not None else None,
+             "impact_worst_output": (impact.worst_output or None) if impact is not None else None,
+             "impact_cosine": impact.cosine if impact is not None else None,
+             "precision": r.precision or None, "precision_from": r.precision_from or None,
+             "reduction_length": b.k if b is not None else None,
+             "explained_rel_err": b.rel if b is not None else None,
+             "allowed_rel_err": b.allowed if b is not None else None,
+             "rel_err": r.rel_err if b is not None else None, "own_rel_err": r.own_rel, "read_rel_err": r.read_rel,
+             "worst_block": r.block.where if r.block is not None else None,
+             "worst_block_rel_err": r.block.rel if r.block is not None else None,
+             "masked": r.masked if b is not None else None,
+             "isolated_errors": iso.errors if iso is not None else None,
+             "isolated_cosine": iso.cosine if iso is not None else None,
+             "isolated_mean_rel_err": iso.mean_rel_err if iso is not None else None,
+             "isolated_max_abs_diff": iso.max_abs_diff if iso is not None else None}
+        d.update((col, getattr(m, field)) for col, field in _METRICS.items())
+        out.append(d)
+    return out
+
+
+def element_rows(rows: list, detail_files: dict[str, str]) -> list[dict]:
+    """The worst elements of every failing tensor, as its detail CSV lists them."""
+    out = []
+    for r in rows:
+        fname = detail_files.get(r.label)
+        if fname is None:
+            continue
+        shape = tuple(r.outcome.metrics.shape)
+        for rank, (idx, rv, dv, ad, rd) in enumerate(r.outcome.worst):
+            out.append({"node": r.site.node, "tensor": r.site.tensor, "role": r.role,
+                        "input_index": r.site.output_index if r.is_input else None, "detail_file": fname,
+                        "rank": rank, "flat_index": int(idx),
+                        "index": [int(k) for k in np.unravel_index(int(idx), shape)] if shape else [],
+                        "std_value": float(rv), "npu_value": float(dv), "abs_diff": float(ad),
+                        "relative_diff": float(rd)})
+    return out
+
+
+def _table(rows: list[dict], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def write_tables(out: Path, rows: list, detail_files: dict[str, str], aligned: list[tuple],
+                 weights: list[dict] | None) -> None:
+    """nodes, elements, alignment and (where the graphs were aligned)
+    weights.parquet into the report directory ``out``."""
+    tables = {"nodes": _table(node_rows(rows, aligned), NODES_SCHEMA),
+              "elements": _table(element_rows(rows, detail_files), ELEMENTS_SCHEMA),
+              "alignment": _table([{"reference_tensor": ref or None, "device_tensor": dev or None, "method": method,
+                                    "confidence": conf, "note": note} for ref, dev, method, conf, note in aligned],
+                                  ALIGNMENT_SCHEMA)}
+    if weights is not None:
+        tables["weights"] = _table([{**w, "elements": w["elements"] if isinstance(w["elements"], int) else None,
+                                     "max_abs_diff": float(w["max_abs_diff"])} for w in weights], WEIGHTS_SCHEMA)
+    for name, table in tables.items():
+        pq.write_table(table, out / REPORT_TABLES[name][0], compression="zstd")
+
