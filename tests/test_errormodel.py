@@ -59,6 +59,39 @@ def test_products_stay_within_the_budget_and_the_budget_within_10x_of_them(name,
     assert observed >= b.rel / 10, (observed, b)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rho_is_its_definition_for_every_product_layout(dtype):
+    """ρ = sqrt(Σ_k (x_k w_k)² summed over the output / Σ y²), written out
+    term by term, against product_rho (which sums squares without copies)."""
+    rng = np.random.default_rng(3)
+
+    def rho_by_terms(terms: np.ndarray, y: np.ndarray) -> float:
+        return math.sqrt(float(np.sum(np.square(terms, dtype=np.float64))) / float(np.sum(np.square(y, dtype=np.float64))))
+
+    # MatMul, batched: terms[b, m, n, k] = x[b, m, k] w[k, n]
+    x = rng.standard_normal((2, 5, 6)).astype(dtype)
+    w = rng.standard_normal((6, 4)).astype(np.float32)
+    y = (x.astype(np.float64) @ w).astype(np.float32)
+    terms = x.astype(np.float64)[:, :, None, :] * w.T[None, None, :, :]
+    assert math.isclose(EM.product_rho("MatMul", x, w, y, {}), rho_by_terms(terms, y), rel_tol=1e-9)
+    # Gemm with A and B transposed, alpha: terms[m, n, k] = alpha x[k, m] w[n, k]
+    x = rng.standard_normal((6, 5)).astype(dtype)
+    w = rng.standard_normal((4, 6)).astype(np.float32)
+    y = rng.standard_normal((5, 4)).astype(np.float32)
+    terms = 0.5 * x.astype(np.float64).T[:, None, :] * w[None, :, :]
+    got = EM.product_rho("Gemm", x, w, y, {"transA": 1, "transB": 1, "alpha": 0.5})
+    assert math.isclose(got, rho_by_terms(terms, y), rel_tol=1e-9)
+    # a 1x1 grouped Conv (no border): terms[n, o, h, w, i] = x[n, g*cin+i, h, w] w[o, i]
+    x = rng.standard_normal((2, 8, 3, 3)).astype(dtype)
+    w = rng.standard_normal((4, 2, 1, 1)).astype(np.float32)
+    y = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    xs = x.astype(np.float64).reshape(2, 4, 2, 3, 3)            # groups of 2 input channels
+    terms = xs[:, :, :, :, :] * w[:, :, 0, 0][None, :, :, None, None]
+    assert math.isclose(EM.product_rho("Conv", x, w, y, {"group": 4}), rho_by_terms(terms, y), rel_tol=1e-9)
+    y[0, 0, 0, 0] = np.inf
+    assert EM.product_rho("Conv", x, w, y, {"group": 4}) is None
+
+
 @pytest.mark.parametrize("name", FLOATS)
 def test_the_model_names_its_terms(name):
     b = EM.budget("Conv", PRECISIONS[name], 3072)

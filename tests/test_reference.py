@@ -47,6 +47,27 @@ def test_segmented_reference_equals_one_full_run():
     assert seg.values == {}
 
 
+def test_room_is_made_before_each_segment_and_the_free_receive_buffers_let_go():
+    """The job's free receive buffers go before each segment is computed
+    (the largest allocation a job makes), once a segment."""
+    from layerdiff.common.schema import BufferPool
+
+    pool = BufferPool()
+    calls = []
+
+    def make_room():
+        calls.append(pool._free_bytes)
+        pool.trim()
+
+    ref = OnnxReference(small_cnn().SerializeToString())
+    seg = SegmentedReference(ref, _feeds(), budget=1, make_room=make_room)
+    pool.give(np.empty(1 << 20, np.uint8))
+    seg.ensure(0)
+    assert calls == [1 << 20] and pool._free_bytes == 0 and pool.take(1 << 20).size == 1 << 20
+    seg.ensure(len(seg.segments) - 1)
+    assert len(calls) == len(seg.segments)
+
+
 def test_values_waiting_for_the_device_go_to_disk_past_the_budget(tmp_path):
     """Asked for in reverse (the device's last tensor first), every segment
     is computed at once; past the budget the waiting values are spilled and

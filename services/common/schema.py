@@ -284,6 +284,13 @@ class BufferPool:
                 return bucket.pop()
         return np.empty(nbytes, dtype=np.uint8)
 
+    def trim(self) -> None:
+        """Let every free buffer go: a large allocation comes (the
+        reference's next segment), which they would only add to."""
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0
+
     def give(self, buf: np.ndarray | None) -> None:
         if buf is None or buf.dtype != np.uint8 or buf.ndim != 1:
             return

@@ -620,16 +620,16 @@ def product_rho(op_type: str, x: np.ndarray, w: np.ndarray, y: np.ndarray, attrs
     Padding is not counted (a Conv's border terms are over-counted), which
     errs on the side of a larger budget. None where the shapes do not fit."""
     op = aten_name(op_type)
+    x, y = np.asarray(x), np.asarray(y)
     try:
-        x2 = np.square(np.asarray(x, np.float64))
         w2 = np.square(np.asarray(w, np.float64))
-        y2 = float(np.sum(np.square(np.asarray(y, np.float64))))
+        y2 = float(_squares(y.reshape(-1), "i->"))
         if y2 <= 0.0 or not math.isfinite(y2):
             return None
-        if op in ("Conv", "FusedConv", "convolution", "Conv2d", "Conv1d") and x2.ndim >= 3 and w2.ndim == x2.ndim:
+        if op in ("Conv", "FusedConv", "convolution", "Conv2d", "Conv1d") and x.ndim >= 3 and w2.ndim == x.ndim:
             groups = int(attrs.get("group", attrs.get("groups", 1)) or 1)
             cout, cin_g = w2.shape[0], w2.shape[1]
-            xc = x2.sum(axis=tuple(a for a in range(x2.ndim) if a != 1))      # per input channel
+            xc = _squares(x.reshape(x.shape[0], x.shape[1], -1), "ncs->c")      # per input channel
             wk = w2.reshape(cout, cin_g, -1).sum(axis=2)                       # per (out, in) channel
             total = 0.0
             per_group = cout // max(groups, 1)
@@ -637,15 +637,15 @@ def product_rho(op_type: str, x: np.ndarray, w: np.ndarray, y: np.ndarray, attrs
                 total += float(np.sum(wk[g * per_group:(g + 1) * per_group] @ xc[g * cin_g:(g + 1) * cin_g]))
             positions = float(np.prod(y.shape[2:])) / max(float(np.prod(x.shape[2:])), 1.0)
             terms = total * positions * float(np.prod(w2.shape[2:])) / max(float(np.prod(w2.shape[2:])), 1.0)
-        elif op in ("MatMul", "FusedMatMul", "matmul", "mm", "bmm", "linear", "Linear") and x2.ndim >= 2:
+        elif op in ("MatMul", "FusedMatMul", "matmul", "mm", "bmm", "linear", "Linear") and x.ndim >= 2:
             wt = w2.T if op in ("linear", "Linear") and w2.ndim == 2 else w2
             if wt.ndim == 1:
                 wt = wt[:, None]
-            terms = float(np.sum(np.einsum("...k,...k->...", x2.sum(axis=-2), wt.sum(axis=-1))))
-        elif op in ("Gemm", "FusedGemm") and x2.ndim == 2 and w2.ndim == 2:
-            a = x2.T if attrs.get("transA") else x2
+            terms = float(np.sum(np.einsum("...k,...k->...", _squares(x, "...mk->...k"), wt.sum(axis=-1))))
+        elif op in ("Gemm", "FusedGemm") and x.ndim == 2 and w2.ndim == 2:
+            a = _squares(x, "km->k" if attrs.get("transA") else "mk->k")     # per k of A = x (x.T)
             b = w2.T if attrs.get("transB") else w2
-            terms = float(a.sum(axis=0) @ b.sum(axis=1)) * float(attrs.get("alpha", 1.0)) ** 2
+            terms = float(a @ b.sum(axis=1)) * float(attrs.get("alpha", 1.0)) ** 2
         else:
             return None
         if bias is not None and bias.size:
@@ -655,6 +655,14 @@ def product_rho(op_type: str, x: np.ndarray, w: np.ndarray, y: np.ndarray, attrs
     if not math.isfinite(terms) or terms <= 0.0:
         return None
     return math.sqrt(terms / y2)
+
+
+def _squares(x: np.ndarray, spec: str) -> np.ndarray:
+    """Sums of x² in float64 over what ``spec`` (einsum's, one operand)
+    sums, without a float64 copy of x (einsum casts a buffer at a time: a
+    detector's input read twice as float64 was a third of the analyzer's peak)."""
+    ins, out = spec.split("->")
+    return np.asarray(np.einsum(f"{ins},{ins}->{out}", x, x, dtype=np.float64))
 
 
 # ------------------------------------------------------------ a job's policy

@@ -333,8 +333,9 @@ class JobRunner:
         uses = {t: n + (mode == "all" or p.golden) for t, n in p.reference.input_uses().items()} \
             if mode != "output" or p.golden else None
         budget = MemoryBudget.from_env()
+        pool = BufferPool()     # the device tensors' receive buffers
         reference = SegmentedReference(p.reference, p.feeds, uses, budget=budget.reference,
-                                       spill_dir=self.workdir / SPILL_DIR / f"{job.id}.values")
+                                       spill_dir=self.workdir / SPILL_DIR / f"{job.id}.values", make_room=pool.trim)
         helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         # The first segment is computed while the collector starts producing.
         ref_future = helper.submit(reference.ensure, 0)
@@ -366,7 +367,7 @@ class JobRunner:
                         if job.cancelled.is_set():
                             executor.cancel()
                         p.settle_graph(spec.options)     # made while the collector started the device
-                        self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget)
+                        self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget, pool)
                     finally:
                         executor.close()
                         job.executor = None
@@ -581,8 +582,9 @@ class JobRunner:
                 rec.lease.release()
 
     def _consume(self, job: Job, p: Prepared, stream, ref_future: Future, executor, rep: JobReport,
-                 total: int, injected=None, budget: MemoryBudget = DEFAULT_BUDGET) -> None:
-        assembler = TensorAssembler(pool=BufferPool())
+                 total: int, injected=None, budget: MemoryBudget = DEFAULT_BUDGET,
+                 pool: BufferPool | None = None) -> None:
+        assembler = TensorAssembler(pool=pool if pool is not None else BufferPool())
 
         def progress(done: int, node: str, passed: bool) -> None:
             job.progress(done, total, node, passed)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -180,8 +180,13 @@ class SegmentedReference:
     resident passes the budget."""
 
     def __init__(self, reference, feeds: dict[str, np.ndarray], uses: dict[str, int] | None = None,
-                 budget: int | None = None, spill_dir: Path | None = None) -> None:
+                 budget: int | None = None, spill_dir: Path | None = None,
+                 make_room: Callable[[], None] | None = None) -> None:
+        """``make_room``: called before each segment is computed, to let go
+        of what the job only caches (its free receive buffers): a segment
+        is the largest allocation a job makes."""
         self.reference = reference
+        self.make_room = make_room
         self.feeds = feeds
         self.budget = MemoryBudget.from_env().reference if budget is None else budget
         chained = getattr(reference, "chainable", False)
@@ -211,6 +216,8 @@ class SegmentedReference:
         with self._lock:
             while self.computed <= min(upto, len(self.segments) - 1) and not self._closed:
                 i = self.computed
+                if self.make_room is not None:
+                    self.make_room()
                 got = self._step(i, self._carried)
                 if self._closed:     # closed while the segment ran: its values go with the rest
                     break
