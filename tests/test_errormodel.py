@@ -66,7 +66,8 @@ def test_rho_is_its_definition_for_every_product_layout(dtype):
     rng = np.random.default_rng(3)
 
     def rho_by_terms(terms: np.ndarray, y: np.ndarray) -> float:
-        return math.sqrt(float(np.sum(np.square(terms, dtype=np.float64))) / float(np.sum(np.square(y, dtype=np.float64))))
+        squares = float(np.sum(np.square(terms, dtype=np.float64)))
+        return math.sqrt(squares / float(np.sum(np.square(y, dtype=np.float64))))
 
     # MatMul, batched: terms[b, m, n, k] = x[b, m, k] w[k, n]
     x = rng.standard_normal((2, 5, 6)).astype(dtype)
