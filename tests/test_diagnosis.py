@@ -56,9 +56,26 @@ def test_wrong_weight_is_a_computation_error_at_that_conv(services, tmp_path):
     rows = _rows(out)
     assert rows["conv2"]["verdict"] == "computation error" and "conv2.weight" in rows["conv2"]["evidence"]
     assert rows["conv3"]["verdict"] == "accumulated precision error"
-    text = format_summary(s, out)
+    text = format_summary(s, out, width=100)
     assert text.splitlines()[0].startswith("VERDICT: Computation error at conv2")
     assert text.splitlines()[1].startswith("FIRST COMPUTATION ERROR: conv2")
+    # sentences wrap at the width (the table's rows excepted), the evidence kept to its first sentences
+    table = text.index("failing nodes in execution order:")
+    assert all(len(line) <= 100 for line in text[:table].splitlines()), text
+    shown = [line for line in text.splitlines() if line.startswith("  - ")]
+    assert 0 < len(shown) <= 2 and (len(first["evidence"]) <= 2 or "more in report.html" in text)
+    # the answer, the same in summary.json and the Python API
+    assert s["answer"]["node"] == "conv2" and s["answer"]["verdict"] == "computation error"
+    from layerdiff.client.follow import Answer
+
+    a = Answer.of(s)
+    assert (a.node, a.verdict, a.cause, a.status, a.exit_status) == ("conv2", "computation error",
+                                                                      first["cause"], "fail", 1)
+    assert a.evidence == tuple(first["evidence"]) and a.coverage == 1.0 and a.adequate
+    # where the first node past atol/rtol is not the answer, it is named as a detail
+    other = dict(s, first_failing_node=dict(s["first_failing_node"], node="conv1", tensor="conv1_out"))
+    assert "FIRST NODE PAST ATOL/RTOL (a detail: the answer is conv2): conv1" in \
+        format_summary(other, out, width=1000)
 
 
 def test_wrong_weight_without_device_inputs_uses_the_producers_outputs(services, tmp_path):
@@ -250,7 +267,7 @@ def test_plots_are_drawn_for_the_first_failing_nodes_only_unless_asked(services,
     assert list(s["plots"]) == [n["tensor"] for n in failing[:2]], (list(s["plots"]), failing[:3])
     assert s["plots_not_drawn"] == len(failing) - 2
     assert len(list(out.glob("*.png"))) == 2 * 3
-    assert f"{len(failing) - 2} more not (--max-plots N or all" in format_summary(s, out)
+    assert f"{len(failing) - 2} more not (--max-plots N or all" in format_summary(s, out, width=1000)
     s, out = _go(services, tmp_path / "all", small_cnn(), CNN_INPUT, device_model=small_cnn(bug_in="conv1"),
                  show_graph=True, max_plots=-1)
     assert len(s["plots"]) == len(failing) and s["plots_not_drawn"] == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -206,7 +207,8 @@ def test_chromium_renders_verdict_table_and_hostile_name_as_text(report, tmp_pat
     # first failing node, first computation error, NaN and overflow diagnosis, chart mark
     assert "First failing node, and the first computation error" in page  # one node: one card
     assert "NaN on the device only" in page and "exceeds the FP16 range" in page
-    assert 'id="first-failing-mark"' in page and "first failing: conv2" in page
+    # the chart marks the node the answer names (here also the first past atol/rtol: one mark)
+    assert 'id="answer-mark"' in page and "answer: conv2" in page and 'id="first-failing-mark"' not in page
     assert "use INT16 for this convolution" in page
     assert "re-run alone on the device's inputs" in page
 
@@ -231,6 +233,31 @@ def test_chromium_sorts_the_table_by_a_header_click(report, tmp_path, key, desce
     assert len(set(present)) > 3
     unsorted = table_rows(dom(tmp_path, path))
     assert [r[0] for r in unsorted] != [r[0] for r in rows]
+
+
+def test_the_table_scrolls_inside_a_1400_pixel_window_with_its_first_columns_kept(report, tmp_path):
+    out, summary, path = report
+    res = chromium(tmp_path, "--dump-dom", "--window-size=1400,900", path.as_uri())
+    assert res.returncode == 0, res.stderr[-2000:]
+    layout = re.search(r'data-table-layout="([a-z ]+)"', res.stdout)
+    assert layout, "the page's script did not measure the table"
+    fits, sticky, _ = layout.group(1).split()
+    assert (fits, sticky) == ("fits", "sticky")
+
+
+def test_undefined_cosines_are_drawn_apart_not_at_the_worst(tmp_path):
+    """Zero tensors (cosine undefined) are crosses in a band above the
+    plot, named as undefined; the answer's node is marked in red and the
+    first node past atol/rtol, another one, in grey."""
+    nodes = [{"node": f"n{i}", "tensor": f"t{i}", "order": i, "op_type": "Conv", "passed": i != 3,
+              "cosine": None if i in (1, 2) else 1 - 10.0 ** -(6 - i), "mean_rel_err": 0.1} for i in range(6)]
+    svg = htmlreport.chart_svg(nodes, nodes[3], answer=nodes[4])
+    assert svg.count('class="pt undefined"') == 2 and svg.count('class="pt rel"') == 4
+    band = [float(m) for m in re.findall(r'class="pt undefined" d="M[0-9.]+,([0-9.]+)', svg)]
+    tops = [float(m) for m in re.findall(r'<circle cx="[0-9.]+" cy="([0-9.]+)"', svg)]
+    assert max(band) < min(tops), "undefined points lie above the plot, not on its top"
+    assert "undefined" in svg and "answer: n4" in svg and "first past atol/rtol: n3" in svg
+    assert 'id="answer-mark"' in svg and 'stroke="#888"' in svg
 
 
 def test_chromium_failing_filter_and_screenshot(report, tmp_path):
@@ -267,7 +294,7 @@ def test_passing_job_headline_without_diagnosis(tmp_path):
     text = htmlreport.write_html(tmp_path, s).read_text(encoding="utf-8")
     assert 'class="verdict pass"' in text
     assert "All 2 compared node outputs agree" in text
-    assert "No node fails." in text
+    assert "No node is past the seed&#x27;s atol/rtol." in text and "No diagnosis in this summary." in text
 
 
 def test_explorer_node_data_covers_every_compared_node(report):

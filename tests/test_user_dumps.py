@@ -230,7 +230,7 @@ def test_a_copied_golden_dump_calls_no_node_first(world, fmt):
     failing = [n["node"] for n in s["nodes"] if not n["passed"]]
     assert sanitized(f"{BUG}_output_0") in failing and all(v["verdict"] == "no verdict" for v in s["verdicts"]
                                                            if v["node"] in failing), s["verdicts"]
-    terminal = format_summary(s, r.out)
+    terminal = format_summary(s, r.out, width=1000)
     assert "FIRST" not in terminal and "in execution order" not in terminal, terminal
     assert "execution #" not in terminal, terminal
     assert "no execution order" in terminal
@@ -302,7 +302,7 @@ def test_the_terminal_says_where_the_order_came_from(world):
     from layerdiff.client.summary_text import format_summary
 
     r = result(world, "golden", "plain", "ascend", False)
-    text = format_summary(r.summary, out)
+    text = format_summary(r.summary, out, width=1000)
     assert "FIRST COMPUTATION ERROR" in text and "order from the files' modification times" in text, text
     assert "VERDICT: Computation error at" in text
 

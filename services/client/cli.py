@@ -287,9 +287,9 @@ def _cmd_compare(a) -> int:
 
 def _show(result, listing: bool) -> int:
     """The summary `run`, `watch` and `fetch` print, and their exit status."""
-    from layerdiff.client.summary_text import format_summary
+    from layerdiff.client.summary_text import format_summary, terminal_width
 
-    print(format_summary(result.summary, result.out))
+    print(format_summary(result.summary, result.out, width=terminal_width()))
     if listing:
         from layerdiff.analyzer.report.listing import format_listing
 

@@ -21,6 +21,48 @@ from layerdiff.v1 import layerdiff_pb2 as pb
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What a job answers, as its headline words it (summary.json's
+    ``answer``): ``verdict`` is ``computation error`` (``node`` computes
+    wrongly on its own, ``cause`` and ``evidence`` say why), ``computation
+    error the outputs absorb``, ``nan in the reference``, ``no verdict`` (a
+    node that could not be judged), ``accumulated precision error`` (the
+    outputs leave their tolerance by rounding; ``node`` adds the most),
+    ``pass`` or ``no answer`` (too little compared: ``reason``)."""
+    headline: str
+    verdict: str
+    status: str                 # pass, fail, no_answer
+    exit_status: int
+    node: str | None = None
+    tensor: str | None = None
+    op_type: str | None = None
+    order: int | None = None
+    cause: str | None = None
+    evidence: tuple[str, ...] = ()
+    reason: str | None = None
+    compared: int | None = None         # coverage: reference tensors compared
+    expected: int | None = None         # of those expected
+    coverage: float | None = None       # their ratio
+    adequate: bool | None = None        # enough to answer
+
+    @classmethod
+    def of(cls, summary: dict) -> Answer:
+        a = summary.get("answer") or {}
+        outcome = summary.get("outcome") or {}
+        cov = a.get("coverage") or summary.get("coverage") or {}
+        if not a:       # a report written before summaries held the answer: its headline alone
+            return cls(headline=(summary.get("diagnosis") or {}).get("headline", ""), verdict="",
+                       status=outcome.get("status", ""), exit_status=int(outcome.get("exit_status", EXIT_NO_ANSWER)),
+                       reason=outcome.get("reason"), compared=cov.get("compared"), expected=cov.get("expected"),
+                       coverage=cov.get("ratio"), adequate=cov.get("adequate"))
+        return cls(headline=a.get("headline", ""), verdict=a.get("verdict", ""), status=a.get("status") or "",
+                   exit_status=int(a.get("exit_status", EXIT_NO_ANSWER)), node=a.get("node"), tensor=a.get("tensor"),
+                   op_type=a.get("op_type"), order=a.get("order"), cause=a.get("cause"),
+                   evidence=tuple(a.get("evidence") or ()), reason=a.get("reason"), compared=cov.get("compared"),
+                   expected=cov.get("expected"), coverage=cov.get("ratio"), adequate=cov.get("adequate"))
+
+
 @dataclass
 class RunResult:
     job_id: str
@@ -28,7 +70,17 @@ class RunResult:
     summary: dict
 
     @property
+    def answer(self) -> Answer:
+        """The job's answer: the node its headline names, why, and the
+        coverage it stands on (the same in the terminal, report.html and
+        summary.json)."""
+        return Answer.of(self.summary)
+
+    @property
     def first_failing_node(self) -> str | None:
+        """The first node past the seed's atol/rtol: a detail (rounding its
+        precision explains trips it as often as a bug), not the answer
+        (``answer.node``)."""
         f = self.summary.get("first_failing_node")
         return f["node"] if f else None
 

@@ -3,13 +3,22 @@ lines a person reads, the first failing node first.
 """
 from __future__ import annotations
 
+import shutil
+import sys
+import textwrap
 from pathlib import Path
 
+# evidence sentences the terminal shows for the answer; report.html has them all
+EVIDENCE_SHOWN = 2
 
-def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
-    """Human summary; the first failing node comes first."""
+
+def format_summary(summary: dict, out: Path | str, top: int = 10, width: int | None = None) -> str:
+    """Human summary: the answer first (the node the headline names), then
+    the coverage, the first node past the seed's tolerance (a detail), the
+    failing nodes. Sentences wrap at ``width`` (None: one line each, as a
+    pipe or a log wants them; terminal_width() gives a terminal's)."""
     c = summary["counts"]
-    lines = []
+    lines = _Wrapped(max(width, 40) if width else None)
     perf = summary.get("perf")
     if perf and perf.get("perf_mode") == "perf":
         return "\n".join(_perf_lines(summary, top) + [f"reports: {out}"])
@@ -30,8 +39,12 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
                      + ", ".join(f"{c['node']} ({c.get('op_type') or '?'})" for c in comps[:top])
                      + (f" and {len(comps) - top} more" if len(comps) > top else ""))
     elif comp:
-        lines.append(f"FIRST COMPUTATION ERROR: {comp['node']} ({_place(comp)}): "
-                     + "; ".join(comp.get("evidence") or []))
+        evidence = comp.get("evidence") or []
+        lines.append(f"FIRST COMPUTATION ERROR: {comp['node']} ({_place(comp)})" + (":" if evidence else ""))
+        for e in evidence[:EVIDENCE_SHOWN]:
+            lines.append(f"  - {e}", indent="    ")
+        if len(evidence) > EVIDENCE_SHOWN:
+            lines.append(f"  ({len(evidence) - EVIDENCE_SHOWN} more in report.html)")
     for b in (summary.get("benign_computation_errors") or [])[:top]:
         lines.append(f"BENIGN: {b['node']} ({_place(b)}, cause: {b.get('cause') or '?'}) "
                      "computes differently, but the outputs absorb it"
@@ -41,10 +54,12 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
             lines.append(f"{key.upper()}: {diagnosis[key]['text']}")
     lines.extend(_coverage_lines(summary.get("coverage")))
     first = summary.get("first_failing_node")
+    named = (summary.get("answer") or {}).get("node") or (comp or {}).get("node")
     if first:
-        # past the seed's atol/rtol: a detail, named as such where the precision explains it
+        # past the seed's atol/rtol: a detail, named as such where it is not the answer
         label = "FIRST NODE PAST ATOL/RTOL (rounding its precision explains)" if answer.get("status") == "pass" \
-            else "FIRST FAILING NODE"
+            else "FIRST FAILING NODE" if not named or named == first["node"] \
+            else f"FIRST NODE PAST ATOL/RTOL (a detail: the answer is {named})"
         if unordered:
             label = label.replace("FIRST ", "A ", 1) + " (by name: no execution order)"
         lines.append(f"{label}: {first['node']} ({_place(first, unordered)}, tensor {first['tensor']})")
@@ -64,10 +79,17 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
                         f", order from {order['from']}" if order.get("from") else "")
                      + "); device: dump "
                      f"{summary.get('dump_path')} on collector {summary.get('collector')}")
-    lines.append(f"{summary.get('model')} on {summary.get('device')} "
-                 f"({summary.get('device_precision') or summary.get('precision')}, "
-                 f"{summary.get('source')}): {c['compared']} compared, {c['failed']} failed, {c['passed']} passed, "
-                 f"{c['skipped']} skipped, {c['not_dumped']} not dumped, {c['invalid_out']} unknown device names")
+    what = f"device dump {summary.get('dump_path')}" if golden else \
+        f"{summary.get('model')} on {summary.get('device')} ({summary.get('source')})"
+    unknown = ""
+    if c["invalid_out"]:
+        names = [e["device"] for e in (summary.get("coverage") or {}).get("unmatched_examples") or []][:3]
+        unknown = (f"{c['invalid_out']} device names matching no reference tensor"
+                   + (f" ({', '.join(names)}{', ...' if c['invalid_out'] > len(names) else ''}; "
+                      "invalid_out_nodename.log says why)" if names else " (invalid_out_nodename.log)"))
+    lines.append(f"{what}, {summary.get('device_precision') or summary.get('precision')}: {c['compared']} compared, "
+                 f"{c['failed']} failed, {c['passed']} passed, {c['skipped']} skipped, {c['not_dumped']} not dumped"
+                 + (f", {unknown}" if unknown else ""))
     constants = summary.get("failing_constants") or []
     if constants:
         k = constants[0]
@@ -84,12 +106,16 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
     if failing:
         lines.append(f"{min(top, len(failing))} of {len(failing)} failing nodes by name (no execution order):"
                      if unordered else f"first {min(top, len(failing))} failing nodes in execution order:")
-        lines.append(f"  {'#':>5}  {'node':40.40}  {'op':14.14}  {'errors/total':>16}  {'max_abs_err':>11}  "
-                     f"{'cosine':>9}  verdict")
-        for n in failing[:top]:
-            lines.append(f"  {n['order']:>5}  {n['node']:40.40}  {n['op_type']:14.14}  "
+        shown = failing[:top]
+        # columns as wide as what they hold (an op type is never cut), the node's name within the width
+        op_w = max([2] + [len(n["op_type"] or "") for n in shown])
+        node_w = max(12, min(max(len(n["node"]) for n in shown), (width or 120) - op_w - 80))
+        lines.append(f"  {'#':>5}  {'node':{node_w}.{node_w}}  {'op':{op_w}}  {'errors/total':>16}  "
+                     f"{'max_abs_err':>11}  {'cosine':>9}  verdict", wrap=False)
+        for n in shown:
+            lines.append(f"  {n['order']:>5}  {n['node']:{node_w}.{node_w}}  {n['op_type'] or '':{op_w}}  "
                          f"{str(n['errors']) + '/' + str(n['total']):>16}  {_f(n['max_abs_err']):>11}  "
-                         f"{_f(n['cosine']):>9}  {n.get('verdict') or ''}")
+                         f"{_f(n['cosine']):>9}  {n.get('verdict') or ''}", wrap=False)
     drawn, left = len(summary.get("plots") or {}), summary.get("plots_not_drawn") or 0
     if left:
         lines.append(f"plots: the first {drawn} failing nodes drawn, {left} more not (--max-plots N or all draws "
@@ -100,6 +126,32 @@ def format_summary(summary: dict, out: Path | str, top: int = 10) -> str:
         lines.extend(_perf_lines(summary, top))
     lines.append(f"reports: {out}")
     return "\n".join(lines)
+
+
+class _Wrapped(list):
+    """The summary's lines, each sentence wrapped at the width (continued
+    lines indented); tables are appended with ``wrap=False``."""
+
+    def __init__(self, width: int | None) -> None:
+        super().__init__()
+        self.width = width
+
+    def append(self, line: str, indent: str = "  ", wrap: bool = True) -> None:
+        if not wrap or self.width is None or len(line) <= self.width:
+            super().append(line)
+            return
+        lead = line[:len(line) - len(line.lstrip(" "))]
+        super().append(textwrap.fill(line, self.width, initial_indent="", subsequent_indent=lead + indent,
+                                     break_long_words=False, break_on_hyphens=False))
+
+    def extend(self, lines) -> None:
+        for line in lines:
+            self.append(line)
+
+
+def terminal_width() -> int | None:
+    """The width to wrap at: the terminal's, where the output is one."""
+    return shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else None
 
 
 def _place(node: dict, unordered: bool = False) -> str:

@@ -651,6 +651,28 @@ def _unordered(comps: list, order: ExecutionOrder) -> str:
             f"order ({order.unknown}), so none is called first")
 
 
+def answer_row(first_comp, diagnosis: dict, benign: list | None = None, undecided: list | None = None,
+               spent: Spent | None = None, rows: list | None = None) -> tuple[str, Any]:
+    """(what the answer is, the row of the node it names) as ``headline``
+    words it: the first computation error that changes the outputs; else
+    NaN the reference computes; a node that could not be judged; a
+    computation error the outputs absorb; the node adding most to outputs
+    that leave their tolerance by rounding; else (``pass``) no node."""
+    if first_comp is not None:
+        return COMPUTATION, first_comp
+    nan = diagnosis.get("nan")
+    if nan and nan["where"] in ("both", "reference"):
+        row = next((r for r in rows or [] if r.site.node == nan["node"] and not r.is_input), None)
+        return "nan in the reference", row
+    if undecided:
+        return UNDECIDED, undecided[0]
+    if benign:
+        return "computation error the outputs absorb", benign[0]
+    if spent is not None:
+        return ACCUMULATED, spent.most if spent.most is not None else spent.outputs[0]
+    return "pass", None
+
+
 def headline(first_comp, first_fail, diagnosis: dict, benign: list | None = None,
              undecided: list | None = None, spent: Spent | None = None,
              order: ExecutionOrder | None = None, comps: list | None = None) -> str:

@@ -464,13 +464,14 @@ class StreamConsumer:
         p = self.p
         if self._drawer is None:
             self._drawer = PlotDrawer()
-        stem = safe_filename(row.label if row.is_input or row.site.output_index else row.site.node,
-                             self._plot_names)
+        # the file and its title name the same thing: the node (its tensor where it has several, or an input)
+        name = row.label if row.is_input or row.site.output_index else row.site.node
+        stem = safe_filename(name, self._plot_names)
 
         def draw() -> dict:
             aligned, _ = reconcile(ref, dev, True)
             return node_plots(self.report_dir, stem, ref, aligned, max_bins=p.max_bins, min_bins=p.min_bins,
-                              atol=tol.atol, rtol=tol.rtol, title=row.label)
+                              atol=tol.atol, rtol=tol.rtol, title=name)
 
         self._plots_drawn += 1
         held = lease.retain() if lease is not None else None

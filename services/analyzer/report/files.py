@@ -439,6 +439,9 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     if answer["status"] == "no_answer":
         text = f"NO ANSWER: {answer['reason']}"
     diagnosis = {"headline": text, **nan_overflow}
+    kind, named = diagnose.answer_row(first_comp, nan_overflow, benign, undecided, spent, rows)
+    if answer["status"] == "no_answer" and kind != diagnose.UNDECIDED:
+        kind, named = "no answer", None       # too little compared to name anything
     if impact is not None:
         unmeasured = [r.site.node for r in rows if r.finding and r.finding.impact is not None
                       and r.finding.impact.harmful is None]
@@ -457,6 +460,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         **job,
         "parameters": parameters,
         "outcome": answer,
+        # the answer, as the headline words it: what every view of the job names
+        "answer": _answer(text, kind, named, answer, cov),
         "coverage": cov,
         "diagnosis": diagnosis,
         # without an execution order the "first" ones are the first listed, by name (execution_order.known)
@@ -506,6 +511,22 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     write_node_data(out, summary)
     write_html(out, summary)
     return summary
+
+
+def _answer(headline: str, kind: str, row: Row | None, outcome: dict, cov: dict) -> dict:
+    """summary.json's ``answer``: the headline, what it is, the node it
+    names (with its cause and evidence), the outcome and the coverage it
+    stands on (layerdiff.client.follow.Answer reads it)."""
+    f = row.finding if row is not None else None
+    return {"headline": headline, "verdict": kind, "status": outcome.get("status"),
+            "exit_status": outcome.get("exit_status"), "reason": outcome.get("reason"),
+            "node": row.site.node if row is not None else None, "tensor": row.site.tensor if row is not None else None,
+            "op_type": row.site.op_type if row is not None else None,
+            "order": row.site.order if row is not None else None,
+            "cause": (f.cause or None) if f is not None else None,
+            "evidence": list(f.evidence) if f is not None else [],
+            "coverage": {"compared": cov.get("compared"), "expected": cov.get("expected"),
+                         "ratio": cov.get("ratio"), "adequate": cov.get("adequate")}}
 
 
 ALIGNMENT_COLUMNS = ["reference_tensor", "device_tensor", "method", "confidence", "note"]

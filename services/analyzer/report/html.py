@@ -181,6 +181,19 @@ def _failed(summary: dict) -> bool:
 
 # ------------------------------------------------------------------ pieces
 
+def _answer_node(summary: dict, nodes: list[dict]) -> dict | None:
+    """The row of the node the answer names (summary.json's ``answer``; a
+    report written before it: the first computation error)."""
+    a = _mapping(summary.get("answer"))
+    if not a:
+        comp = summary.get("first_computation_error")
+        return comp if isinstance(comp, dict) else None
+    if not a.get("node"):
+        return None
+    return next((n for n in nodes if (n.get("node"), n.get("tensor")) == (a.get("node"), a.get("tensor"))
+                 and n.get("role", "output") == "output"), None)
+
+
 def _node_card(title: str, n: object, row_of: dict, plots_of: dict, empty: str) -> str:
     if not isinstance(n, dict):
         return f'<div class="card"><h3>{esc(title)}</h3><p class="muted">{esc(empty)}</p></div>'
@@ -238,17 +251,22 @@ COS_DIST_FLOOR = 1e-12   # 1 - cosine below this (or exactly 0) is drawn at the 
 
 
 def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 340,
-              verdicts: list[dict] | None = None) -> str:
+              verdicts: list[dict] | None = None, answer: object = None) -> str:
     """Inline SVG: the cosine distance (1 - cosine, log scale) of each node
     output by execution order, so that where the error grows shows as a
     climb whatever the values' scale (a relative error is dominated by
     near-zero references); failing points filled, the first failing node
     marked by a red dashed line, computation errors marked by impact
-    (harmful: a black diamond, benign: a hollow one)."""
+    (harmful: a black diamond, benign: a hollow one). The node the answer
+    names (``answer``) is marked in red, the first node past the seed's
+    tolerance in grey where it is another. A cosine that is undefined (a
+    zero tensor) is a grey cross in a band of its own above the plot, not a
+    point at its worst."""
     pts = [n for n in nodes if n.get("role") != "input"]
     if not pts:
         return '<p class="muted">No node output was compared.</p>'
-    ml, mr, mt, mb = 70, 20, 20, 44
+    ml, mr, mt, mb = 70, 20, 34, 44
+    band = mt - 16        # the undefined ones' row
     pw, ph = width - ml - mr, height - mt - mb
     orders = [num(n.get("order")) for n in pts]
     orders = [o if math.isfinite(o) else float(i) for i, o in enumerate(orders)]
@@ -290,15 +308,21 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
     out.append(f'<text x="{ml + pw / 2}" y="{height - 6}" text-anchor="middle" class="ax">execution order</text>'
                f'<text x="14" y="{mt + ph / 2}" text-anchor="middle" class="ax rel" '
                f'transform="rotate(-90 14 {mt + ph / 2})">1 − cosine</text>')
-    if isinstance(first, dict):
-        fo = num(first.get("order"))
+    marks = []
+    if isinstance(answer, dict):
+        marks.append(("answer-mark", "#d00", "answer", answer))
+    if isinstance(first, dict) and not (isinstance(answer, dict) and first.get("node") == answer.get("node")):
+        marks.append(("first-failing-mark", "#888", "first past atol/rtol", first))
+    for i, (mark_id, color, word, n) in enumerate(marks):
+        fo = num(n.get("order"))
         if math.isfinite(fo):
             fx = X(fo)
-            out.append(f'<line id="first-failing-mark" x1="{fx:.1f}" x2="{fx:.1f}" y1="{mt}" y2="{mt + ph}" '
-                       f'stroke="#d00" stroke-width="1.5" stroke-dasharray="6 4"/>'
-                       f'<text x="{fx + 4:.1f}" y="{mt + 12}" fill="#d00" class="ax" paint-order="stroke" '
-                       f'stroke="#fff" stroke-width="3">first failing: '
-                       f'{esc(first.get("node"))}</text>')
+            out.append(f'<line id="{mark_id}" x1="{fx:.1f}" x2="{fx:.1f}" y1="{mt}" y2="{mt + ph}" '
+                       f'stroke="{color}" stroke-width="1.5" stroke-dasharray="6 4"/>'
+                       f'<text x="{fx + 4:.1f}" y="{mt + 12 + 14 * i}" fill="{color}" class="ax" paint-order="stroke" '
+                       f'stroke="#fff" stroke-width="3">{word}: {esc(n.get("node"))}</text>')
+    if any(math.isnan(d) for d in dist):
+        out.append(f'<text x="{ml - 6}" y="{band + 4}" text-anchor="end" class="ax">undefined</text>')
     seg: list[str] = []
     for o, d in zip(orders, dist):
         if math.isnan(d):
@@ -315,10 +339,15 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
         failing = n.get("passed") is False
         tip = esc(f"{n.get('order')}. {n.get('node')} [{n.get('op_type')}]: cosine {fmt(n.get('cosine'))}, "
                   f"mean rel err {fmt(n.get('mean_rel_err'))}" + (", FAIL" if failing else ""))
-        y = Y(d) if not math.isnan(d) else mt
-        fill = "#d62728" if failing else "#fff"
-        out.append(f'<circle cx="{X(o):.1f}" cy="{y:.1f}" r="3.2" class="pt rel" fill="{fill}" stroke="#d62728">'
-                   f'<title>{tip}</title></circle>')
+        if math.isnan(d):       # no cosine to draw: a cross in the band, whatever passed
+            y = band
+            out.append(f'<path class="pt undefined" d="M{X(o) - 3:.1f},{y - 3:.1f} l6,6 m0,-6 l-6,6" stroke="#888" '
+                       f'stroke-width="1.3"><title>{tip} (undefined: a zero tensor on a side)</title></path>')
+        else:
+            y = Y(d)
+            fill = "#d62728" if failing else "#fff"
+            out.append(f'<circle cx="{X(o):.1f}" cy="{y:.1f}" r="3.2" class="pt rel" fill="{fill}" '
+                       f'stroke="#d62728"><title>{tip}</title></circle>')
         if n.get("tensor") in impact:
             harmful = impact[n.get("tensor")]
             kind = "harmful" if harmful is not False else "benign"
@@ -327,8 +356,11 @@ def chart_svg(nodes: list[dict], first: object, width: int = 960, height: int = 
                        f'<title>{esc(n.get("node"))}: computation error, {kind}</title></path>')
     out.append("</svg>")
     legend = ('<p class="legend"><span class="sw rel"></span> 1 − cosine of each node output (log scale; cosine 1 '
-              'at the floor); filled points fail; ◆ a computation error that breaks the outputs, ◇ one the outputs '
-              'absorb' + ('; <span class="sw first"></span> first failing node' if isinstance(first, dict) else "")
+              'at the floor); filled points fail; × cosine undefined (a zero tensor), above the plot; ◆ a '
+              'computation error that breaks the outputs, ◇ one the outputs absorb'
+              + ('; <span class="sw first"></span> the node the answer names' if isinstance(answer, dict) else "")
+              + ('; grey: the first node past the seed\'s atol/rtol' if any(m[0] == "first-failing-mark"
+                                                                              for m in marks) else "")
               + "</p>")
     return "".join(out) + legend
 
@@ -547,20 +579,27 @@ def render(out_dir: Path, summary: dict) -> str:
     meta = " · ".join(f"{k} <b>{esc(shown.get(k))}</b>" for k in ("model", "device", "precision", "source",
                                                                      "job_id") if summary.get(k) is not None)
     comp = summary.get("first_computation_error")
-    same = isinstance(first, dict) and isinstance(comp, dict) and \
-        (first.get("node"), first.get("tensor")) == (comp.get("node"), comp.get("tensor"))
+    answer = _answer_node(summary, nodes)
+    same = isinstance(first, dict) and isinstance(answer, dict) and \
+        (first.get("node"), first.get("tensor")) == (answer.get("node"), answer.get("tensor"))
     # without an execution order no node is called first: the cards show the first by name
     unordered = _mapping(summary.get("execution_order")).get("known") is False
     first_word = "A" if unordered else "First"
+    verdict = str(_mapping(summary.get("answer")).get("verdict") or ("computation error" if comp else ""))
     if same:
-        title = "A failing node, and a computation error" if unordered else \
-            "First failing node, and the first computation error"
+        if verdict == "computation error":
+            title = "A failing node, and a computation error" if unordered else \
+                "First failing node, and the first computation error"
+        else:
+            title = f"A failing node: the answer ({verdict})" if unordered else \
+                f"The answer ({verdict}), and the first failing node"
         cards = _node_card(title, first, row_of, plots_of, "")
     else:
-        cards = (_node_card(f"{first_word} failing node", first, row_of, plots_of, "No node fails.")
-                 + _node_card(f"{first_word} computation error", comp, row_of, plots_of,
-                              "No node is diagnosed as a computation error."
-                              if "first_computation_error" in summary else "No diagnosis in this summary."))
+        cards = (_node_card(f"The answer: {verdict}" if verdict else "The answer", answer, row_of, plots_of,
+                            "No node is named: every compared node is within what its precision explains."
+                            if "first_computation_error" in summary else "No diagnosis in this summary.")
+                 + _node_card(f"{first_word} node past the seed's atol/rtol (a detail)", first, row_of, plots_of,
+                              "No node is past the seed's atol/rtol."))
     body = [
         f'<header><h1>layerdiff report</h1><p class="meta">{meta}</p></header>',
         f'<section id="verdict" class="verdict {_verdict_class(summary, failed)}">{esc(headline(summary))}'
@@ -568,7 +607,7 @@ def render(out_dir: Path, summary: dict) -> str:
         f'<section id="first"><div class="cards">{cards}</div></section>',
         _diagnosis(summary),
         f'<section id="chart"><h2>Error along the graph</h2>'
-        f'{chart_svg(nodes, first, verdicts=summary.get("verdicts"))}</section>',
+        f'{chart_svg(nodes, first, verdicts=summary.get("verdicts"), answer=answer)}</section>',
         f'<section id="table"><h2>Every compared tensor ({len(nodes)})</h2>{_table(nodes, first_key)}</section>',
         _verdicts(summary, row_of, detail_files),
         plots_html,

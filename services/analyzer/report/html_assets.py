@@ -21,11 +21,18 @@ table.kv th{text-align:left;font-weight:normal;color:#555;padding-right:12px;ver
 table.kv td{word-break:break-all}
 .diag{background:#fff8e1;border-left:5px solid #f9a825;padding:8px 14px;margin:8px 0}
 .scroll{overflow-x:auto}
+/* the node table scrolls inside the window, both ways: its header and first two columns stay */
+#table .scroll{overflow:auto;max-height:80vh;max-width:100%}
+#nodes th:nth-child(-n+2),#nodes td:nth-child(-n+2){position:sticky;z-index:1;background:#fff}
+#nodes th:nth-child(1),#nodes td:nth-child(1){left:0;box-sizing:border-box;width:4.5em;min-width:4.5em;max-width:4.5em}
+#nodes th:nth-child(2),#nodes td:nth-child(2){left:4.5em}
+#nodes th:nth-child(-n+2){z-index:3}
 table.grid{border-collapse:collapse;background:#fff;font-size:13px}
 table.grid th,table.grid td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
 #nodes td{white-space:nowrap}#nodes td.wrap{white-space:normal;min-width:160px;max-width:420px;overflow-wrap:anywhere}
 #verdicts td{max-width:520px;overflow-wrap:anywhere}
-#nodes th{cursor:pointer;user-select:none;background:#f0f0f0;position:sticky;top:0;white-space:nowrap}
+#nodes th{cursor:pointer;user-select:none;background:#f0f0f0;position:sticky;top:0;white-space:nowrap;z-index:2}
+#nodes th:nth-child(-n+2){background:#f0f0f0}
 #nodes th[aria-sort=ascending]::after{content:" ▲"}#nodes th[aria-sort=descending]::after{content:" ▼"}
 #nodes tr.fail td{background:#fff0f0}#nodes tr.first td{background:#ffd6d6;font-weight:600}
 #nodes tr.input td{font-style:italic}
@@ -87,6 +94,13 @@ SCRIPT = r"""
       if(th){th.click();if(m[1]){th.click();}}
     }
   });
+  if(table){    // how the table lies in the window, for whoever checks the page's layout
+    var sc=table.parentNode,row=table.tBodies[0].rows[0];
+    var fits=sc.getBoundingClientRect().right<=document.documentElement.clientWidth+1;
+    var stuck=row?getComputedStyle(row.cells[1]).position==='sticky':false;
+    document.documentElement.setAttribute('data-table-layout',(fits?'fits':'wider')+' '+(stuck?'sticky':'flat')
+      +' '+(sc.scrollWidth>sc.clientWidth?'scrolls':'whole'));
+  }
   document.documentElement.setAttribute('data-ready','1');
 })();
 """
