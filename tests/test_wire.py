@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.service import CollectorClient, CollectorServer
@@ -96,3 +98,62 @@ def test_cut_stream_reports_the_incomplete_tensor():
     asm.feed(_batch(data=b"\0" * 8))
     out = asm.finish()
     assert out[0].status == "error" and "8 of 16 bytes" in out[0].message
+
+
+# ------------------------------------------------------------ Arrow columns
+
+_VALUES = {
+    "float64": st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+    "int64": st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
+    "int32": st.one_of(st.none(), st.integers(-2**31, 2**31 - 1)),
+    "bool": st.one_of(st.none(), st.booleans()),
+    "string": st.one_of(st.none(), st.text(max_size=8)),
+    "list<int64>": st.one_of(st.none(), st.lists(st.integers(-2**63, 2**63 - 1), max_size=4)),
+    "list<string>": st.one_of(st.none(), st.lists(st.text(max_size=4), max_size=3)),
+}
+_TYPES = {"float64": pa.float64(), "int64": pa.int64(), "int32": pa.int32(), "bool": pa.bool_(), "string": pa.string(),
+          "list<int64>": pa.list_(pa.int64()), "list<string>": pa.list_(pa.string())}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), kind=st.sampled_from(sorted(_TYPES)))
+def test_columns_built_from_buffers_are_what_pyarrow_builds(data, kind):
+    """schema.column (no pandas probe) gives pa.array's array: values,
+    nulls, NaN kept a value, nested lists."""
+    from layerdiff.common.schema import column
+
+    values = data.draw(st.lists(_VALUES[kind], max_size=12))
+    mine, ref = column(values, _TYPES[kind]), pa.array(values, _TYPES[kind])
+    mine.validate(full=True)
+    assert mine.type == ref.type and len(mine) == len(ref) and mine.null_count == ref.null_count
+    assert mine.equals(ref) or all(a == b or (a != a and b != b) for a, b in zip(mine.to_pylist(), ref.to_pylist()))
+
+
+def test_sending_tensors_and_writing_report_tables_never_import_pandas(tmp_path):
+    """pa.array imports pandas where it is installed (a third of a second
+    and tens of MB in every process): batches on the wire, heartbeats and a
+    report's tables are built without it."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import numpy as np
+from layerdiff.common.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder, empty_batch, REPORT_TABLES
+from layerdiff.common.perfschema import PerfEncoder, PerfRecord
+enc = RecordEncoder(1 << 16)
+batches = enc.add(NodeRecord(name="a", array=np.arange(40000, dtype=np.float32))) + [enc.flush()]
+empty_batch(TENSOR_SCHEMA)
+perf = PerfEncoder()
+perf.add(PerfRecord(name="a", op_type="Conv", counters={{"c": 1}}, extra={{"x": "y"}}))
+perf.flush()
+import pyarrow.parquet as pq
+from layerdiff.analyzer.report.tables import _table
+name, schema = REPORT_TABLES["alignment"]
+pq.write_table(_table([{{"reference_tensor": "r", "device_tensor": None, "method": "name", "confidence": 1.0,
+                         "note": ""}}], schema), {str(tmp_path)!r} + "/" + name)
+print("pandas" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

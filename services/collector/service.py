@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -441,7 +442,7 @@ class CollectorClient:
                 piece = pa.py_buffer(view[off:off + chunk_bytes])
                 batch = pa.RecordBatch.from_arrays(
                     [pa.Array.from_buffers(pa.binary(), 1, [None, pa.py_buffer(
-                        pa.array([0, piece.size], pa.int32()).buffers()[1]), piece])], schema=ARTIFACT_SCHEMA)
+                        np.array([0, piece.size], np.int32)), piece])], schema=ARTIFACT_SCHEMA)
                 if off == 0:
                     writer.write_with_metadata(batch, pa.py_buffer(str(len(data)).encode()))
                 else:

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from layerdiff.common.schema import empty_batch
+
 log = logging.getLogger(__name__)
 
 QUEUE_BYTES = 64 * 1024**2
@@ -145,7 +147,7 @@ class OutgoingStream:
 
     # ------------------------------------------------------------------ send
     def _send(self):
-        heartbeat = pa.RecordBatch.from_pylist([], schema=self.schema)
+        heartbeat = empty_batch(self.schema)
         encoder = self._encoder()
         try:
             while True:

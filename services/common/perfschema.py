@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from layerdiff.common.schema import column
+
 # The per-node counters of the seed's op_perf.csv (5.8.2.3), in its order.
 COUNTER_COLUMNS = (
     "mcu_cycle", "vme_cycle", "mme_cycle", "vec_cycle", "syn_cycle", "mte_total_cycle",
@@ -97,29 +99,18 @@ def shapes_json(shapes: list) -> str:
     return json.dumps(shapes, separators=(",", ":")) if shapes else ""
 
 
-def _map(dicts: list[dict], value_type: pa.DataType) -> pa.Array:
-    offsets = [0]
-    keys: list = []
-    values: list = []
-    for d in dicts:
-        keys.extend(d.keys())
-        values.extend(d.values())
-        offsets.append(len(keys))
-    return pa.MapArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(keys, pa.string()),
-                                   pa.array(values, value_type))
-
-
 def _batch(recs: list[PerfRecord]) -> pa.RecordBatch:
     # Column by column: several times faster than row dictionaries for the
     # tens of counters every row carries.
     def col(attr, typ):
-        return pa.array([getattr(r, attr) for r in recs], typ)
+        return column([getattr(r, attr) for r in recs], typ)
 
     return pa.RecordBatch.from_arrays([
         col("name", pa.string()), col("op_type", pa.string()), col("order", pa.int32()), col("run", pa.int32()),
         col("stream", pa.string()), col("provider", pa.string()), col("start_us", pa.float64()),
         col("dur_us", pa.float64()), col("input_shapes", pa.string()), col("output_shapes", pa.string()),
-        _map([r.counters for r in recs], pa.int64()), _map([r.extra for r in recs], pa.string()),
+        column([r.counters for r in recs], PERF_SCHEMA.field("counters").type),
+        column([r.extra for r in recs], PERF_SCHEMA.field("extra").type),
         col("status", pa.string()), col("message", pa.string()), col("source", pa.string()),
     ], schema=PERF_SCHEMA)
 

@@ -10,7 +10,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from layerdiff.common.schema import ALIGNMENT_SCHEMA, ELEMENTS_SCHEMA, NODES_SCHEMA, REPORT_TABLES, WEIGHTS_SCHEMA
+from layerdiff.common.schema import (
+    ALIGNMENT_SCHEMA,
+    ELEMENTS_SCHEMA,
+    NODES_SCHEMA,
+    REPORT_TABLES,
+    WEIGHTS_SCHEMA,
+    column,
+)
 
 # NodeMetrics fields under their column names (the device is "npu" in the seed's columns)
 _METRICS = {"max_abs_err": "max_abs_err", "mean_abs_err": "mean_abs_err", "max_rel_err": "max_rel_err",
@@ -94,7 +101,11 @@ def element_columns(rows: list, detail_files: dict[str, str]) -> dict[str, list]
 
 
 def _table(rows: list[dict], schema: pa.Schema) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=schema)
+    return _from_columns({f.name: [r.get(f.name) for r in rows] for f in schema}, schema)
+
+
+def _from_columns(cols: dict[str, list], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_arrays([column(cols[f.name], f.type) for f in schema], schema=schema)
 
 
 def write_tables(out: Path, rows: list, detail_files: dict[str, str], aligned: list[tuple],
@@ -102,7 +113,7 @@ def write_tables(out: Path, rows: list, detail_files: dict[str, str], aligned: l
     """nodes, elements, alignment and (where the graphs were aligned)
     weights.parquet into the report directory ``out``."""
     tables = {"nodes": _table(node_rows(rows, aligned), NODES_SCHEMA),
-              "elements": pa.Table.from_pydict(element_columns(rows, detail_files), schema=ELEMENTS_SCHEMA),
+              "elements": _from_columns(element_columns(rows, detail_files), ELEMENTS_SCHEMA),
               "alignment": _table([{"reference_tensor": ref or None, "device_tensor": dev or None, "method": method,
                                     "confidence": conf, "note": note} for ref, dev, method, conf, note in aligned],
                                   ALIGNMENT_SCHEMA)}
