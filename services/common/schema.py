@@ -171,37 +171,37 @@ def column(values: list | tuple, typ: pa.DataType) -> pa.Array:
     """An Arrow array of ``typ`` from Python values (None: null): string,
     binary, bool, ints, floats (NaN stays a value), lists of those, and
     maps from dicts."""
+    values = values if isinstance(values, list) else list(values)
     n = len(values)
-    valid = np.fromiter((v is not None for v in values), dtype=bool, count=n)
-    nulls = n - int(np.count_nonzero(valid))
-    vbuf = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
-    if pa.types.is_string(typ) or pa.types.is_binary(typ):
-        parts = [b"" if v is None else v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
-        offsets = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(np.fromiter((len(x) for x in parts), dtype=np.int64, count=n), out=offsets[1:])
-        return pa.Array.from_buffers(typ, n, [vbuf, pa.py_buffer(offsets), pa.py_buffer(b"".join(parts))],
-                                     null_count=nulls)
+    nulls = values.count(None) if n else 0
+    vbuf = pa.py_buffer(np.packbits(np.array([v is not None for v in values], dtype=bool), bitorder="little")) \
+        if nulls else None
     if pa.types.is_map(typ):       # dicts (None: an empty one)
-        offsets = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(np.fromiter((len(v or ()) for v in values), dtype=np.int64, count=n), out=offsets[1:])
-        return pa.MapArray.from_arrays(pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(offsets)]),
+        return pa.MapArray.from_arrays(_offsets([len(v or ()) for v in values]),
                                        column([k for v in values for k in (v or {})], typ.key_type),
                                        column([x for v in values for x in (v or {}).values()], typ.item_type))
+    if pa.types.is_string(typ) or pa.types.is_binary(typ):
+        parts = [b"" if v is None else v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
+        return pa.Array.from_buffers(typ, n, [vbuf, _offsets(list(map(len, parts))).buffers()[1],
+                                              pa.py_buffer(b"".join(parts))], null_count=nulls)
     if pa.types.is_list(typ):
-        offsets = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(np.fromiter((0 if v is None else len(v) for v in values), dtype=np.int64, count=n),
-                  out=offsets[1:])
         child = column([x for v in values if v is not None for x in v], typ.value_type)
-        return pa.Array.from_buffers(typ, n, [vbuf, pa.py_buffer(offsets)], null_count=nulls, children=[child])
+        offsets = _offsets([0 if v is None else len(v) for v in values])
+        return pa.Array.from_buffers(typ, n, [vbuf, offsets.buffers()[1]], null_count=nulls, children=[child])
+    plain = values if not nulls else [(False if pa.types.is_boolean(typ) else 0) if v is None else v for v in values]
     if pa.types.is_boolean(typ):
-        bits = np.fromiter((bool(v) for v in values if True), dtype=bool, count=n) if not nulls else \
-            np.fromiter((bool(v) if v is not None else False for v in values), dtype=bool, count=n)
-        return pa.Array.from_buffers(typ, n, [vbuf, pa.py_buffer(np.packbits(bits, bitorder="little"))],
-                                     null_count=nulls)
-    dtype = np.dtype(typ.to_pandas_dtype())
-    data = np.fromiter((0 if v is None else v for v in values), dtype=dtype, count=n) if nulls else \
-        np.fromiter(values, dtype=dtype, count=n)
-    return pa.Array.from_buffers(typ, n, [vbuf, pa.py_buffer(data)], null_count=nulls)
+        data = pa.py_buffer(np.packbits(np.array(plain, dtype=bool), bitorder="little"))
+    else:
+        data = pa.py_buffer(np.array(plain, dtype=np.dtype(typ.to_pandas_dtype())))
+    return pa.Array.from_buffers(typ, n, [vbuf, data], null_count=nulls)
+
+
+def _offsets(lengths: list[int]) -> pa.Array:
+    """int32 offsets (n + 1 of them) of runs of these lengths."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    if lengths:
+        np.cumsum(np.array(lengths, dtype=np.int64), out=offsets[1:])
+    return pa.Array.from_buffers(pa.int32(), len(offsets), [None, pa.py_buffer(offsets)])
 
 
 def empty_batch(schema: pa.Schema) -> pa.RecordBatch:
