@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SHELL := /bin/bash
 
-.PHONY: setup stubs kernels test lint demo bench clean
+.PHONY: setup stubs kernels test lint docs demo bench clean
 
 setup:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
@@ -38,8 +38,14 @@ stubs:
 
 # Test modules run side by side on the cores (pytest-xdist), each module in
 # one process so that its fixtures are built once.
-test: lint kernels
+test: lint kernels docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadfile tests
+
+# The manual (docs/, MkDocs) built strictly: a broken link or anchor fails it;
+# its reference page is generated from the program and must be up to date.
+docs:
+	$(BIN)/python docs/gen_reference.py --check
+	$(BIN)/mkdocs build --strict --site-dir build/site 2>&1 | { grep -v '^INFO' || true; }; test $${PIPESTATUS[0]} -eq 0
 
 # mypy reads the package as it imports: layerdiff is src/layerdiff (services/,
 # with the generated stubs linked in).
