@@ -50,7 +50,7 @@ docs:
 # mypy reads the package as it imports: layerdiff is src/layerdiff (services/,
 # with the generated stubs linked in).
 lint:
-	$(BIN)/ruff check services tests bench
+	$(BIN)/ruff check services tests bench docs
 	MYPYPATH=src $(BIN)/mypy --config-file pyproject.toml
 
 demo:

@@ -74,7 +74,7 @@ def render() -> str:
     lines += ["", "## Report tables", "",
               f"Schema version {REPORT_SCHEMA_VERSION}. Each file's columns, as its schema documents them "
               "(`layerdiff.read_report` reads them; see [Reports](reports.md)).", ""]
-    for table, (fname, schema) in REPORT_TABLES.items():
+    for fname, schema in REPORT_TABLES.values():
         lines += [f"### `{fname}`", "", "| column | type | meaning |", "| --- | --- | --- |"]
         lines += [f"| `{f.name}` | {_cell(f.type)} | {_cell((f.metadata or {}).get(b'doc', b'').decode())} |"
                   for f in schema]

@@ -188,6 +188,7 @@ def test_cli_takes_a_savedmodel_directory_and_a_device_model(services, nets, tmp
     assert text.startswith(f"VERDICT: Computation error at tiny_1/{BUGGY_LAYER}_1/convolution (Conv2D")
     assert f"FIRST FAILING NODE: tiny_1/{BUGGY_LAYER}_1/convolution (Conv2D" in text
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "ref_savedmodel.tar"
+    assert "ref_savedmodel (SavedModel) on cpu" in text and "savedmodel.tar" not in text   # the directory given
 
 
 # ------------------------------------------------------------------ bad input

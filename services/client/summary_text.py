@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from layerdiff.common.tf.format import shown_model
+
 # evidence sentences the terminal shows for the answer; report.html has them all
 EVIDENCE_SHOWN = 2
 
@@ -80,7 +82,7 @@ def format_summary(summary: dict, out: Path | str, top: int = 10, width: int | N
                      + "); device: dump "
                      f"{summary.get('dump_path')} on collector {summary.get('collector')}")
     what = f"device dump {summary.get('dump_path')}" if golden else \
-        f"{summary.get('model')} on {summary.get('device')} ({summary.get('source')})"
+        f"{shown_model(summary.get('model'))} on {summary.get('device')} ({summary.get('source')})"
     unknown = ""
     if c["invalid_out"]:
         names = [e["device"] for e in (summary.get("coverage") or {}).get("unmatched_examples") or []][:3]

@@ -49,6 +49,7 @@ from urllib.parse import quote
 from layerdiff import __version__
 from layerdiff.analyzer.report.files import summary_number as num
 from layerdiff.analyzer.report.html_assets import CSS, SCRIPT
+from layerdiff.common.tf.format import shown_model
 
 MAX_PLOT_BYTES = 16 << 20
 # The plots of the first failing nodes (in execution order) are embedded; a
@@ -575,7 +576,8 @@ def render(out_dir: Path, summary: dict) -> str:
     plots_html, plots_of = _plots(out_dir, summary, nodes)
     nonce = secrets.token_urlsafe(18)
     failed = _failed(summary)
-    shown = dict(summary, precision=summary.get("device_precision") or summary.get("precision"))
+    shown = dict(summary, precision=summary.get("device_precision") or summary.get("precision"),
+                 model=shown_model(summary.get("model")) if summary.get("model") is not None else None)
     meta = " · ".join(f"{k} <b>{esc(shown.get(k))}</b>" for k in ("model", "device", "precision", "source",
                                                                      "job_id") if summary.get(k) is not None)
     comp = summary.get("first_computation_error")

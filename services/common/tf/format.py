@@ -52,6 +52,16 @@ def model_format(name: str, data: bytes) -> str:
     return FORMAT_ONNX
 
 
+def shown_model(name: str | None) -> str:
+    """A model as a person names it: a SavedModel travels as a tar archive
+    (a directory is packed into ``NAME.tar``), shown as ``NAME (SavedModel)``."""
+    name = name or ""
+    for ext in (".tar.gz", ".tgz", ".tar"):
+        if name.lower().endswith(ext) and len(name) > len(ext):
+            return f"{name[:-len(ext)]} (SavedModel)"
+    return name
+
+
 def is_tensorflow(name: str, data: bytes) -> bool:
     return model_format(name, data) in TF_FORMATS
 
