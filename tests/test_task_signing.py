@@ -268,24 +268,34 @@ def _forged(msg: dict, variant: str) -> tuple[dict, str]:
     body = base64.b64decode(msg["body"]).decode()
     assert msg["content-type"] == SIGNED_CONTENT_TYPE and body.startswith('{"hmac-sha256":"')
     data = body[body.index('"data":') + len('"data":'):-1]
+    task = TASK
     if variant == "unsigned":
         ctype, new = "application/json", data                     # what a plain JSON Celery client sends
     elif variant == "other secret":
         ctype, new = SIGNED_CONTENT_TYPE, sign(json.loads(data), OTHER.encode())
-    else:   # "altered": the signature kept, the data changed (one more item for the job)
+    elif variant == "altered":   # the signature kept, the data changed (one more item for the job)
         args, kwargs, embed = json.loads(data)
         args[1].append({"id": 99})
         ctype, new = SIGNED_CONTENT_TYPE, body.replace(data, json.dumps([args, kwargs, embed]))
+    elif variant in ("raw data", "raw text"):   # kombu hands these over undecoded: Celery failed to unpack them
+        ctype, new = {"raw data": "application/data", "raw text": "application/text"}[variant], body
+    elif variant == "other task":   # the signed body kept, run as one of Celery's built-in tasks
+        ctype, new, task = SIGNED_CONTENT_TYPE, body, "celery.accumulate"
+    elif variant == "malformed":    # signed with the right secret, but not [args, kwargs, embed]
+        ctype, new = SIGNED_CONTENT_TYPE, sign({"args": "not celery's"}, SECRET.encode())
+    else:   # "huge": a body past what a task holds
+        ctype, new = SIGNED_CONTENT_TYPE, sign([["x" * (2 << 20), []], {}, {}], SECRET.encode())
     task_id = str(uuid.uuid4())
     forged = dict(msg, body=base64.b64encode(new.encode()).decode())
     forged["content-type"] = ctype
-    forged["headers"] = dict(msg["headers"], id=task_id, root_id=task_id)
+    forged["headers"] = dict(msg["headers"], id=task_id, root_id=task_id, task=task)
     forged["properties"] = dict(msg["properties"], correlation_id=task_id, delivery_tag=str(uuid.uuid4()),
                                 delivery_info={"exchange": "", "routing_key": QUEUE})
     return forged, task_id
 
 
-@pytest.mark.parametrize("variant", ["unsigned", "other secret", "altered"])
+@pytest.mark.parametrize("variant", ["unsigned", "other secret", "altered", "raw data", "raw text", "other task",
+                                     "malformed", "huge"])
 def test_an_injected_message_is_rejected_and_the_worker_goes_on(signed, variant):
     app, worker = signed["app"], signed["worker"]
     r = signed["redis"].client()
@@ -312,7 +322,11 @@ def test_an_injected_message_is_rejected_and_the_worker_goes_on(signed, variant)
         assert c.get(f"celery-task-meta-{task_id}") is None
     lines = [ln for ln in worker.text().splitlines() if task_id in ln]
     assert len(lines) == 1 and REJECTED in lines[0], lines
-    want = {"unsigned": "unsigned", "other secret": "bad signature", "altered": "bad signature"}[variant]
+    want = {"unsigned": "content type 'application/json' not accepted", "other secret": "bad signature",
+            "altered": "bad signature", "raw data": "content type 'application/data' not accepted",
+            "raw text": "content type 'application/text' not accepted",
+            "other task": "not a layerdiff task ('celery.accumulate')", "malformed": "malformed body",
+            "huge": "over the 1048576 a task holds"}[variant]
     assert want in lines[0]
     assert "Traceback" not in worker.text() and worker.proc.poll() is None
 

@@ -46,6 +46,7 @@ from celery.worker.consumer.consumer import Consumer
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import register
 from kombu.utils import json as kjson
+from vine import promise
 
 from layerdiff.analyzer.execute.store import mask_url, redis_connection, url_host
 from layerdiff.common.errors import LayerdiffError
@@ -160,23 +161,68 @@ def _one_line(value, most: int = 120) -> str:
     return repr(text if len(text) <= most else text[:most - 3] + "...")
 
 
-def _rejected(message, exc: BaseException) -> None:
-    """One log line for a message this worker will not run, saying why."""
+def _reason(exc: BaseException) -> str:
+    """Why a message that raised ``exc`` on its way in is not run."""
     cause = exc.args[0] if isinstance(exc, DecodeError) and exc.args else exc
     if isinstance(cause, SignatureError):
-        reason = str(cause)
-    elif isinstance(cause, ContentDisallowed) and _secret is not None:
-        reason = "unsigned (this worker accepts only messages signed with its task secret)"
-    elif isinstance(cause, ContentDisallowed):
-        reason = (f"content type not accepted (this worker has no task secret; a signed message needs "
-                  f"{SECRET_FILE_ENV} or {SECRET_ENV})")
-    else:
-        reason = f"undecodable ({type(cause).__name__}: {_one_line(cause)})"
-    headers = message.headers if isinstance(getattr(message, "headers", None), dict) else {}
+        return str(cause)
+    if isinstance(cause, ContentDisallowed) and _secret is not None:
+        return "unsigned (this worker accepts only messages signed with its task secret)"
+    if isinstance(cause, ContentDisallowed):
+        return (f"content type not accepted (this worker has no task secret; a signed message needs "
+                f"{SECRET_FILE_ENV} or {SECRET_ENV})")
+    return f"undecodable ({type(cause).__name__}: {_one_line(cause)})"
+
+
+def _rejected(message, exc: BaseException | str) -> None:
+    """One log line for a message this worker will not run, saying why."""
+    reason = exc if isinstance(exc, str) else _reason(exc)
+    headers = getattr(message, "headers", None)
+    headers = headers if isinstance(headers, dict) else {}
     kind = "task message" if "task" in headers else "message"
     log.error("rejected a %s, not run: %s (task %s, id %s, content type %s)", kind, reason,
               _one_line(headers.get("task", "-")), _one_line(headers.get("id", "-")),
               _one_line(getattr(message, "content_type", "-")))
+
+
+# a task body at most (a batch of tensor keys and tolerances: a few kB)
+MAX_BODY_BYTES = 1 << 20
+
+
+def inadmissible(headers, content_type, body, signed: bool) -> str:
+    """Why a message may not run here ('' where it may): it must name the
+    one layerdiff task, come in the one content type this worker accepts
+    (the signed one where it has a secret, else JSON), decode by this
+    module's own code (the signature checked first) and hold Celery's
+    [args, kwargs, embed]. Whatever kombu would hand over raw
+    (application/data, application/text), a body Celery cannot unpack,
+    another task's name (celery.accumulate on signed arguments): refused
+    here, before Celery unpacks anything."""
+    if not isinstance(headers, dict):
+        return "no headers"
+    task = headers.get("task")
+    if task != TASK:
+        return f"not a layerdiff task ({_one_line(task)})"
+    want = SIGNED_CONTENT_TYPE if signed else "application/json"
+    if content_type != want:
+        return (f"content type {_one_line(content_type)} not accepted (this worker takes {want} only"
+                + (")" if signed else "; a signed message needs a task secret)"))
+    raw = body if isinstance(body, (bytes, bytearray, memoryview, str)) else None
+    if raw is None:
+        return "no body"
+    if len(raw) > MAX_BODY_BYTES:
+        return f"a body of {len(raw)} bytes, over the {MAX_BODY_BYTES} a task holds"
+    try:
+        payload = verify(raw, _secret) if signed else kjson.loads(bytes(raw).decode("utf-8")
+                                                                     if not isinstance(raw, str) else raw)
+    except SignatureError as e:
+        return str(e)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"undecodable ({type(e).__name__}: {_one_line(e)})"
+    if not (isinstance(payload, (list, tuple)) and len(payload) == 3 and isinstance(payload[0], (list, tuple))
+            and isinstance(payload[1], dict) and isinstance(payload[2], dict)):
+        return "malformed body (not Celery's [args, kwargs, embed])"
+    return ""
 
 
 class RejectingConsumer(Consumer):
@@ -185,6 +231,31 @@ class RejectingConsumer(Consumer):
     type it does not accept) is logged as one line, without a traceback or
     the body, and acknowledged, so that it is neither run nor delivered
     again; the consumer goes on with the next message."""
+
+    def create_task_handler(self, promise=promise):
+        """Celery's handler of task messages, behind this worker's own
+        check (``inadmissible``): a message that fails it is logged as one
+        line and acknowledged, and anything raised on the way in is too, so
+        that no message ever stops the worker (a body Celery could not
+        unpack used to end it, and every restarted worker after it)."""
+        handle = super().create_task_handler(promise)
+        signed = self.app.conf.task_serializer == SIGNED
+
+        def on_task_received(message):
+            why = inadmissible(getattr(message, "headers", None), getattr(message, "content_type", None),
+                               getattr(message, "body", None), signed)
+            if why:
+                _rejected(message, why)
+                message.ack_log_error(log, self.connection_errors)
+                return None
+            try:
+                return handle(message)
+            except Exception as exc:  # whatever a message makes Celery raise: logged, never the worker's end
+                _rejected(message, exc)
+                message.ack_log_error(log, self.connection_errors)
+                return None
+
+        return on_task_received
 
     def on_decode_error(self, message, exc):
         _rejected(message, exc)
