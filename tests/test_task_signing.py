@@ -348,6 +348,37 @@ def test_an_unsigned_worker_refuses_a_broker_off_loopback(scratch):
     assert out.returncode == 2 and str(scratch / "none") in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("url,loopback", [
+    ("redis://192.0.2.1:6379/0#@127.0.0.1", False),     # the clients ignore the fragment: 192.0.2.1
+    ("redis://user@192.0.2.1#x@localhost", False),
+    ("redis://u:p@h@127.0.0.1/0", True),                # userinfo up to the last @ (a password holding one)
+    ("redis://:pw@localhost:6379/0", True),
+    ("rediss://[::1]:6380/0", True),
+    ("redis://[::ffff:192.0.2.1]:6379", False),
+    ("redis://nowhere.localhost:6379", False),          # a name is resolved: *.localhost is not taken on trust
+    ("redis://localhost.example.invalid:6379", False),
+    ("unix:///tmp/redis.sock", True),
+    ("redis://", False),
+])
+def test_the_loopback_check_reads_the_url_as_the_clients_do(url, loopback):
+    from kombu.utils.url import parse_url as kombu_url
+    from redis.connection import parse_url as redis_url
+
+    from layerdiff.analyzer.execute.celery_app import is_loopback
+
+    assert is_loopback(url) is loopback
+    if url.startswith("redis://192.0.2.1"):   # where the clients would connect, whatever the text after '#'
+        assert kombu_url(url)["hostname"] == redis_url(url)["host"] == "192.0.2.1"
+
+
+def test_an_unsigned_worker_refuses_a_broker_hidden_behind_a_fragment(scratch):
+    out = subprocess.run([sys.executable, "-m", "layerdiff.client.cli", "worker", "--broker",
+                          "redis://192.0.2.10:6379/0#@127.0.0.1", "--max-cores", "1"],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "without a task secret" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
 def test_redis_with_a_password_and_an_acl_user(scratch):
     password, user_pw = "pw-" + uuid.uuid4().hex, "upw-" + uuid.uuid4().hex
     rs = OwnRedis(scratch, password=password)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 
@@ -48,8 +47,9 @@ from kombu.serialization import register
 from kombu.utils import json as kjson
 from vine import promise
 
-from layerdiff.analyzer.execute.store import mask_url, redis_connection, url_host
+from layerdiff.analyzer.execute.store import mask_url, redis_connection
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.security import is_loopback as security_is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -268,15 +268,36 @@ class RejectingConsumer(Consumer):
         message.reject_log_error(log, self.connection_errors)
 
 
-def is_loopback(url: str) -> bool:
-    """True for a Redis URL on this host only: a Unix socket, localhost or a loopback address."""
-    host = url_host(url).lower()
-    if host in ("", "localhost") or host.endswith(".localhost"):
-        return True
+def broker_host(url: str) -> str | None:
+    """The host a worker's connections to ``url`` reach, read as its Redis
+    clients read it (kombu's for the broker, redis-py's for the tensor
+    store: a fragment, userinfo and IPv6 brackets included); None for a
+    Unix socket. Where the two would reach different hosts, or none, a
+    LayerdiffError (the URL masked)."""
+    from kombu.utils.url import parse_url as kombu_url
+    from redis.connection import parse_url as redis_url
+
+    if url.partition("://")[0].lower() in ("unix", "socket", "redis+socket"):
+        return None
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False     # a name: whatever it resolves to, it is not known to stay on this host
+        by_kombu, by_redis = kombu_url(url).get("hostname") or "", redis_url(url).get("host") or ""
+    except (ValueError, TypeError) as e:
+        raise LayerdiffError(f"broker URL {mask_url(url)} cannot be read ({e})", field="broker") from None
+    if not by_kombu or by_kombu != by_redis:
+        raise LayerdiffError(f"broker URL {mask_url(url)} names no single host (the broker's client reads "
+                             f"{by_kombu or 'none'}, the store's {by_redis or 'none'})", field="broker")
+    return by_kombu
+
+
+def is_loopback(url: str) -> bool:
+    """True for a Redis URL on this host only: a Unix socket, or a host that
+    is a loopback address or a name resolving to loopback addresses alone
+    (read as the clients read the URL: broker_host)."""
+    try:
+        host = broker_host(url)
+    except LayerdiffError:
+        return False
+    return host is None or security_is_loopback(host)
 
 
 def check_worker_broker(url: str, signed: bool) -> None:

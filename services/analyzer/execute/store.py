@@ -101,18 +101,6 @@ def mask_url(url: str | None) -> str:
     return f"{scheme}://{head}{q}{query}"
 
 
-def url_host(url: str) -> str:
-    """The host a Redis URL names ('' for a Unix socket or none at all)."""
-    scheme, _, rest = url.partition("://")
-    if scheme.lower() in ("unix", "socket", "redis+socket") or not rest:
-        return ""
-    head = rest.partition("?")[0]
-    head = head[head.rfind("@") + 1:]
-    if head.startswith("["):
-        return head[1:head.find("]")] if "]" in head else head[1:]
-    return head.split("/", 1)[0].split(":", 1)[0]
-
-
 def redis_connection(url: str) -> tuple[str, dict | None]:
     """How to connect to the Redis ``url`` names: (the URL without its TLS
     query options, the TLS options as redis-py, kombu and Celery take them,
