@@ -211,16 +211,20 @@ def test_a_killed_worker_does_not_lose_the_job(cluster, tmp_path):
 
 
 def test_bad_tasks_get_clear_errors(cluster):
-    from layerdiff.analyzer.execute.celery_app import QUEUE, TASK, make_app
-    from layerdiff.analyzer.execute.store import TensorStore
+    from layerdiff.analyzer.execute.celery_app import make_app, send_compare
+    from layerdiff.analyzer.execute.store import TensorStore, tensor_endpoint
 
     app = make_app(cluster["redis"].url)
+    endpoint = tensor_endpoint()
+    endpoint.open_job("j1", "nonce-j1")
+    ticket = {"nonce": "nonce-j1", "at": endpoint.address, "ttl_s": 600}
     store = TensorStore(cluster["redis"].url)
     item = {"id": 1, "atol": 0.005, "rtol": 0.2, "diff_cnt": 4,
             "ref": {"key": "layerdiff:job:ghost:1:r", "dtype": "float32", "shape": [2], "nbytes": 8, "parts": 1},
             "dev": {"key": "layerdiff:job:ghost:1:d", "dtype": "float32", "shape": [2], "nbytes": 8, "parts": 1}}
-    res = app.send_task(TASK, args=["ghost", [item]], queue=QUEUE).get(timeout=30)
+    res = send_compare(app, "ghost", [item], **ticket).get(timeout=30)    # a job the analyzer does not run
     assert "job ghost no longer exists" in res[0]["error"] and res[0]["kind"] == "job"
+    assert "not running on the analyzer" in res[0]["error"]
 
     store.open_job("j1")
     good_r = store.put("j1", "ok:r", np.arange(4, dtype=np.float32))
@@ -235,7 +239,7 @@ def test_bad_tasks_get_clear_errors(cluster):
     items = [dict(base, id=1, ref=good_r, dev=good_d), dict(base, id=2, ref=cut, dev=good_d),
              dict(base, id=3, ref=gone, dev=good_d), dict(base, id=4, ref=nowhere, dev=good_d),
              dict(base, id=5, ref=odd, dev=good_d), dict(base, id=6, ref=good_r, dev=short)]
-    res = {r["id"]: r for r in app.send_task(TASK, args=["j1", items], queue=QUEUE).get(timeout=30)}
+    res = {r["id"]: r for r in send_compare(app, "j1", items, **ticket).get(timeout=30)}
     assert res[1]["metrics"]["errors"] == 4
     # the system's failures are errors that say which component and why, never skips
     assert "payload truncated: 6 of 16 bytes" in res[2]["error"] and "cut:r" in res[2]["error"]
@@ -249,6 +253,7 @@ def test_bad_tasks_get_clear_errors(cluster):
     # the node's own data is a skip: 3 elements against 4
     assert "error" not in res[6] and "differs from the reference" in res[6]["skip"]
     store.drop_job("j1")
+    endpoint.close_job("j1")
 
 
 def _payload_keys(r, job_id: str, item_id: int, side: str = "r") -> list[bytes]:

@@ -41,8 +41,8 @@ import redis
 from conftest import ServiceProcess, wait_for
 from test_distributed import RedisServer, _pings
 
-from layerdiff.analyzer.execute.celery_app import QUEUE, SIGNED_CONTENT_TYPE, TASK, make_app, sign
-from layerdiff.analyzer.execute.store import TensorStore
+from layerdiff.analyzer.execute.celery_app import QUEUE, SIGNED_CONTENT_TYPE, TASK, make_app, send_compare, sign
+from layerdiff.analyzer.execute.store import TensorStore, tensor_endpoint
 from layerdiff.client.api import run
 from layerdiff.common.errors import UnavailableError
 
@@ -150,18 +150,28 @@ def _close(app) -> None:
     app.close()
 
 
+def _running(job: str) -> dict:
+    """``job`` registered on this process's tensor endpoint, as an analyzer
+    registers its jobs: the ticket fields a task of it carries."""
+    nonce = uuid.uuid4().hex
+    endpoint = tensor_endpoint()
+    endpoint.open_job(job, nonce)
+    return {"nonce": nonce, "at": endpoint.address, "ttl_s": 600}
+
+
 def _compare_once(app, store: TensorStore, job: str) -> dict:
     """A job's worth of work in one task, as the fan-out sends it: tensors in
-    the store, references in the (signed) message, the result back through
-    the result backend."""
+    the store, references in the (signed) message with its ticket, the
+    result back through the result backend."""
     store.open_job(job)
     a = np.arange(4, dtype=np.float32)
     item = {"id": 1, "atol": 0.005, "rtol": 0.2, "diff_cnt": 4, "force_compare": False,
             "ref": store.put(job, "1:r", a), "dev": store.put(job, "1:d", a + 1)}
     try:
-        res = app.send_task(TASK, args=[job, [item]], queue=QUEUE).get(timeout=30)
+        res = send_compare(app, job, [item], **_running(job)).get(timeout=30)
     finally:
         store.drop_job(job)
+        tensor_endpoint().close_job(job)
     assert res[0]["id"] == 1 and "error" not in res[0], res
     return res[0]
 
@@ -253,10 +263,10 @@ def test_a_job_through_the_analyzer_is_signed_and_compared(signed, cnn_files, sc
     assert REJECTED not in signed["worker"].text()
 
 
-def _captured(app, r, job: str) -> dict:
+def _captured(app, r, job: str, **ticket) -> dict:
     """A real signed message as it lies on the broker: sent to a queue no
     worker reads, taken back off it."""
-    app.send_task(TASK, args=[job, []], queue="layerdiff-capture")
+    send_compare(app, job, [], queue="layerdiff-capture", **(ticket or _running(job)))
     raw = r.lpop("layerdiff-capture")
     assert raw is not None
     return json.loads(raw)
@@ -268,7 +278,7 @@ def _forged(msg: dict, variant: str) -> tuple[dict, str]:
     body = base64.b64decode(msg["body"]).decode()
     assert msg["content-type"] == SIGNED_CONTENT_TYPE and body.startswith('{"hmac-sha256":"')
     data = body[body.index('"data":') + len('"data":'):-1]
-    task = TASK
+    task, task_id = TASK, str(uuid.uuid4())
     if variant == "unsigned":
         ctype, new = "application/json", data                     # what a plain JSON Celery client sends
     elif variant == "other secret":
@@ -283,9 +293,15 @@ def _forged(msg: dict, variant: str) -> tuple[dict, str]:
         ctype, new, task = SIGNED_CONTENT_TYPE, body, "celery.accumulate"
     elif variant == "malformed":    # signed with the right secret, but not [args, kwargs, embed]
         ctype, new = SIGNED_CONTENT_TYPE, sign({"args": "not celery's"}, SECRET.encode())
-    else:   # "huge": a body past what a task holds
+    elif variant == "huge":   # a body past what a task holds
         ctype, new = SIGNED_CONTENT_TYPE, sign([["x" * (2 << 20), []], {}, {}], SECRET.encode())
-    task_id = str(uuid.uuid4())
+    elif variant in ("expired", "dated ahead"):   # signed right, but out of its time
+        args, kwargs, embed = json.loads(data)
+        kwargs["ticket"]["expires"] = time.time() + (-60 if variant == "expired" else 30 * 24 * 3600)
+        kwargs["ticket"]["id"] = task_id
+        ctype, new = SIGNED_CONTENT_TYPE, sign([args, kwargs, embed], SECRET.encode())
+    else:   # "id swap": the signed body kept, sent under a new task id
+        ctype, new = SIGNED_CONTENT_TYPE, body
     forged = dict(msg, body=base64.b64encode(new.encode()).decode())
     forged["content-type"] = ctype
     forged["headers"] = dict(msg["headers"], id=task_id, root_id=task_id, task=task)
@@ -295,7 +311,7 @@ def _forged(msg: dict, variant: str) -> tuple[dict, str]:
 
 
 @pytest.mark.parametrize("variant", ["unsigned", "other secret", "altered", "raw data", "raw text", "other task",
-                                     "malformed", "huge"])
+                                     "malformed", "huge", "expired", "dated ahead", "id swap"])
 def test_an_injected_message_is_rejected_and_the_worker_goes_on(signed, variant):
     app, worker = signed["app"], signed["worker"]
     r = signed["redis"].client()
@@ -315,9 +331,10 @@ def test_an_injected_message_is_rejected_and_the_worker_goes_on(signed, variant)
         store.drop_job(job)
         store.close()
         r.close()
-    # never run: the task's first act, asking the store for its job, never came; no result either
-    assert [c for c in seen if f"layerdiff:job:after-{job}" in c and "EXISTS" in c.upper()]   # the run one did
-    assert not [c for c in seen if f"layerdiff:job:{job}" in c and "EXISTS" in c.upper()]
+        tensor_endpoint().close_job(job)
+    # never run: no tensor of the job was read, and no result written
+    assert [c for c in seen if f"layerdiff:job:after-{job}" in c and "GET" in c.upper()]   # the run one did
+    assert not [c for c in seen if f"layerdiff:job:{job}:" in c and "GET" in c.upper()]
     with signed["redis"].client() as c:
         assert c.get(f"celery-task-meta-{task_id}") is None
     lines = [ln for ln in worker.text().splitlines() if task_id in ln]
@@ -326,8 +343,48 @@ def test_an_injected_message_is_rejected_and_the_worker_goes_on(signed, variant)
             "altered": "bad signature", "raw data": "content type 'application/data' not accepted",
             "raw text": "content type 'application/text' not accepted",
             "other task": "not a layerdiff task ('celery.accumulate')", "malformed": "malformed body",
-            "huge": "over the 1048576 a task holds"}[variant]
+            "huge": "over the 1048576 a task holds", "expired": "expired", "dated ahead": "dated ahead",
+            "id swap": "its ticket is another task's"}[variant]
     assert want in lines[0]
+    assert "Traceback" not in worker.text() and worker.proc.poll() is None
+
+
+def test_a_task_taken_again_or_of_a_job_no_longer_running_is_not_run(signed):
+    """A captured signed task, replayed: once it ran, this worker refuses it
+    (its id was taken); its job ended on the analyzer, a fresh copy on
+    another worker answers that the job is not running there, whatever
+    anyone wrote into Redis."""
+    app, worker = signed["app"], signed["worker"]
+    r = signed["redis"].client()
+    job = f"replay-{uuid.uuid4().hex[:8]}"
+    store = TensorStore(signed["redis"].url)
+    try:
+        store.open_job(job)
+        ticket = _running(job)
+        msg = _captured(app, r, job, **ticket)
+        task_id = msg["headers"]["id"]
+        r.lpush(QUEUE, json.dumps(msg))
+        assert wait_for(lambda: r.get(f"celery-task-meta-{task_id}") is not None, 30)   # it ran: a result
+        before = worker.text().count(REJECTED)
+        r.delete(f"celery-task-meta-{task_id}")
+        r.lpush(QUEUE, json.dumps(msg))                                                  # the replay
+        assert wait_for(lambda: worker.text().count(REJECTED) > before, 30), worker.text()[-2000:]
+        line = [ln for ln in worker.text().splitlines() if task_id in ln and REJECTED in ln]
+        assert len(line) == 1 and "a replay" in line[0]
+        assert r.get(f"celery-task-meta-{task_id}") is None
+        # the job ends on the analyzer; its key in Redis is made again by whoever can write there
+        tensor_endpoint().close_job(job)
+        store.open_job(job)
+        fresh = _captured(app, r, job, **ticket)        # the same job and nonce, a new id: as an attacker's copy
+        res = app.AsyncResult(fresh["headers"]["id"])
+        r.lpush(QUEUE, json.dumps(fresh))
+        got = res.get(timeout=30)
+        assert f"job {job} is not running on the analyzer at {ticket['at']}" in got[0]["error"] if got else True
+    finally:
+        store.drop_job(job)
+        store.close()
+        r.close()
+        tensor_endpoint().close_job(job)
     assert "Traceback" not in worker.text() and worker.proc.poll() is None
 
 

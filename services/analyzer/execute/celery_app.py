@@ -38,6 +38,8 @@ import hashlib
 import hmac
 import logging
 import os
+import time
+import uuid
 
 from celery import Celery
 from celery.backends.redis import RedisBackend
@@ -187,9 +189,49 @@ def _rejected(message, exc: BaseException | str) -> None:
 
 # a task body at most (a batch of tensor keys and tolerances: a few kB)
 MAX_BODY_BYTES = 1 << 20
+# a ticket valid for longer than this from now is dated ahead, and refused
+MAX_TICKET_S = 2 * 24 * 3600
 
 
-def inadmissible(headers, content_type, body, signed: bool) -> str:
+def new_ticket(task_id: str, job_id: str, nonce: str, at: str, ttl_s: float, now: float | None = None) -> dict:
+    """What a task carries in its signed body that decides what runs: the
+    task and its id (a header swapped, a message resent under another id:
+    refused), the job, the analyzer's nonce for the job and the endpoint
+    to check it against (``at``), and when it expires."""
+    now = time.time() if now is None else now
+    return {"task": TASK, "id": task_id, "job": job_id, "nonce": nonce, "at": at, "expires": now + ttl_s}
+
+
+def send_compare(app, job_id: str, items: list, *, nonce: str, at: str, ttl_s: float, queue: str = QUEUE):
+    """A comparison task of job ``job_id`` sent with its ticket; the AsyncResult."""
+    task_id = str(uuid.uuid4())
+    return app.send_task(TASK, args=[job_id, items], kwargs={"ticket": new_ticket(task_id, job_id, nonce, at, ttl_s)},
+                         queue=queue, task_id=task_id)
+
+
+class SeenTasks:
+    """The task ids a worker has taken, each kept until its ticket expires:
+    a message taken again (a replay, the same id under a new message) is
+    refused. Owned by the worker's consumer."""
+
+    def __init__(self, most: int = 1 << 20) -> None:
+        self._until: dict[str, float] = {}
+        self.most = most
+
+    def add(self, task_id: str, expires: float, now: float) -> bool:
+        """Take ``task_id``; False where it was taken already."""
+        if task_id in self._until and self._until[task_id] > now:
+            return False
+        if len(self._until) >= self.most or len(self._until) % 4096 == 4095:
+            self._until = {k: t for k, t in self._until.items() if t > now}
+            while len(self._until) >= self.most:       # full of live ids: the soonest to expire go first
+                del self._until[min(self._until, key=self._until.__getitem__)]
+        self._until[task_id] = expires
+        return True
+
+
+def inadmissible(headers, content_type, body, signed: bool, seen: SeenTasks | None = None,
+                 now: float | None = None) -> str:
     """Why a message may not run here ('' where it may): it must name the
     one layerdiff task, come in the one content type this worker accepts
     (the signed one where it has a secret, else JSON), decode by this
@@ -222,6 +264,24 @@ def inadmissible(headers, content_type, body, signed: bool) -> str:
     if not (isinstance(payload, (list, tuple)) and len(payload) == 3 and isinstance(payload[0], (list, tuple))
             and isinstance(payload[1], dict) and isinstance(payload[2], dict)):
         return "malformed body (not Celery's [args, kwargs, embed])"
+    ticket = payload[1].get("ticket")
+    now = time.time() if now is None else now
+    if not isinstance(ticket, dict):
+        return "no ticket (an analyzer's task carries one)"
+    if ticket.get("task") != task or ticket.get("id") != headers.get("id"):
+        return f"its ticket is another task's (task {_one_line(ticket.get('task'))}, id {_one_line(ticket.get('id'))})"
+    if not payload[0] or ticket.get("job") != payload[0][0]:
+        return "its ticket is another job's"
+    expires = ticket.get("expires")
+    if not isinstance(expires, (int, float)) or isinstance(expires, bool) or not isinstance(ticket.get("nonce"), str) \
+            or not isinstance(ticket.get("at"), str):
+        return "its ticket lacks an expiry, a nonce or the analyzer to check it with"
+    if expires <= now:
+        return f"expired {now - expires:.0f} s ago"
+    if expires > now + MAX_TICKET_S:
+        return f"dated ahead (valid {expires - now:.0f} s more, over {MAX_TICKET_S})"
+    if seen is not None and not seen.add(str(headers.get("id")), float(expires), now):
+        return "a replay (this worker took this task id already)"
     return ""
 
 
@@ -240,10 +300,11 @@ class RejectingConsumer(Consumer):
         unpack used to end it, and every restarted worker after it)."""
         handle = super().create_task_handler(promise)
         signed = self.app.conf.task_serializer == SIGNED
+        seen = self.seen = SeenTasks()
 
         def on_task_received(message):
             why = inadmissible(getattr(message, "headers", None), getattr(message, "content_type", None),
-                               getattr(message, "body", None), signed)
+                               getattr(message, "body", None), signed, seen)
             if why:
                 _rejected(message, why)
                 message.ack_log_error(log, self.connection_errors)
@@ -378,20 +439,28 @@ def _store(url: str):
     return _stores[url]
 
 
-def compare_batch(self, job_id: str, items: list[dict]) -> list[dict]:
-    """Compare a batch of nodes (or chunks of large nodes) of one job."""
+def compare_batch(self, job_id: str, items: list[dict], ticket: dict | None = None) -> list[dict]:
+    """Compare a batch of nodes (or chunks of large nodes) of one job, once
+    the analyzer that sent it says the job runs there (``ticket``: its
+    nonce and endpoint, checked and signed with the message)."""
     import redis
 
     from layerdiff.analyzer.compare.node import SkipNode, compare_chunk, compare_node
     from layerdiff.analyzer.compare.tolerances import Tolerance
-    from layerdiff.analyzer.execute.store import PayloadError
+    from layerdiff.analyzer.execute.store import PayloadError, job_running
     from layerdiff.common.errors import LayerdiffError
 
     worker = getattr(self.request, "hostname", None) or f"pid {os.getpid()}"
     store = _store(self.app.conf.get("layerdiff_store_url") or self.app.conf.broker_url)
-    if not store.job_alive(job_id):
+    try:
+        why = "no ticket" if not isinstance(ticket, dict) else \
+            job_running(str(ticket.get("at")), job_id, str(ticket.get("nonce")))
+    except PayloadError as e:       # the analyzer cannot be reached: said as for a tensor it holds
+        return [{"id": it.get("id"), "error": str(e), "kind": "payload", "source": e.source, "at": e.at,
+                 "key": "", "cause": e.cause, "worker": worker} for it in items]
+    if why:
         return [{"id": it.get("id"), "kind": "job", "worker": worker,
-                 "error": f"job {job_id} no longer exists (finished, expired or cancelled)"} for it in items]
+                 "error": f"job {job_id} no longer exists (finished, expired or cancelled): {why}"} for it in items]
     out = []
     for it in items:
         try:

@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -42,7 +43,7 @@ from kombu.exceptions import OperationalError
 
 from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.compare.node import NodeOutcome, SkipNode, chunk_bounds, merge_chunks, reconcile
-from layerdiff.analyzer.execute.celery_app import QUEUE, TASK, make_app
+from layerdiff.analyzer.execute.celery_app import make_app, send_compare
 from layerdiff.analyzer.execute.store import (
     FLIGHT_MIN_BYTES,
     TensorStore,
@@ -108,6 +109,12 @@ class CeleryPool:
         self.store = TensorStore(broker_url, ttl_s=int(deadline_s) + 600)
         self.store.ping()
         self.store.open_job(job_id)
+        # the record workers check this job's tasks against: this analyzer's
+        # endpoint, with a nonce only its signed tasks carry
+        self.nonce = secrets.token_hex(16)
+        self.ticket_ttl_s = float(deadline_s) + 600
+        self.endpoint = tensor_endpoint()
+        self.endpoint.open_job(job_id, self.nonce)
         self.deadline = time.monotonic() + deadline_s
         self.task_timeout_s = task_timeout_s
         self.batch_bytes = batch_bytes
@@ -242,7 +249,8 @@ class CeleryPool:
             self._unsent.extend(items)
             return
         try:
-            res = self.app.send_task(TASK, args=[self.job_id, items], queue=QUEUE)
+            res = send_compare(self.app, self.job_id, items, nonce=self.nonce, at=self.endpoint.address,
+                               ttl_s=self.ticket_ttl_s)
         except (OperationalError, redis.RedisError, ConnectionError, OSError) as e:
             log.warning("job %s: broker %s refuses a task (%s); its %d items wait for it", self.job_id,
                         self.broker_url, _one_line(str(e)), len(items))
@@ -519,6 +527,7 @@ class CeleryPool:
         # every outstanding item ends within the bounds above (a result, the
         # broker's grace, the task timeout, the deadline): this wait is bounded too
         self._poller.join(timeout=max(0.0, self.deadline - time.monotonic()) + 5)
+        self.endpoint.close_job(self.job_id)
         drop_from_endpoint(f"layerdiff:job:{self.job_id}:")
         try:
             self.store.drop_job(self.job_id)

@@ -10,6 +10,8 @@ behind for long; ``drop_job`` deletes them at once.
 """
 from __future__ import annotations
 
+import hmac
+import json
 import os
 import re
 import ssl
@@ -265,6 +267,10 @@ class TensorEndpoint(flight.FlightServerBase):
                          **security.flight_kwargs())
         self.address = f"{advertise}:{self.port}"
         self._arrays: dict[str, np.ndarray] = {}
+        # the jobs this analyzer runs, with the nonce each one's tasks carry:
+        # the record a worker checks a task against (JOB_ACTION), not a key
+        # anyone who can write to Redis can make
+        self._jobs: dict[str, str] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self.serve, name="tensor-endpoint", daemon=True).start()
 
@@ -275,6 +281,28 @@ class TensorEndpoint(flight.FlightServerBase):
             self._arrays[key] = arr
         return {"key": key, "flight": self.address, "dtype": arr.dtype.name, "shape": list(arr.shape),
                 "nbytes": arr.nbytes, "parts": 1}
+
+    def open_job(self, job_id: str, nonce: str) -> None:
+        with self._lock:
+            self._jobs[job_id] = nonce
+
+    def close_job(self, job_id: str) -> None:
+        with self._lock:
+            self._jobs.pop(job_id, None)
+
+    def do_action(self, context, action):
+        if action.type != JOB_ACTION:
+            raise KeyError(f"no action {action.type!r} here")
+        try:
+            asked = json.loads(action.body.to_pybytes()[:4096])
+            job, nonce = str(asked["job"]), str(asked["nonce"])
+        except (ValueError, KeyError, TypeError):
+            raise KeyError("a job check names a job and its nonce") from None
+        with self._lock:
+            live = self._jobs.get(job)
+        if live is None or not hmac.compare_digest(live.encode(), nonce.encode()):
+            raise KeyError(f"job {job} is not running on this analyzer")
+        return [b"live"]
 
     def drop(self, prefix: str) -> None:
         with self._lock:
@@ -402,6 +430,30 @@ def _endpoint_client(location: str) -> flight.FlightClient:
         while len(_clients) > MAX_ENDPOINT_CLIENTS:
             del _clients[next(iter(_clients))]
     return client
+
+
+JOB_ACTION = "layerdiff.job"
+
+
+def job_running(location: str, job_id: str, nonce: str) -> str:
+    """'' where the analyzer whose endpoint is at ``location`` runs job
+    ``job_id`` with this nonce; else why not (it ended, it never ran there).
+    An endpoint that cannot be reached is a PayloadError (source
+    "endpoint"), as a tensor that cannot be fetched from it: the analyzer
+    then names the endpoint and what to set."""
+    from layerdiff.collector.service import flight_message
+
+    try:
+        client = _endpoint_client(location)
+        list(client.do_action(flight.Action(JOB_ACTION, json.dumps({"job": job_id, "nonce": nonce}).encode()),
+                              flight.FlightCallOptions(timeout=15, headers=_worker_security().flight_headers())))
+        return ""
+    except (flight.FlightUnavailableError, flight.FlightTimedOutError, OSError) as e:
+        text = flight_message(e)
+        raise PayloadError(f"the analyzer's endpoint at {location} cannot be reached to check job {job_id}: {text}",
+                           source="endpoint", at=location, key="", cause=short_cause(text)) from None
+    except (pa.ArrowException, KeyError) as e:
+        return f"job {job_id} is not running on the analyzer at {location} ({short_cause(flight_message(e))})"
 
 
 def fetch_flight(ref: dict, nbytes: int) -> np.ndarray:
