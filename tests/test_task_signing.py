@@ -263,10 +263,10 @@ def test_a_job_through_the_analyzer_is_signed_and_compared(signed, cnn_files, sc
     assert REJECTED not in signed["worker"].text()
 
 
-def _captured(app, r, job: str, **ticket) -> dict:
+def _captured(app, r, job: str, items: list | None = None, **ticket) -> dict:
     """A real signed message as it lies on the broker: sent to a queue no
     worker reads, taken back off it."""
-    send_compare(app, job, [], queue="layerdiff-capture", **(ticket or _running(job)))
+    send_compare(app, job, items or [], queue="layerdiff-capture", **(ticket or _running(job)))
     raw = r.lpop("layerdiff-capture")
     assert raw is not None
     return json.loads(raw)
@@ -375,11 +375,15 @@ def test_a_task_taken_again_or_of_a_job_no_longer_running_is_not_run(signed):
         # the job ends on the analyzer; its key in Redis is made again by whoever can write there
         tensor_endpoint().close_job(job)
         store.open_job(job)
-        fresh = _captured(app, r, job, **ticket)        # the same job and nonce, a new id: as an attacker's copy
+        item = {"id": 7, "atol": 0.005, "rtol": 0.2, "diff_cnt": 4, "force_compare": False,
+                "ref": {"key": f"layerdiff:job:{job}:7:r", "dtype": "float32", "shape": [1], "nbytes": 4, "parts": 1},
+                "dev": {"key": f"layerdiff:job:{job}:7:d", "dtype": "float32", "shape": [1], "nbytes": 4, "parts": 1}}
+        fresh = _captured(app, r, job, [item], **ticket)   # the same job and nonce, a new id: an attacker's copy
         res = app.AsyncResult(fresh["headers"]["id"])
         r.lpush(QUEUE, json.dumps(fresh))
         got = res.get(timeout=30)
-        assert f"job {job} is not running on the analyzer at {ticket['at']}" in got[0]["error"] if got else True
+        assert len(got) == 1 and got[0]["kind"] == "job", got
+        assert f"job {job} is not running on the analyzer at {ticket['at']}" in got[0]["error"]
     finally:
         store.drop_job(job)
         store.close()
