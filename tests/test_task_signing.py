@@ -511,3 +511,14 @@ def test_redis_over_tls(scratch):
             assert "Traceback" not in worker.text()
     finally:
         rs.stop()
+
+
+def test_the_ids_a_worker_took_are_kept_until_they_expire_and_bounded():
+    from layerdiff.analyzer.execute.celery_app import SeenTasks
+
+    seen = SeenTasks(most=8)
+    assert seen.add("a", expires=100.0, now=0.0) and not seen.add("a", expires=100.0, now=50.0)   # a replay
+    assert seen.add("a", expires=300.0, now=150.0)        # its ticket expired: the id may come again (a new ticket)
+    for i in range(50):
+        assert seen.add(f"t{i}", expires=1000.0 + i, now=200.0)
+    assert len(seen._until) <= 8 and not seen.add("t49", expires=2000.0, now=300.0)   # the latest kept

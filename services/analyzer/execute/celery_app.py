@@ -224,8 +224,9 @@ class SeenTasks:
             return False
         if len(self._until) >= self.most or len(self._until) % 4096 == 4095:
             self._until = {k: t for k, t in self._until.items() if t > now}
-            while len(self._until) >= self.most:       # full of live ids: the soonest to expire go first
-                del self._until[min(self._until, key=self._until.__getitem__)]
+            if len(self._until) >= self.most:       # full of live ids: the half soonest to expire goes
+                kept = sorted(self._until.items(), key=lambda kv: kv[1])[len(self._until) // 2:]
+                self._until = dict(kept)
         self._until[task_id] = expires
         return True
 
@@ -292,6 +293,11 @@ class RejectingConsumer(Consumer):
     the body, and acknowledged, so that it is neither run nor delivered
     again; the consumer goes on with the next message."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # the task ids this worker took: kept across its broker connections
+        self.seen = SeenTasks()
+
     def create_task_handler(self, promise=promise):
         """Celery's handler of task messages, behind this worker's own
         check (``inadmissible``): a message that fails it is logged as one
@@ -300,7 +306,7 @@ class RejectingConsumer(Consumer):
         unpack used to end it, and every restarted worker after it)."""
         handle = super().create_task_handler(promise)
         signed = self.app.conf.task_serializer == SIGNED
-        seen = self.seen = SeenTasks()
+        seen = self.seen
 
         def on_task_received(message):
             why = inadmissible(getattr(message, "headers", None), getattr(message, "content_type", None),
