@@ -191,7 +191,7 @@ def bug_size(model: onnx.ModelProto, tensor: str, kind: str, shape: tuple, rng: 
     value."""
     import onnxruntime as ort
 
-    from layerdiff.analyzer.diagnose.errormodel import rel_rms, worst_block
+    from layerdiff.analyzer.diagnose.errormodel import rel_rms, worst_blocks
 
     buggy, _ = plant(model, tensor, kind, shape, rng, factor=factor)
     values = []
@@ -204,7 +204,7 @@ def bug_size(model: onnx.ModelProto, tensor: str, kind: str, shape: tuple, rng: 
         values.append(ort.InferenceSession(c.SerializeToString(), so, providers=["CPUExecutionProvider"])
                       .run([tensor], feeds)[0].astype(np.float64))
     clean, bug = values
-    block = worst_block(bug - clean, clean)
+    block = worst_blocks(bug - clean, clean)[0]
     return max(rel_rms(bug - clean, clean), block.rel if block is not None else 0.0)
 
 

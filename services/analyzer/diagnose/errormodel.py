@@ -445,12 +445,6 @@ class Block:
         return self.rel / self.rest if self.rest > 0 else (math.inf if self.rel > 0 else 0.0)
 
 
-def worst_block(err: np.ndarray, ref: np.ndarray, layout: str = "NCHW", min_elements: int = 8) -> Block | None:
-    """The block of a tensor whose relative RMS error is the largest (see
-    worst_blocks)."""
-    return worst_blocks(err, ref, layout, min_elements)[0]
-
-
 def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
                  min_elements: int = 8, dev: np.ndarray | None = None) -> tuple[Block | None, Block | None]:
     """The block of a tensor whose relative RMS error is the largest: a
@@ -590,6 +584,11 @@ def _rest_rel(e_rest: float, r_rest: float, m: int, floor: float) -> float:
     return math.sqrt(max(e_rest, 0.0) / m / den) if den > 0 else -1.0
 
 
+def _along(ndim: int, axis: int, sl: slice) -> tuple:
+    """An index taking ``sl`` of ``axis`` and all of every other axis."""
+    return tuple(sl if a == axis else slice(None) for a in range(ndim))
+
+
 def _window_sums(x: np.ndarray, size: tuple[int, ...]) -> np.ndarray:
     """Sums of ``x`` over every window of ``size`` (running sums, one axis
     at a time): entry i is the sum over x[i : i + size]."""
@@ -600,12 +599,8 @@ def _window_sums(x: np.ndarray, size: tuple[int, ...]) -> np.ndarray:
             x = np.zeros(tuple(0 if a == axis else m for a, m in enumerate(c.shape)))
             continue
         # window i ends at i + w - 1; all but the first start after the sum c[i - 1]
-        out = np.take(c, range(w - 1, n), axis=axis) if axis else c[w - 1:].copy()
-        rest = [slice(None)] * c.ndim
-        rest[axis] = slice(1, None)
-        before = [slice(None)] * c.ndim
-        before[axis] = slice(0, n - w)
-        out[tuple(rest)] -= c[tuple(before)]
+        out = c[_along(c.ndim, axis, slice(w - 1, None))].copy()
+        out[_along(c.ndim, axis, slice(1, None))] -= c[_along(c.ndim, axis, slice(0, n - w))]
         x = out
     return x
 
@@ -734,7 +729,7 @@ def normalized_read(err: np.ndarray, ref: np.ndarray, by: str, eps: float = 1e-6
     each row's RMS error over the row's standard deviation (``std``) or RMS
     (``rms``), with ``eps`` added to its square as the normalization does
     (the smallest usual one: the most a row can pass on). Its RMS over the whole tensor, and the largest over a
-    sixteenth of the rows (the axis before the last, as worst_block cuts).
+    sixteenth of the rows (the axis before the last, as worst_blocks cuts).
     None for a tensor with fewer than 2 elements a row."""
     e = np.asarray(err)
     r = np.asarray(ref)

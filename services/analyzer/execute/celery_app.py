@@ -49,7 +49,7 @@ from kombu.serialization import register
 from kombu.utils import json as kjson
 from vine import promise
 
-from layerdiff.analyzer.execute.store import mask_url, redis_connection
+from layerdiff.analyzer.execute.store import broker_host, mask_url, redis_connection
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.security import is_loopback as security_is_loopback
 
@@ -333,27 +333,6 @@ class RejectingConsumer(Consumer):
             return super().on_invalid_task(body, message, exc)
         _rejected(message, exc)
         message.reject_log_error(log, self.connection_errors)
-
-
-def broker_host(url: str) -> str | None:
-    """The host a worker's connections to ``url`` reach, read as its Redis
-    clients read it (kombu's for the broker, redis-py's for the tensor
-    store: a fragment, userinfo and IPv6 brackets included); None for a
-    Unix socket. Where the two would reach different hosts, or none, a
-    LayerdiffError (the URL masked)."""
-    from kombu.utils.url import parse_url as kombu_url
-    from redis.connection import parse_url as redis_url
-
-    if url.partition("://")[0].lower() in ("unix", "socket", "redis+socket"):
-        return None
-    try:
-        by_kombu, by_redis = kombu_url(url).get("hostname") or "", redis_url(url).get("host") or ""
-    except (ValueError, TypeError) as e:
-        raise LayerdiffError(f"broker URL {mask_url(url)} cannot be read ({e})", field="broker") from None
-    if not by_kombu or by_kombu != by_redis:
-        raise LayerdiffError(f"broker URL {mask_url(url)} names no single host (the broker's client reads "
-                             f"{by_kombu or 'none'}, the store's {by_redis or 'none'})", field="broker")
-    return by_kombu
 
 
 def is_loopback(url: str) -> bool:

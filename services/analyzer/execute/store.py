@@ -103,6 +103,27 @@ def mask_url(url: str | None) -> str:
     return f"{scheme}://{head}{q}{query}"
 
 
+def broker_host(url: str) -> str | None:
+    """The host a worker's connections to ``url`` reach, read as its Redis
+    clients read it (kombu's for the broker, redis-py's for the tensor
+    store: a fragment, userinfo and IPv6 brackets included); None for a
+    Unix socket. Where the two would reach different hosts, or none, a
+    LayerdiffError (the URL masked)."""
+    from kombu.utils.url import parse_url as kombu_url
+    from redis.connection import parse_url as redis_url
+
+    if url.partition("://")[0].lower() in ("unix", "socket", "redis+socket"):
+        return None
+    try:
+        by_kombu, by_redis = kombu_url(url).get("hostname") or "", redis_url(url).get("host") or ""
+    except (ValueError, TypeError) as e:
+        raise LayerdiffError(f"broker URL {mask_url(url)} cannot be read ({e})", field="broker") from None
+    if not by_kombu or by_kombu != by_redis:
+        raise LayerdiffError(f"broker URL {mask_url(url)} names no single host (the broker's client reads "
+                             f"{by_kombu or 'none'}, the store's {by_redis or 'none'})", field="broker")
+    return by_kombu
+
+
 def redis_connection(url: str) -> tuple[str, dict | None]:
     """How to connect to the Redis ``url`` names: (the URL without its TLS
     query options, the TLS options as redis-py, kombu and Celery take them,
@@ -350,24 +371,22 @@ def configure_tensor_endpoint(broker_url: str) -> tuple[str, str]:
     reach the broker, so they share its network), else loopback. An
     advertised loopback address with a broker elsewhere is refused here, at
     the analyzer's start: workers on other hosts could not reach it."""
-    from urllib.parse import urlsplit
-
     global _hosts
     from layerdiff.common.security import is_loopback
 
-    broker_host = urlsplit(broker_url).hostname or ""
-    remote = bool(broker_host) and not is_loopback(broker_host)
+    broker = broker_host(broker_url) or ""
+    remote = bool(broker) and not is_loopback(broker)
     host = os.environ.get("LAYERDIFF_TENSOR_HOST", "").strip()
     advertise = os.environ.get("LAYERDIFF_ADVERTISE_HOST", "").strip()
     try:
-        derived = _route_to(broker_host) if remote else "127.0.0.1"
+        derived = _route_to(broker) if remote else "127.0.0.1"
     except OSError as e:
-        raise UnavailableError(f"no route to the broker's host {broker_host} ({e.strerror or e})",
+        raise UnavailableError(f"no route to the broker's host {broker} ({e.strerror or e})",
                                field="broker") from None
     host = host or derived
     advertise = advertise or (host if host not in ("0.0.0.0", "::") else derived)
     if remote and is_loopback(advertise):
-        raise LayerdiffError(f"workers reach the broker at {broker_host}, but would be sent to the tensor endpoint "
+        raise LayerdiffError(f"workers reach the broker at {broker}, but would be sent to the tensor endpoint "
                              f"at {advertise}, their own loopback: set LAYERDIFF_TENSOR_HOST (and "
                              "LAYERDIFF_ADVERTISE_HOST) to an address they reach, or leave both unset",
                              field="LAYERDIFF_TENSOR_HOST")
