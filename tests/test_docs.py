@@ -67,6 +67,11 @@ def _examples(page: Path) -> list[tuple[str, str, set[int]]]:
     return out
 
 
+def test_the_getting_started_page_has_its_examples_marked_runnable():
+    # the test below is made per page holding examples: none found would run nothing
+    assert len(_examples(DOCS / "getting-started.md")) >= 5
+
+
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md") if _examples(p)))
 def test_the_runnable_examples_run_as_written(page, tmp_path):
     """Each page's examples in turn, in one directory, as a user types them:
