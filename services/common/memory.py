@@ -6,25 +6,36 @@ instead of returning it to the system. A job frees hundreds of node tensors
 of 1-30 MiB one after the other, so without this the process keeps its peak
 for the whole job. A fixed threshold makes every large tensor its own mapping,
 returned as soon as it is freed.
+
+What stays on the heaps (the many small arrays and objects of each
+comparison) churns at their tops: with glibc's default padding of 128 KiB
+each heap is shrunk and grown again for nearly every tensor, and every page
+grown again is a page fault (four in five of a two-dump comparison's, a
+third of its system time). A padding of 32 MiB a heap keeps that memory
+mapped; it stays bounded by the padding, large tensors are unaffected.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 256 * 1024
+TOP_PAD_BYTES = 32 << 20
 _done = False
 
 
 def release_freed_tensors_to_system() -> bool:
-    """Apply the fixed threshold once per process; False where not glibc."""
+    """Apply the fixed threshold and the heaps' padding once per process;
+    False where not glibc."""
     global _done
     if _done:
         return True
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        _done = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+        _done = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) \
+            and bool(libc.mallopt(_M_TOP_PAD, TOP_PAD_BYTES))
     except (OSError, AttributeError):
         _done = False
     return _done
