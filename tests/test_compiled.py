@@ -68,9 +68,8 @@ def _calls(name: str, kinds: tuple[str, ...], rng) -> list[tuple]:
         return out
     r, d = _pair(rng, n, kinds)
     if name == "_pair_sums":
-        from layerdiff.analyzer.compare.squares import _HALF
         for p, k, q in ((1, 5000, 1), (10, 50, 10), (2, 1, 2500)):
-            out.append((r, d, _HALF, p, k, q, np.zeros(k), np.zeros(k), np.zeros(q), np.zeros(q)))
+            out.append((r, d, p, k, q, np.zeros(k), np.zeros(k), np.zeros(q), np.zeros(q)))
         return out
     for atol, rtol in ((ATOL, RTOL), (0.0, 1e-3), (1e-40, 0.5)):
         iv, fv = _new_state()

@@ -49,7 +49,7 @@ ENTRIES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "_worst": (f"int64({{r}}, {{d}}, float64, float64, {_HEAP})", [("f64", "f64"), *_NARROW]),
     "_worst_int": (f"int64({{r}}, {{d}}, boolean, boolean, {_HEAP})", [("i64", "i64")]),
     "_square_sums": ("void({r}, int64, int64, int64, float64[::1], float64[::1])", [("f32",), ("f64",)]),
-    "_pair_sums": ("void({r}, {d}, float32[::1], int64, int64, int64, float64[::1], float64[::1], float64[::1], "
+    "_pair_sums": ("void({r}, {d}, int64, int64, int64, float64[::1], float64[::1], float64[::1], "
                    "float64[::1])", [("f32", "f32"), ("f32", "f16"), ("f64", "f64")]),
 }
 
@@ -88,7 +88,9 @@ def build_key() -> str:
     if not cpu:
         return ""
     h = hashlib.sha256()
-    for part in ((HERE / "kernel.py").read_bytes(), Path(contract.__file__).read_bytes(),
+    # build.py too: how it compiles (each kernel's own flags) changes the machine code
+    for part in ((HERE / "kernel.py").read_bytes(), (HERE / "build.py").read_bytes(),
+                 Path(contract.__file__).read_bytes(),
                  repr(sorted(ENTRIES.items())).encode(), cpu.encode()):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()

@@ -17,10 +17,6 @@ import numpy as np
 
 from layerdiff.analyzer.compare.compiled import kernels
 
-# every float16 code's value (exact in float32)
-_HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-
 def _contiguous(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1)
 
@@ -55,7 +51,7 @@ def pair_square_sums(ref: np.ndarray, dev: np.ndarray, first: int,
     if ref.size:
         r = _contiguous(ref)
         d = _contiguous(dev)
-        kernels()._pair_sums(r, d.view(np.uint16) if d.dtype == np.float16 else d, _HALF, p, k, q, ek, rk, eq, rq)
+        kernels()._pair_sums(r, d.view(np.uint16) if d.dtype == np.float16 else d, p, k, q, ek, rk, eq, rq)
     return (ek.reshape(kept), rk.reshape(kept)), (eq.reshape(after), rq.reshape(after))
 
 
