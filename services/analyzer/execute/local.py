@@ -7,6 +7,7 @@ comparisons truly in parallel while reading the received buffers in place
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from layerdiff.analyzer.compare.node import NodeOutcome, compare_node
@@ -24,6 +25,26 @@ class LocalPool:
 
     def submit(self, ref, dev, tol, diff_cnt, force_compare) -> Future[NodeOutcome]:
         return self._ex.submit(compare_node, ref, dev, tol, diff_cnt, force_compare)
+
+    def submit_with(self, ref, dev, tol, diff_cnt, force_compare,
+                    after: Callable) -> tuple[Future[NodeOutcome], Future]:
+        """The comparison, and ``after(ref, dev, force_compare)`` (the error
+        model's figures of the pair) run next on the same core, while the
+        pair is still in its caches: one hand-off a tensor, not two. The
+        second future holds what ``after`` gave or raised; it is never
+        set where the comparison is cancelled before it starts."""
+        then: Future = Future()
+
+        def both() -> NodeOutcome:
+            try:
+                return compare_node(ref, dev, tol, diff_cnt, force_compare)
+            finally:
+                try:
+                    then.set_result(after(ref, dev, force_compare))
+                except BaseException as e:     # handed to whoever reads the figures
+                    then.set_exception(e)
+
+        return self._ex.submit(both), then
 
     def cancel(self) -> None:
         """The job is cancelled: comparisons not yet started never start

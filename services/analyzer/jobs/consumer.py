@@ -112,9 +112,10 @@ class StreamConsumer:
                                      cap_bytes=budget.producers, wait_cap_bytes=budget.waiting,
                                      policy=prepared.policy())
         self.limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
-        # the error model's figures of each pair, made while it is compared
-        # (numpy and compiled passes that let other threads run), not after
-        # it on the thread that takes the stream
+        # the error model's figures of each pair, not made on the thread that
+        # takes the stream: right after the comparison on its core where the
+        # executor compares here (LocalPool.submit_with), else on this thread
+        # while remote workers compare
         self._stats = ThreadPoolExecutor(max_workers=1, thread_name_prefix="error-stats")
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()
@@ -387,9 +388,14 @@ class StreamConsumer:
         tol = self.p.tolerances.for_node(site.node, site.tensor)
         lease = rec.lease.retain() if rec.lease is not None else None
         try:
-            fut = self.executor.submit(ref, dev, tol, self.p.diff_cnt, self.p.force_compare)
-            stats = self._stats.submit(self.examiner.stats_for(site, rec.role == ROLE_INPUT), ref, dev,
-                                       self.p.force_compare) if dev is not None else None
+            figures = self.examiner.stats_for(site, rec.role == ROLE_INPUT)
+            if dev is None:
+                fut, stats = self.executor.submit(ref, dev, tol, self.p.diff_cnt, self.p.force_compare), None
+            elif hasattr(self.executor, "submit_with"):    # compared here: the figures next, on the same core
+                fut, stats = self.executor.submit_with(ref, dev, tol, self.p.diff_cnt, self.p.force_compare, figures)
+            else:
+                fut = self.executor.submit(ref, dev, tol, self.p.diff_cnt, self.p.force_compare)
+                stats = self._stats.submit(figures, ref, dev, self.p.force_compare)
         except BaseException:
             if lease is not None:
                 lease.release()
