@@ -17,6 +17,7 @@ import numpy as np
 
 from layerdiff.analyzer.compare.compiled import kernels
 
+
 def _contiguous(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1)
 
