@@ -886,6 +886,30 @@ def test_worst_elements_matches_sort():
     assert sorted(rows, key=M.worst_row_key) == rows
 
 
+@pytest.mark.parametrize("dtypes", [(np.float32, np.float16), (np.float32, np.float32), (np.float64, np.float64)])
+def test_worst_elements_past_a_full_heap_are_those_a_sort_finds(dtypes):
+    """Once the kept rows are full, the search passes over stretches where
+    nothing would be kept: what lies past them is still found (a larger
+    error far along, a NaN or Inf after thousands of finite pairs) and a
+    tie with the least kept row found later stays out, as a sort orders
+    them; where every kept row is NaN or Inf, no later pair enters."""
+    rng = np.random.default_rng(9)
+    n = 50_000
+    r = rng.standard_normal(n).astype(dtypes[0])
+    d = (r.astype(np.float64) + np.round(rng.standard_normal(n) * 8) / 8).astype(dtypes[1])   # ties aplenty
+    d[41_234] = d[41_234] + 100           # the worst finite pair, far along
+    d[47_000] = np.nan                    # non-finite, late
+    r[49_999] = np.inf
+    for count in (16, 128):
+        rows = M.worst_elements(r, d, count=count)
+        assert [row[0] for row in rows] == worst_by_sort(r, d)[:count]
+        assert rows[0][0] == 47_000 and rows[2][0] == 41_234
+    r2, d2 = r.copy(), d.copy()
+    d2[:8] = np.nan                       # the first eight pairs fill a heap of eight
+    rows = M.worst_elements(r2, d2, count=8)
+    assert [row[0] for row in rows] == list(range(8)) == worst_by_sort(r2, d2)[:8]
+
+
 def test_worst_elements_raw_values():
     r = np.array([1.0, np.nan, 2.0, np.inf, 0.0, np.inf, 5.0, 0.0], np.float32)
     d = np.array([9.0, 1.0, np.nan, -np.inf, np.nan, np.inf, 5.0, 3.0], np.float32)

@@ -1381,21 +1381,46 @@ def _ov_ld64(a, i):
         return lambda a, i: np.float64(_ld32(a, i))
 
 
+# Elements the search reads at a time: once the heap is full, a block is
+# first counted for pairs that would enter it (a branch-free, vectorized
+# pass) and passed over where none would.
+_WORST_BLOCK = 512
+
+
 @njit(error_model="numpy", nogil=True, cache=True)
 def _worst(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
     """The worst mismatches into the heap (see _heap_add), of float64
     arrays, or of float32 arrays and float16 bit views read as stored, each
-    element widened to float64 as it is read (exact: the same search)."""
-    for j in range(r.size):
-        x = _ld64(r, j)
-        y = _ld64(d, j)
-        if _finite(x) and _finite(y):
-            ae = abs(y - x)
-            if not ae > abs(x) * rtol + atol:
+    element widened to float64 as it is read (exact: the same search).
+    Indices only grow from call to call, so once the heap is full a finite
+    pair enters only with a larger abs_diff than its root's, and a pair
+    with NaN or Inf always does (unless the root is one: then none can)."""
+    n = r.size
+    for b0 in range(0, n, _WORST_BLOCK):
+        b1 = min(b0 + _WORST_BLOCK, n)
+        if k == hidx.size:
+            if hcls[0] == 0:
+                return k
+            floor = hdiff[0]
+            hits = 0
+            for j in range(b0, b1):
+                x = _ld64(r, j)
+                y = _ld64(d, j)
+                ae = abs(y - x)
+                nonfinite = (x - x != 0.0) | (y - y != 0.0)
+                hits += (nonfinite & (x != y)) | ((ae > abs(x) * rtol + atol) & (ae > floor))
+            if hits == 0:
                 continue
-            k = _heap_add(k, hidx, hdiff, hcls, base + j, ae, 1)
-        elif not (x == y):
-            k = _heap_add(k, hidx, hdiff, hcls, base + j, 0.0, 0)
+        for j in range(b0, b1):
+            x = _ld64(r, j)
+            y = _ld64(d, j)
+            if _finite(x) and _finite(y):
+                ae = abs(y - x)
+                if not ae > abs(x) * rtol + atol:
+                    continue
+                k = _heap_add(k, hidx, hdiff, hcls, base + j, ae, 1)
+            elif not (x == y):
+                k = _heap_add(k, hidx, hdiff, hcls, base + j, 0.0, 0)
     return k
 
 
