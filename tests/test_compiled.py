@@ -66,6 +66,12 @@ def _calls(name: str, kinds: tuple[str, ...], rng) -> list[tuple]:
         for p, k, q in ((1, 5000, 1), (10, 50, 10), (2, 1, 2500)):
             out.append((_values(rng, n, kinds[0]), p, k, q, np.zeros(k), np.zeros(q)))
         return out
+    if name == "_best_window":
+        for h, w, wh, ww in ((1, 300, 1, 19), (40, 30, 10, 8), (5, 5, 5, 5), (3, 4, 4, 1)):
+            se, sr = rng.random((h, w)) * 3, rng.random((h, w))
+            sr[0, :2] = 0.0           # windows of a zero reference, taken relative to the floor
+            out.append((se, sr, wh, ww, float(wh * ww * 7), 0.01, np.zeros(4)))
+        return out
     r, d = _pair(rng, n, kinds)
     if name == "_pair_sums":
         for p, k, q in ((1, 5000, 1), (10, 50, 10), (2, 1, 2500)):

@@ -392,3 +392,42 @@ def test_worst_blocks_from_the_two_tensors_are_those_of_their_error(ref_dtype, d
             if a is not None:
                 assert a.where == b.where and a.share == b.share
                 assert a.rel == pytest.approx(b.rel, rel=1e-9) and a.rest == pytest.approx(b.rest, rel=1e-9)
+
+
+def test_the_worst_window_is_the_one_numpy_finds():
+    """The compiled window search behind worst_blocks picks the window
+    numpy's running sums and argmax pick (the first of equal ones, one whose
+    reference is zero taken relative to the floor), with the same figures,
+    for one axis and for tiles, sums with a negative rounding residue (a
+    part taken out) and a NaN among them."""
+    from layerdiff.analyzer.compare.compiled import kernels
+
+    rng = np.random.default_rng(21)
+    cases = []
+    for shape, size in (((1, 64), (1, 4)), ((17, 23), (4, 6)), ((8, 8), (2, 2)), ((1, 5), (1, 5))):
+        se, sr = rng.random(shape) * 4, rng.random(shape)
+        cases.append((se, sr, size))
+        ties = np.ones(shape)
+        cases.append((ties, ties.copy(), size))                   # every window alike: the first
+        hole = sr.copy()
+        hole[:, :2] = 0.0
+        cases.append((se, hole, size))
+        rest = se - rng.random(shape) * 1e-16                      # what is left once a part is taken out
+        rest[0, 0] = -1e-18
+        cases.append((rest, sr, size))
+        nan = se.copy()
+        nan.flat[rng.integers(0, nan.size)] = np.nan
+        cases.append((nan, sr, size))
+    for se, sr, (wh, ww) in cases:
+        n, floor = float(wh * ww * 3), float(sr.sum() / sr.size / 16)
+        se_w, sr_w = EM._window_sums(se, (wh, ww)), EM._window_sums(sr, (wh, ww))
+        den = np.maximum(sr_w / n, floor)
+        with np.errstate(all="ignore"):
+            rel = np.where(den > 0, np.sqrt(se_w / n / np.where(den > 0, den, 1.0)), -1.0)
+        want = int(np.argmax(rel))
+        got = np.zeros(4)
+        i = kernels()._best_window(np.ascontiguousarray(se), np.ascontiguousarray(sr), wh, ww, n, floor, got)
+        assert i == want
+        np.testing.assert_array_equal(got, [rel.flat[i], den.flat[i], se_w.flat[i], sr_w.flat[i]])
+    got = np.zeros(4)
+    assert kernels()._best_window(np.ones((2, 3)), np.ones((2, 3)), 3, 1, 1.0, 0.0, got) == -1    # no window fits

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from layerdiff.analyzer.compare.compiled import kernels
 from layerdiff.analyzer.compare.squares import pair_square_sums, square_sums, takes_pair
 from layerdiff.common.precision import PRECISIONS, Precision, build_of_dtype, coarser, node_precision, of_dtype
 
@@ -511,30 +512,35 @@ def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
     e_all, r_all = float(se_m.sum()), float(sr_m.sum())
     floor = r_all / elements / 16.0
 
-    def consider(se_w: np.ndarray, sr_w: np.ndarray, n: int, label, span=None, whole=None) -> Block | None:
-        """The worst of windows of ``n`` elements each, their sums given
-        (``whole``: the error², reference², elements and floor they are
-        taken out of, the tensor's by default)."""
-        if n < min_elements or se_w.size == 0:
+    def consider(se: np.ndarray, sr: np.ndarray, size: tuple[int, ...], n: int, label, span=None,
+                 whole=None) -> Block | None:
+        """The worst of the windows of ``size`` over the sums ``se``, ``sr``
+        (one or two axes), ``n`` elements each (``whole``: the error²,
+        reference², elements and floor they are taken out of, the tensor's
+        by default). Compiled: the running sums, each window's relative
+        error and the largest, as ``_window_sums`` and numpy give them."""
+        if n < min_elements:
             return None
-        e_tot, r_tot, size, fl = whole or (e_all, r_all, elements, floor)
-        den = np.maximum(sr_w / n, fl)
-        with np.errstate(all="ignore"):
-            rel = np.where(den > 0, np.sqrt(se_w / n / np.where(den > 0, den, 1.0)), -1.0)
-        i = int(np.argmax(rel))
-        if rel.flat[i] < 0:
+        e_tot, r_tot, size_all, fl = whole or (e_all, r_all, elements, floor)
+        grid = se.shape if se.ndim == 2 else (1, se.size)
+        got = np.empty(4)
+        i = kernels()._best_window(np.ascontiguousarray(se, np.float64).reshape(grid),
+                                   np.ascontiguousarray(sr, np.float64).reshape(grid),
+                                   size[0] if se.ndim == 2 else 1, size[-1], float(n), float(fl), got)
+        if i < 0:
             return None
-        at = np.unravel_index(i, rel.shape)
-        return Block(label(at), float(rel.flat[i]), n / elements, math.sqrt(float(den.flat[i])),
-                     _rest_rel(e_tot - float(se_w.flat[i]), r_tot - float(sr_w.flat[i]), size - n, fl),
-                     *(span(at) if span else ("", 0, 0)))
+        rel, den, se_w, sr_w = (float(v) for v in got)
+        rows_w, cols_w = grid[0] - (size[0] if se.ndim == 2 else 1) + 1, grid[1] - size[-1] + 1
+        at = tuple(int(a) for a in np.unravel_index(i, (rows_w, cols_w)))[2 - se.ndim:]
+        return Block(label(at), rel, n / elements, math.sqrt(den),
+                     _rest_rel(e_tot - se_w, r_tot - sr_w, size_all - n, fl), *(span(at) if span else ("", 0, 0)))
 
     def windows(axis: int, key: str, given, whole=None) -> Block | None:
         se, sr, per = given
         if whole is None:
             sums[key] = (se, sr)
         w = max(1, round(shape[axis] / 16))
-        return consider(_window_sums(se, (w,)), _window_sums(sr, (w,)), per * w,
+        return consider(se, sr, (w,), per * w,
                         lambda at: f"{key} {at[0]}..{at[0] + w - 1}" if not key.startswith("rows of") else
                         f"rows {at[0]}..{at[0] + w - 1} of{key[len('rows of'):]}",
                         lambda at: (key, int(at[0]), int(at[0]) + w), whole)
@@ -543,7 +549,7 @@ def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
     if nd == 4:
         se, sr, per = se_o, sr_o, elements // (shape[h_axis] * shape[w_axis])
         th, tw = max(1, round(shape[h_axis] / 4)), max(1, round(shape[w_axis] / 4))
-        other = consider(_window_sums(se, (th, tw)), _window_sums(sr, (th, tw)), per * th * tw,
+        other = consider(se, sr, (th, tw), per * th * tw,
                          lambda at: f"rows {at[0]}..{at[0] + th - 1}, columns {at[1]}..{at[1] + tw - 1}",
                          lambda at: ("tile", int(at[0]) * shape[w_axis] + int(at[1]), 0))
         region = None
