@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -380,137 +381,149 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     cov = coverage.assess(rep, all_sites, aligner, min_coverage=min_coverage, source=job.get("source", ""),
                           dump_path=job.get("dump_path") or "")
     taken: set[str] = set()
-    detail_files: dict[str, str] = {}
-    with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(SEED_COLUMNS + EXTRA_COLUMNS)
-        for i, r in enumerate(rows):
-            w.writerow(_seed_cells(r) + _extra_cells(i, r))
-    for r in rows:
-        if not r.failed:
-            continue
-        fname = safe_filename(r.label if r.is_input or r.site.output_index else r.site.node, taken) + ".csv"
-        detail_files[r.label] = fname
-        with open(out / fname, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(DETAIL_COLUMNS)
-            w.writerows([idx, f"{rv:.6g}", f"{dv:.6g}", f"{ad:.6g}", f"{rd:.6g}"]     # g6's, inline: 100k cells
-                        for idx, rv, dv, ad, rd in r.outcome.worst)
-    _write_log(out / "compare_skip.log", rep.skipped +
-               [(s.tensor, f"fused into device node {dev!r}: its output is compared instead") for s, dev in rep.fused] +
-               [(s.tensor, why) for s, why in rep.folded] +
-               [(s.tensor, "not dumped by the device (not produced, or fused away where no device graph says so)")
-                for s in rep.not_dumped])
+    detail_files = {r.label: safe_filename(r.label if r.is_input or r.site.output_index else r.site.node, taken)
+                    + ".csv" for r in rows if r.failed}
     aligned = alignment_rows(rep, aligner, all_sites)
-    write_alignment(out / "alignment.csv", aligned)
-    if weights is not None:
-        weights_mod.write_csv(out / "weights.csv", weights)
-    write_tables(out, rows, detail_files, aligned, weights)
-    _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
-    _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
-    _write_log(out / "check_skip.log", rep.check_skip)
-    _write_log(out / "concate_skip.log", rep.concat_skip)
-    _write_log(out / "overflow_nodename.log", list(rep.overflow.items()) +
-               [(f"{n} (reference dump)", why) for n, why in rep.reference_overflow.items()])
-    if rep.range_skips:
-        _write_log(out / "min_max_skip.log", rep.range_skips)
-    (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
-                                                  encoding="utf-8")
-    with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["op_name", "atol", "rtol"])
-        seen = set()
-        for s in all_sites:
-            if s.node not in seen:
-                seen.add(s.node)
-                w.writerow([s.node, "NA", "NA"])
-    (out / "node_runtime.json").write_text(json_text(node_runtime), encoding="utf-8")
-    (out / "consumer_map.json").write_text(json_text(consumers), encoding="utf-8")
+    # The failing nodes' detail files and the Parquet tables are written
+    # beside the rest: creating hundreds of files and Parquet's encoding let
+    # the interpreter go, and the rest goes on meanwhile.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="report-tables") as aside:
+        tables = aside.submit(_write_details_and_tables, out, rows, detail_files, aligned, weights)
+        with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(SEED_COLUMNS + EXTRA_COLUMNS)
+            for i, r in enumerate(rows):
+                w.writerow(_seed_cells(r) + _extra_cells(i, r))
+        _write_log(out / "compare_skip.log", rep.skipped +
+                   [(s.tensor, f"fused into device node {dev!r}: its output is compared instead")
+                    for s, dev in rep.fused] +
+                   [(s.tensor, why) for s, why in rep.folded] +
+                   [(s.tensor, "not dumped by the device (not produced, or fused away where no device graph says so)")
+                    for s in rep.not_dumped])
+        write_alignment(out / "alignment.csv", aligned)
+        if weights is not None:
+            weights_mod.write_csv(out / "weights.csv", weights)
+        _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
+        _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
+        _write_log(out / "check_skip.log", rep.check_skip)
+        _write_log(out / "concate_skip.log", rep.concat_skip)
+        _write_log(out / "overflow_nodename.log", list(rep.overflow.items()) +
+                   [(f"{n} (reference dump)", why) for n, why in rep.reference_overflow.items()])
+        if rep.range_skips:
+            _write_log(out / "min_max_skip.log", rep.range_skips)
+        (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
+                                                      encoding="utf-8")
+        with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["op_name", "atol", "rtol"])
+            seen = set()
+            for s in all_sites:
+                if s.node not in seen:
+                    seen.add(s.node)
+                    w.writerow([s.node, "NA", "NA"])
+        (out / "node_runtime.json").write_text(json_text(node_runtime), encoding="utf-8")
+        (out / "consumer_map.json").write_text(json_text(consumers), encoding="utf-8")
 
-    first = rep.first_failing()
-    comps = [r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION and not r.finding.benign]
-    first_comp = comps[0] if comps else None
-    benign = [r for r in rows if r.finding and r.finding.benign]
-    undecided = [r for r in rows if r.finding and r.finding.verdict == diagnose.UNDECIDED]
-    spent = diagnose.outputs_out_of_tolerance(rows, node_inputs or {}, outputs)
-    text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided, spent, order, comps)
-    answer = coverage.outcome(rep, cov, diagnose.exit_of(first_comp, nan_overflow, benign, undecided, spent,
-                                                         first, order.unknown))
-    if answer["status"] == "no_answer":
-        text = f"NO ANSWER: {answer['reason']}"
-    diagnosis = {"headline": text, **nan_overflow}
-    kind, named = diagnose.answer_row(first_comp, nan_overflow, benign, undecided, spent, rows)
-    if answer["status"] == "no_answer" and kind != diagnose.UNDECIDED:
-        kind, named = "no answer", None       # too little compared to name anything
-    if impact is not None:
-        unmeasured = [r.site.node for r in rows if r.finding and r.finding.impact is not None
-                      and r.finding.impact.harmful is None]
-        diagnosis["impact"] = {**impact.summary(), "not_measured": unmeasured}
-    verdicts = [{"node": r.site.node, "tensor": r.site.tensor, "op_type": r.site.op_type, "order": r.site.order,
-                 "verdict": r.finding.verdict, "cause": r.finding.cause, "evidence": list(r.finding.evidence),
-                 "impact": r.finding.impact.as_dict() if r.finding.impact is not None else None}
-                for r in rows if r.finding]
-    inputs = [r for r in rows if r.is_input]
-    rows_out = [r for r in rows if not r.is_input]
-    failed = [r for r in rows_out if r.failed]
-    failed_constants = [r for r in failed if r.is_constant]
-    summary = {
-        "tool": "layerdiff",
-        "version": __version__,
-        **job,
-        "parameters": parameters,
-        "outcome": answer,
-        # the answer, as the headline words it: what every view of the job names
-        "answer": _answer(text, kind, named, answer, cov),
-        "coverage": cov,
-        "diagnosis": diagnosis,
-        # without an execution order the "first" ones are the first listed, by name (execution_order.known)
-        "execution_order": {"from": order.source or None, "known": not order.unknown,
-                            "why_unknown": order.unknown or None},
-        "computation_errors": [node_summary(r) for r in comps],
-        "first_computation_error": node_summary(first_comp) if first_comp else None,
-        "device_precision": device_precision(rows, rep.quantized),
-        "first_failing_node": node_summary(first) if first else None,
-        "benign_computation_errors": [node_summary(r) for r in benign],
-        "counts": {
-            "reference_tensors": len(all_sites),
-            "compared": len(rows_out),
-            "failed": len(failed) - len(failed_constants),
-            "failed_constants": len(failed_constants),
-            "passed": len(rows_out) - len(failed),
-            "inputs_compared": len(inputs),
-            "inputs_failed": sum(r.failed for r in inputs),
-            "overflowing_nodes": len(rep.overflow),
-            "skipped": len(rep.skipped),
-            "not_dumped": len(rep.not_dumped),
-            "fused": len(rep.fused),
-            "folded": len(rep.folded),
-            "attributed": len(rep.attributed),
-            "invalid_out": len(rep.invalid_out),
-            "device_tensors": len(rep.device_names),
-        },
-        "failing_nodes": [r.site.tensor for r in failed if not r.is_constant],
-        "failing_constants": [node_summary(r) for r in failed_constants],
-        "failing_inputs": [r.label for r in inputs if r.failed],
-        "overflow_nodes": [{"node": n, "why": why, "side": "device"} for n, why in rep.overflow.items()] +
-                          [{"node": n, "why": why, "side": "reference"} for n, why in rep.reference_overflow.items()],
-        "verdicts": verdicts,
-        "plots": rep.plots,
-        "plots_not_drawn": rep.plots_left,
-        "quantization": diagnose.quantization_advice(all_sites, node_inputs or {}, rows, rep.input_ranges,
-                                                     rep.quantized),
-        "detail_files": detail_files,
-        "nodes": [node_summary(r) for r in rows],
-    }
-    summary.update((sections() if callable(sections) else sections) or {})
-    (out / "summary.json").write_text(json_text(summary, allow_nan=False), encoding="utf-8")
-    # what a person reads: the page, and the errors to overlay on the graph
-    from layerdiff.analyzer.report.explorer import write_node_data
-    from layerdiff.analyzer.report.html import write_html
+        first = rep.first_failing()
+        comps = [r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION and not r.finding.benign]
+        first_comp = comps[0] if comps else None
+        benign = [r for r in rows if r.finding and r.finding.benign]
+        undecided = [r for r in rows if r.finding and r.finding.verdict == diagnose.UNDECIDED]
+        spent = diagnose.outputs_out_of_tolerance(rows, node_inputs or {}, outputs)
+        text = diagnose.headline(first_comp, first, nan_overflow, benign, undecided, spent, order, comps)
+        answer = coverage.outcome(rep, cov, diagnose.exit_of(first_comp, nan_overflow, benign, undecided, spent,
+                                                             first, order.unknown))
+        if answer["status"] == "no_answer":
+            text = f"NO ANSWER: {answer['reason']}"
+        diagnosis = {"headline": text, **nan_overflow}
+        kind, named = diagnose.answer_row(first_comp, nan_overflow, benign, undecided, spent, rows)
+        if answer["status"] == "no_answer" and kind != diagnose.UNDECIDED:
+            kind, named = "no answer", None       # too little compared to name anything
+        if impact is not None:
+            unmeasured = [r.site.node for r in rows if r.finding and r.finding.impact is not None
+                          and r.finding.impact.harmful is None]
+            diagnosis["impact"] = {**impact.summary(), "not_measured": unmeasured}
+        verdicts = [{"node": r.site.node, "tensor": r.site.tensor, "op_type": r.site.op_type, "order": r.site.order,
+                     "verdict": r.finding.verdict, "cause": r.finding.cause, "evidence": list(r.finding.evidence),
+                     "impact": r.finding.impact.as_dict() if r.finding.impact is not None else None}
+                    for r in rows if r.finding]
+        inputs = [r for r in rows if r.is_input]
+        rows_out = [r for r in rows if not r.is_input]
+        failed = [r for r in rows_out if r.failed]
+        failed_constants = [r for r in failed if r.is_constant]
+        summary = {
+            "tool": "layerdiff",
+            "version": __version__,
+            **job,
+            "parameters": parameters,
+            "outcome": answer,
+            # the answer, as the headline words it: what every view of the job names
+            "answer": _answer(text, kind, named, answer, cov),
+            "coverage": cov,
+            "diagnosis": diagnosis,
+            # without an execution order the "first" ones are the first listed, by name (execution_order.known)
+            "execution_order": {"from": order.source or None, "known": not order.unknown,
+                                "why_unknown": order.unknown or None},
+            "computation_errors": [node_summary(r) for r in comps],
+            "first_computation_error": node_summary(first_comp) if first_comp else None,
+            "device_precision": device_precision(rows, rep.quantized),
+            "first_failing_node": node_summary(first) if first else None,
+            "benign_computation_errors": [node_summary(r) for r in benign],
+            "counts": {
+                "reference_tensors": len(all_sites),
+                "compared": len(rows_out),
+                "failed": len(failed) - len(failed_constants),
+                "failed_constants": len(failed_constants),
+                "passed": len(rows_out) - len(failed),
+                "inputs_compared": len(inputs),
+                "inputs_failed": sum(r.failed for r in inputs),
+                "overflowing_nodes": len(rep.overflow),
+                "skipped": len(rep.skipped),
+                "not_dumped": len(rep.not_dumped),
+                "fused": len(rep.fused),
+                "folded": len(rep.folded),
+                "attributed": len(rep.attributed),
+                "invalid_out": len(rep.invalid_out),
+                "device_tensors": len(rep.device_names),
+            },
+            "failing_nodes": [r.site.tensor for r in failed if not r.is_constant],
+            "failing_constants": [node_summary(r) for r in failed_constants],
+            "failing_inputs": [r.label for r in inputs if r.failed],
+            "overflow_nodes": [{"node": n, "why": why, "side": "device"} for n, why in rep.overflow.items()] +
+                              [{"node": n, "why": why, "side": "reference"}
+                               for n, why in rep.reference_overflow.items()],
+            "verdicts": verdicts,
+            "plots": rep.plots,
+            "plots_not_drawn": rep.plots_left,
+            "quantization": diagnose.quantization_advice(all_sites, node_inputs or {}, rows, rep.input_ranges,
+                                                         rep.quantized),
+            "detail_files": detail_files,
+            "nodes": [node_summary(r) for r in rows],
+        }
+        summary.update((sections() if callable(sections) else sections) or {})
+        (out / "summary.json").write_text(json_text(summary, allow_nan=False), encoding="utf-8")
+        # what a person reads: the page, and the errors to overlay on the graph
+        from layerdiff.analyzer.report.explorer import write_node_data
+        from layerdiff.analyzer.report.html import write_html
 
-    write_node_data(out, summary)
-    write_html(out, summary)
+        write_node_data(out, summary)
+        write_html(out, summary)
+    tables.result()
     return summary
+
+
+def _write_details_and_tables(out: Path, rows: list[Row], detail_files: dict[str, str], aligned: list[tuple],
+                              weights: list | None) -> None:
+    """A failing tensor's worst elements ({op_name}.csv), then the Parquet
+    tables (which name those files)."""
+    for r in rows:
+        if r.failed:
+            with open(out / detail_files[r.label], "w", newline="", encoding="utf-8") as f:
+                w = csv.writer(f)
+                w.writerow(DETAIL_COLUMNS)
+                w.writerows([idx, f"{rv:.6g}", f"{dv:.6g}", f"{ad:.6g}", f"{rd:.6g}"]     # g6's, inline: 100k cells
+                            for idx, rv, dv, ad, rd in r.outcome.worst)
+    write_tables(out, rows, detail_files, aligned, weights)
 
 
 def _answer(headline: str, kind: str, row: Row | None, outcome: dict, cov: dict) -> dict:
