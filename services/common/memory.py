@@ -11,8 +11,10 @@ What stays on the heaps (the many small arrays and objects of each
 comparison) churns at their tops: with glibc's default padding of 128 KiB
 each heap is shrunk and grown again for nearly every tensor, and every page
 grown again is a page fault (four in five of a two-dump comparison's, a
-third of its system time). A padding of 32 MiB a heap keeps that memory
-mapped; it stays bounded by the padding, large tensors are unaffected.
+third of its system time). A padding of 16 MiB a heap keeps most of that
+memory mapped (168k -> 53k faults comparing two PP-OCRv4 dumps): bounded
+by the padding, large tensors unaffected. It costs the analyzer's peak
+about 60 MiB on a large job (32 MiB: 34k faults, 100 MiB).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import ctypes.util
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 256 * 1024
-TOP_PAD_BYTES = 32 << 20
+TOP_PAD_BYTES = 16 << 20
 _done = False
 
 

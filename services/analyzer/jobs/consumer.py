@@ -114,8 +114,8 @@ class StreamConsumer:
         self.limit = getattr(executor, "max_in_flight", 2 * max(1, executor.max_cores))
         # the error model's figures of each pair, not made on the thread that
         # takes the stream: right after the comparison on its core where the
-        # executor compares here (LocalPool.submit_with), else on this thread
-        # while remote workers compare
+        # executor compares here (LocalPool.submit_with), else on a thread
+        # of their own while remote workers compare
         self._stats = ThreadPoolExecutor(max_workers=1, thread_name_prefix="error-stats")
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()
