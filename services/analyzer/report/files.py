@@ -385,10 +385,11 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                     + ".csv" for r in rows if r.failed}
     aligned = alignment_rows(rep, aligner, all_sites)
     # The failing nodes' detail files and the Parquet tables are written
-    # beside the rest: creating hundreds of files and Parquet's encoding let
-    # the interpreter go, and the rest goes on meanwhile.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="report-tables") as aside:
-        tables = aside.submit(_write_details_and_tables, out, rows, detail_files, aligned, weights)
+    # beside the rest, each on a thread of its own: creating hundreds of
+    # files and Parquet's encoding let the interpreter go meanwhile.
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="report-aside") as aside:
+        written = [aside.submit(_write_details, out, rows, detail_files),
+                   aside.submit(write_tables, out, rows, detail_files, aligned, weights)]
         with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
             w.writerow(SEED_COLUMNS + EXTRA_COLUMNS)
@@ -508,14 +509,14 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
 
         write_node_data(out, summary)
         write_html(out, summary)
-    tables.result()
+    for done in written:
+        done.result()
     return summary
 
 
-def _write_details_and_tables(out: Path, rows: list[Row], detail_files: dict[str, str], aligned: list[tuple],
-                              weights: list | None) -> None:
-    """A failing tensor's worst elements ({op_name}.csv), then the Parquet
-    tables (which name those files)."""
+def _write_details(out: Path, rows: list[Row], detail_files: dict[str, str]) -> None:
+    """Each failing tensor's worst elements, {op_name}.csv (``detail_files``
+    names it)."""
     for r in rows:
         if r.failed:
             with open(out / detail_files[r.label], "w", newline="", encoding="utf-8") as f:
@@ -523,7 +524,6 @@ def _write_details_and_tables(out: Path, rows: list[Row], detail_files: dict[str
                 w.writerow(DETAIL_COLUMNS)
                 w.writerows([idx, f"{rv:.6g}", f"{dv:.6g}", f"{ad:.6g}", f"{rd:.6g}"]     # g6's, inline: 100k cells
                             for idx, rv, dv, ad, rd in r.outcome.worst)
-    write_tables(out, rows, detail_files, aligned, weights)
 
 
 def _answer(headline: str, kind: str, row: Row | None, outcome: dict, cov: dict) -> dict:

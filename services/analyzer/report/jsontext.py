@@ -9,6 +9,8 @@ import json
 
 # levels laid out one item to a line (the summary itself, then its lists: the nodes)
 LEVELS = 2
+# one encoder each way (json.dumps makes a new one for every call given allow_nan=False)
+_ENCODERS = {True: json.JSONEncoder(allow_nan=True), False: json.JSONEncoder(allow_nan=False)}
 
 
 def json_text(obj: object, *, allow_nan: bool = True, levels: int = LEVELS) -> str:
@@ -18,10 +20,10 @@ def json_text(obj: object, *, allow_nan: bool = True, levels: int = LEVELS) -> s
 
 def _text(obj: object, depth: int, levels: int, allow_nan: bool) -> str:
     if depth >= levels or not isinstance(obj, (dict, list, tuple)) or not obj:
-        return json.dumps(obj, allow_nan=allow_nan)
+        return _ENCODERS[allow_nan].encode(obj)
     pad, inner = " " * depth, " " * (depth + 1)
     if isinstance(obj, dict):
-        items = [f"{inner}{json.dumps(k if isinstance(k, str) else json.dumps(k))}: "
+        items = [f"{inner}{_ENCODERS[True].encode(k if isinstance(k, str) else json.dumps(k))}: "
                  f"{_text(v, depth + 1, levels, allow_nan)}" for k, v in obj.items()]
         return "{\n" + ",\n".join(items) + "\n" + pad + "}"
     return "[\n" + ",\n".join(inner + _text(v, depth + 1, levels, allow_nan) for v in obj) + "\n" + pad + "]"
