@@ -443,3 +443,25 @@ def test_dump_names_what_it_cannot_write(tmp_path):
         log = (d / "out" / "dump_skip.log").read_text()
         assert log.startswith("s: holds string (object) values"), log
         assert str(d / "out" / "dump_skip.log") in (r.stdout if want == 0 else r.stderr)
+
+
+def test_npy_files_that_are_no_npy_files_are_named_in_one_line(tmp_path):
+    """Read from one mapping of the file: an empty or short file, another
+    format, a directory where a file was expected and a missing file each
+    give one line naming the file (and a dump's missing file says the
+    manifest names it)."""
+    (tmp_path / "empty.npy").write_bytes(b"")
+    (tmp_path / "short.npy").write_bytes(b"\x93NUM")
+    (tmp_path / "text.npy").write_bytes(b"name,value\nrelu,1\n")
+    (tmp_path / "dir.npy").mkdir()
+    want = {"empty.npy": "not a .npy file (0 bytes", "short.npy": "not a .npy file (4 bytes",
+            "text.npy": "magic string is not correct", "dir.npy": "not a regular file",
+            "gone.npy": "No such file or directory"}
+    for name, words in want.items():
+        with pytest.raises(LayerdiffError) as e:
+            read_npy(tmp_path / name, name=name)
+        assert words in str(e.value) and name in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "manifest.json").write_text(json.dumps({"nodes": [{"name": "a", "file": "gone.npy"},
+                                                                   {"name": "b", "file": "dir.npy"}]}))
+    recs = {r.name: r.message for r in DumpDirectory(str(tmp_path)).records()}
+    assert "manifest names a missing file 'gone.npy'" in recs["a"] and "not a regular file" in recs["b"]

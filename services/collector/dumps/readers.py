@@ -21,9 +21,11 @@ Ascend runtime dumps by layerdiff.collector.dumps.ascend.
 """
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -36,48 +38,62 @@ from layerdiff.common.schema import ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, RO
 
 def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | None = None) -> np.ndarray:
     """Map a .npy file after checking its header against its size: corrupt,
-    truncated or object-typed files are refused before any allocation."""
+    truncated or object-typed files are refused before any allocation.
+    The file is mapped once and its header read from the mapping: no read
+    or seek of its own (each a system call that lets the interpreter go,
+    and waits to take it back from the threads comparing, a thousand times
+    a dump)."""
     shown = name or str(path)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            try:
-                version = np.lib.format.read_magic(f)
-            except ValueError as e:
-                raise LayerdiffError(f"not a .npy file ({e})", file=shown) from e
-            try:
-                if version not in ((1, 0), (2, 0), (3, 0)):
-                    raise LayerdiffError(f"unsupported .npy version {version}", file=shown)
-                shape, fortran, dtype = _npy_header(f, version)
-            except LayerdiffError:
-                raise
-            except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, TokenError...
-                raise LayerdiffError(f"corrupt .npy header ({type(e).__name__}: {e})", file=shown) from e
-            header_end = f.tell()
-            if dtype.hasobject or dtype.name not in ALLOWED_DTYPES:
-                raise LayerdiffError(f"dtype {dtype} is not a plain numeric type", file=shown, field="dtype")
-            count = 1
-            for s in shape:
-                count *= s
-            nbytes = count * dtype.itemsize
-            if nbytes > max_bytes or span_bytes(shape, dtype.itemsize) > max_bytes:
-                raise LayerdiffError(f"declared shape {shape} is {nbytes} bytes, over the limit of {max_bytes}",
-                                     file=shown, field="shape")
-            if size - header_end < nbytes:
-                raise LayerdiffError(f"truncated: header declares {nbytes} bytes of data, file holds "
-                                     f"{size - header_end}", file=shown)
-            if nbytes == 0:
-                return np.zeros(shape, dtype=dtype)
-            # the whole file mapped read-only from the descriptor already
-            # open (np.memmap opens, stats and wraps it again: a thousand
-            # tensors of a dump paid that a thousand times)
-            mapped = _NpyMap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=shown) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LayerdiffError("cannot be read: not a regular file", file=shown)
+        size = st.st_size
+        mapped = _NpyMap(fd, 0, access=mmap.ACCESS_READ) if size >= len(_MAGIC) + 2 else None
+    except OSError as e:
+        raise LayerdiffError(f"cannot be read: {e.strerror}", file=shown) from e
+    finally:
+        os.close(fd)
+    if mapped is None:
+        raise LayerdiffError(f"not a .npy file ({size} bytes, shorter than any .npy header)", file=shown)
+    got = bytes(mapped[:len(_MAGIC)])
+    if got != _MAGIC:
+        raise LayerdiffError(f"not a .npy file (the magic string is not correct; expected {_MAGIC!r}, "
+                             f"got {got!r})", file=shown)
+    version = (mapped[len(_MAGIC)], mapped[len(_MAGIC) + 1])
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        raise LayerdiffError(f"unsupported .npy version {version}", file=shown)
+    try:
+        shape, fortran, dtype, header_end = _npy_header(mapped, version)
+    except LayerdiffError:
+        raise
+    except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, TokenError...
+        raise LayerdiffError(f"corrupt .npy header ({type(e).__name__}: {e})", file=shown) from e
+    if dtype.hasobject or dtype.name not in ALLOWED_DTYPES:
+        raise LayerdiffError(f"dtype {dtype} is not a plain numeric type", file=shown, field="dtype")
+    count = 1
+    for s in shape:
+        count *= s
+    nbytes = count * dtype.itemsize
+    if nbytes > max_bytes or span_bytes(shape, dtype.itemsize) > max_bytes:
+        raise LayerdiffError(f"declared shape {shape} is {nbytes} bytes, over the limit of {max_bytes}",
+                             file=shown, field="shape")
+    if size - header_end < nbytes:
+        raise LayerdiffError(f"truncated: header declares {nbytes} bytes of data, file holds "
+                             f"{size - header_end}", file=shown)
+    if nbytes == 0:
+        return np.zeros(shape, dtype=dtype)
     arr = np.ndarray(tuple(shape), dtype=dtype, buffer=mapped, offset=header_end, order="F" if fortran else "C")
     if not fortran:
         mapped.path, mapped.data_address, mapped.data_bytes = str(path), arr.ctypes.data, nbytes
     return arr
+
+
+_MAGIC = b"\x93NUMPY"
 
 
 class _NpyMap(mmap.mmap):
@@ -110,25 +126,28 @@ _NUMPY_HEADER = re.compile(rb"\{'descr': '([<>|=]?[A-Za-z]\d*)', 'fortran_order'
 MAX_HEADER_BYTES = 65536
 
 
-def _npy_header(f, version: tuple[int, int]) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """(shape, fortran order, dtype) from a .npy header, ``f`` just past its magic."""
-    start = f.tell()
+def _npy_header(mapped: mmap.mmap, version: tuple[int, int]) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, fortran order, dtype, where the data starts) from the header
+    of a mapped .npy file of this version."""
+    start = len(_MAGIC) + 2
     width = 2 if version == (1, 0) else 4
-    raw = f.read(width)
-    if len(raw) == width:
-        n = int.from_bytes(raw, "little")
-        text = f.read(n) if n <= MAX_HEADER_BYTES else b""
-        m = _NUMPY_HEADER.fullmatch(text.rstrip(b" \n")) if len(text) == n else None
+    raw = mapped[start:start + width]
+    n = int.from_bytes(raw, "little") if len(raw) == width else -1
+    end = start + width + n
+    if 0 <= n <= MAX_HEADER_BYTES and end <= len(mapped):
+        m = _NUMPY_HEADER.fullmatch(mapped[start + width:end].rstrip(b" \n"))
         if m is not None:
             try:
                 dtype = np.dtype(m[1].decode("ascii"))
             except TypeError:
                 dtype = None
             if dtype is not None:
-                return tuple(int(x) for x in m[3].split(b",") if x.strip()), m[2] == b"True", dtype
-    f.seek(start)
+                return tuple(int(x) for x in m[3].split(b",") if x.strip()), m[2] == b"True", dtype, end
+    # any other layout: numpy's own parser, on the header's bytes
+    f = io.BytesIO(mapped[start:min(len(mapped), start + width + MAX_HEADER_BYTES)])
     read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    return read(f, max_header_size=MAX_HEADER_BYTES)
+    shape, fortran, dtype = read(f, max_header_size=MAX_HEADER_BYTES)
+    return shape, fortran, dtype, start + f.tell()
 
 
 def size_of(dtype: np.dtype, shape, max_bytes: int, shown: str) -> int:
