@@ -1396,6 +1396,8 @@ def _worst(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
     pair enters only with a larger abs_diff than its root's, and a pair
     with NaN or Inf always does (unless the root is one: then none can)."""
     n = r.size
+    if hidx.size == 0:
+        return k
     for b0 in range(0, n, _WORST_BLOCK):
         b1 = min(b0 + _WORST_BLOCK, n)
         if k == hidx.size:
