@@ -216,14 +216,16 @@ def scratch(tmp_path):
 
 @contextlib.contextmanager
 def monitored(url: str):
-    """Every command the Redis at ``url`` runs while the block runs (MONITOR), as a list filled as they come."""
+    """Every command the Redis at ``url`` runs while the block runs (MONITOR), as a list filled as they come,
+    complete when the block ends: MONITOR reports commands in the order they ran, so the block ends by running
+    a marker and reading up to it (a huge command, echoed whole, leaves the monitor seconds behind)."""
     seen: list[str] = []
-    stop = threading.Event()
+    marker = f"monitored-until-{uuid.uuid4().hex}"
 
     def watch():
         with redis.Redis.from_url(url).monitor() as m:
             for cmd in m.listen():
-                if stop.is_set():
+                if marker in cmd["command"]:
                     return
                 seen.append(cmd["command"])
 
@@ -233,10 +235,10 @@ def monitored(url: str):
     try:
         yield seen
     finally:
-        stop.set()
         with redis.Redis.from_url(url) as c:
-            c.ping()      # a command for the monitor to see: it ends
-        t.join(timeout=5)
+            c.echo(marker)      # the last command the monitor reports
+        t.join(timeout=60)
+        assert not t.is_alive(), "the monitor did not catch up with Redis within 60 s"
 
 
 def test_a_job_through_the_analyzer_is_signed_and_compared(signed, cnn_files, scratch):
