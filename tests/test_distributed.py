@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -156,30 +157,42 @@ def test_celery_and_local_pool_give_identical_reports(cluster, cnn_files, tmp_pa
     assert celery_summary["first_failing_node"]["node"] == "conv2"
 
 
+@contextlib.contextmanager
+def monitored(url: str):
+    """Every command the Redis at ``url`` runs while the block runs (MONITOR), as a list filled as they come,
+    complete when the block ends: MONITOR reports commands in the order they ran, so the block ends by running
+    a marker and reading up to it (a huge command, echoed whole, leaves the monitor seconds behind)."""
+    seen: list[str] = []
+    marker = f"monitored-until-{uuid.uuid4().hex}"
+
+    def watch():
+        with redis.Redis.from_url(url).monitor() as m:
+            for cmd in m.listen():
+                if marker in cmd["command"]:
+                    return
+                seen.append(cmd["command"])
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    try:
+        yield seen
+    finally:
+        with redis.Redis.from_url(url) as c:
+            c.echo(marker)      # the last command the monitor reports
+        t.join(timeout=60)
+        assert not t.is_alive(), "the monitor did not catch up with Redis within 60 s"
+
+
 def test_no_tensor_bytes_in_broker_messages_and_store_cleaned(cluster, cnn_files, tmp_path):
     """Every message on the broker is small (references only) and the job's
     tensors are deleted when it ends."""
     r = redis.Redis.from_url(cluster["redis"].url)
     model, inputs, device = cnn_files
-    pushes: list[int] = []
-    stop = threading.Event()
-
-    def watch():
-        with redis.Redis.from_url(cluster["redis"].url).monitor() as m:
-            for cmd in m.listen():
-                if cmd["command"].upper().startswith("LPUSH"):
-                    pushes.append(len(cmd["command"]))
-                if stop.is_set():
-                    return
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    time.sleep(0.3)
-    run(model, inputs, device_model=device, out=tmp_path / "out", analyzer=cluster["celery"].address,
-        collector=cluster["collector"].address, progress=False)
-    stop.set()
-    r.ping()
-    t.join(timeout=5)
+    with monitored(cluster["redis"].url) as seen:
+        run(model, inputs, device_model=device, out=tmp_path / "out", analyzer=cluster["celery"].address,
+            collector=cluster["collector"].address, progress=False)
+    pushes = [len(c) for c in seen if c.upper().startswith("LPUSH")]
     assert pushes, "no task was published"
     # the conv outputs alone are 8 KiB each, twice per node: only references travel
     assert max(pushes) < 16 * 1024

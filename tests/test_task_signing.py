@@ -31,7 +31,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -39,7 +38,7 @@ import numpy as np
 import pytest
 import redis
 from conftest import ServiceProcess, wait_for
-from test_distributed import RedisServer, _pings
+from test_distributed import RedisServer, _pings, monitored
 
 from layerdiff.analyzer.execute.celery_app import QUEUE, SIGNED_CONTENT_TYPE, TASK, make_app, send_compare, sign
 from layerdiff.analyzer.execute.store import TensorStore, tensor_endpoint
@@ -212,33 +211,6 @@ def signed(tmp_path_factory):
 def scratch(tmp_path):
     yield tmp_path
     shutil.rmtree(tmp_path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def monitored(url: str):
-    """Every command the Redis at ``url`` runs while the block runs (MONITOR), as a list filled as they come,
-    complete when the block ends: MONITOR reports commands in the order they ran, so the block ends by running
-    a marker and reading up to it (a huge command, echoed whole, leaves the monitor seconds behind)."""
-    seen: list[str] = []
-    marker = f"monitored-until-{uuid.uuid4().hex}"
-
-    def watch():
-        with redis.Redis.from_url(url).monitor() as m:
-            for cmd in m.listen():
-                if marker in cmd["command"]:
-                    return
-                seen.append(cmd["command"])
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    time.sleep(0.3)
-    try:
-        yield seen
-    finally:
-        with redis.Redis.from_url(url) as c:
-            c.echo(marker)      # the last command the monitor reports
-        t.join(timeout=60)
-        assert not t.is_alive(), "the monitor did not catch up with Redis within 60 s"
 
 
 def test_a_job_through_the_analyzer_is_signed_and_compared(signed, cnn_files, scratch):
