@@ -300,9 +300,8 @@ class DumpDirectory:
                              node)
             path = resolve_inside(self.root, entry.get("file"), name)
             fmt = self._format(entry)
-            missing = LayerdiffError(f"manifest names a missing file {entry.get('file')!r}", node=name, field="file")
             if fmt != "npy" and not path.exists():
-                raise missing
+                raise _missing(entry, name)
             shown = str(entry.get("file"))
             if fmt == "npy":
                 try:
@@ -310,7 +309,7 @@ class DumpDirectory:
                 except LayerdiffError:
                     # asked only then: a stat a file less for the thousands that are there
                     if not path.exists():
-                        raise missing from None
+                        raise _missing(entry, name) from None
                     raise
             elif fmt == "onnx":
                 _, arr = read_tensor_proto(path, self.max_tensor_bytes, name=shown)
@@ -440,3 +439,7 @@ def _write_ascend(root: Path, kept: Iterable[tuple[int, NodeRecord]]) -> Path:
             ascend.write_op_debug_file(leaf / ascend.file_name("Opdebug", "Node_OpDebug", 10**6 + task_id, 0,
                                                                stamp + 1), payload, stamp + 1)
     return root
+
+
+def _missing(entry: dict, name: str) -> LayerdiffError:
+    return LayerdiffError(f"manifest names a missing file {entry.get('file')!r}", node=name, field="file")
