@@ -181,6 +181,13 @@ def column(values: list | tuple, typ: pa.DataType) -> pa.Array:
                                        column([k for v in values for k in (v or {})], typ.key_type),
                                        column([x for v in values for x in (v or {}).values()], typ.item_type))
     if pa.types.is_string(typ) or pa.types.is_binary(typ):
+        if pa.types.is_string(typ) and set(map(type, values)) <= {str, type(None)}:
+            texts = values if not nulls else ["" if v is None else v for v in values]
+            data = "".join(texts).encode("utf-8")
+            lengths = list(map(len, texts))
+            if len(data) == sum(lengths):   # ASCII: a character a byte, no encoding per value
+                return pa.Array.from_buffers(typ, n, [vbuf, _offsets(lengths).buffers()[1], pa.py_buffer(data)],
+                                             null_count=nulls)
         parts = [b"" if v is None else v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
         return pa.Array.from_buffers(typ, n, [vbuf, _offsets(list(map(len, parts))).buffers()[1],
                                               pa.py_buffer(b"".join(parts))], null_count=nulls)

@@ -69,15 +69,24 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
                 rp, dp = r[s:s + _PIECE], d[s:s + _PIECE]
                 k = kernels()._worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
                            float(rtol), s, k, hidx, hdiff, hcls)
-    rows = []
-    for j in range(k):
-        i = int(hidx[j])
-        x, y = float(r[i]), float(d[i])
-        if integer:
-            ae = float(abs(int(d[i]) - int(r[i])))
-        else:
-            ae = abs(y - x)
-        den = abs(x) if x != 0.0 else REL_EPS
-        rows.append((i, x, y, ae, ae / den))
-    rows.sort(key=worst_row_key)
-    return rows
+    if integer:     # exact differences of integers past 2**53: Python's ints, a row at a time
+        rows = []
+        for j in range(k):
+            i = int(hidx[j])
+            rv, dv = float(r[i]), float(d[i])
+            diff = float(abs(int(d[i]) - int(r[i])))
+            rows.append((i, rv, dv, diff, diff / (abs(rv) if rv != 0.0 else REL_EPS)))
+        rows.sort(key=worst_row_key)
+        return rows
+    # the rows as columns: a diff_cnt of rows a failing node, hundreds of nodes
+    idx = hidx[:k]
+    x = r[idx].astype(np.float64)
+    y = d[idx].astype(np.float64)
+    with np.errstate(all="ignore"):
+        ae = np.abs(y - x)
+        rd = ae / np.where(x != 0.0, np.abs(x), REL_EPS)
+    finite = np.isfinite(x) & np.isfinite(y)
+    # worst_row_key's order: non-finite pairs first by index, then abs_diff descending, then index
+    order = np.lexsort((idx, np.where(finite, -ae, 0.0), finite))
+    return list(zip(idx[order].tolist(), x[order].tolist(), y[order].tolist(), ae[order].tolist(),
+                    rd[order].tolist()))

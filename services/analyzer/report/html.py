@@ -404,6 +404,9 @@ def _cells(n: dict) -> list[tuple[str, str, str]]:
 
 
 _WRAPPED = frozenset({"node", "note", "overflow"})
+# cells of numbers alone (fmt's and _sort_value's words, "/" between two):
+# nothing in them to escape, thousands of cells a report
+_NUMERIC = frozenset(k for k, _, t in COLUMNS if t == "num")
 _WRAP = ' class="wrap"'
 
 
@@ -417,7 +420,8 @@ def _table(nodes: list[dict], first_key: tuple | None) -> str:
             cls.append("input")
         if first_key and (n.get("node"), n.get("tensor"), n.get("role", "output")) == first_key:
             cls.append("first")
-        tds = "".join(f'<td data-v="{esc(sv)}"{_WRAP if key in _WRAPPED else ""}>{esc(shown)}</td>'
+        tds = "".join(f'<td data-v="{sv}"{_WRAP if key in _WRAPPED else ""}>{shown}</td>' if key in _NUMERIC else
+                      f'<td data-v="{esc(sv)}"{_WRAP if key in _WRAPPED else ""}>{esc(shown)}</td>'
                       for key, shown, sv in _cells(n))
         rows.append(f'<tr id="row-{i}" data-i="{i}" class="{" ".join(cls)}">{tds}</tr>')
     return (f'<p><label><input type="checkbox" id="only-failing"> failing rows only</label> '

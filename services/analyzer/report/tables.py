@@ -77,6 +77,7 @@ def element_columns(rows: list, detail_files: dict[str, str]) -> dict[str, list]
     them, column by column (twenty thousand rows of dicts took longer to
     make into a table than the rest of the report)."""
     cols: dict[str, list] = {f.name: [] for f in ELEMENTS_SCHEMA}
+    index_parts: list[np.ndarray] = []      # each tensor's (rows, rank) axis indices
     for r in rows:
         fname = detail_files.get(r.label)
         if fname is None or not r.outcome.worst:
@@ -92,20 +93,34 @@ def element_columns(rows: list, detail_files: dict[str, str]) -> dict[str, list]
         cols["detail_file"] += [fname] * n
         cols["rank"] += list(range(n))
         cols["flat_index"] += idx
-        cols["index"] += np.stack(np.unravel_index(flat, shape), axis=1).tolist() if shape else [[]] * n
+        index_parts.append(np.stack(np.unravel_index(flat, shape), axis=1) if shape else np.empty((n, 0), np.int64))
         cols["std_value"] += rv
         cols["npu_value"] += dv
         cols["abs_diff"] += ad
         cols["relative_diff"] += rd
+    cols["index"] = _index_lists(index_parts)
     return cols
+
+
+def _index_lists(parts: list[np.ndarray]) -> pa.Array:
+    """The elements' axis indices as one list<int64> array, from the
+    tensors' index matrices (no list a row: twenty thousand of them)."""
+    ranks = [p.shape[1] for p in parts for _ in range(p.shape[0])]
+    flat = np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64) if parts else np.empty(0, np.int64)
+    offsets = np.zeros(len(ranks) + 1, np.int32)
+    np.cumsum(np.array(ranks, np.int64), out=offsets[1:])
+    child = pa.Array.from_buffers(pa.int64(), flat.size, [None, pa.py_buffer(flat)])
+    return pa.ListArray.from_arrays(pa.Array.from_buffers(pa.int32(), offsets.size, [None, pa.py_buffer(offsets)]),
+                                    child)
 
 
 def _table(rows: list[dict], schema: pa.Schema) -> pa.Table:
     return _from_columns({f.name: [r.get(f.name) for r in rows] for f in schema}, schema)
 
 
-def _from_columns(cols: dict[str, list], schema: pa.Schema) -> pa.Table:
-    return pa.Table.from_arrays([column(cols[f.name], f.type) for f in schema], schema=schema)
+def _from_columns(cols: dict[str, list | pa.Array], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_arrays([c if isinstance(c := cols[f.name], pa.Array) else column(c, f.type)
+                                 for f in schema], schema=schema)
 
 
 def write_tables(out: Path, rows: list, detail_files: dict[str, str], aligned: list[tuple],
