@@ -671,3 +671,23 @@ def test_two_dumps_through_a_collector_of_this_process_answer_as_through_one_of_
         other.stop()
     rows = lambda r: [(n["tensor"], n["errors"], n["cosine"], n["verdict"]) for n in r.summary["nodes"]]  # noqa: E731
     assert rows(here) == rows(there) and len(rows(here)) == len(ref_vals)
+
+
+def test_reports_fetched_in_this_process_replace_links_in_out_and_never_write_through(tmp_path, npy_pair):
+    """An embedded job's reports are linked into --out: a link already
+    there under a report's name (to a file elsewhere) is replaced by the
+    report, and the file it pointed at stays as it was."""
+    base, golden, device = npy_pair
+    dev = write_dump(tmp_path / "device", device, "npy")
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").symlink_to(elsewhere)
+    (out / "cpu_vs_npu.csv").symlink_to(elsewhere)
+    r = compare(str(golden), str(dev), out=out, progress=False)
+    assert elsewhere.read_text() == "keep me"
+    for name in ("summary.json", "cpu_vs_npu.csv"):
+        assert not (out / name).is_symlink() and (out / name).stat().st_size > 100, name
+    assert r.summary["counts"]["compared"] == 9
+    assert {"report.html", "nodes.parquet", "conv2.csv"} <= {p.name for p in out.iterdir()}

@@ -129,6 +129,18 @@ def test_columns_built_from_buffers_are_what_pyarrow_builds(data, kind):
     assert mine.equals(ref) or all(a == b or (a != a and b != b) for a, b in zip(mine.to_pylist(), ref.to_pylist()))
 
 
+@pytest.mark.parametrize("values", [["conv1", None, "", "p2o.Add.10"] * 3, ["a", "é", None, "名前", "b"],
+                                    ["x", 3, None], [None, None], []])
+def test_string_columns_ascii_or_not_are_what_pyarrow_builds(values):
+    """ASCII names (a byte a character) take one join; any other text, or
+    a value that is not a string, is encoded value by value: the same array."""
+    from layerdiff.common.schema import column
+
+    mine = column(values, pa.string())
+    mine.validate(full=True)
+    assert mine.equals(pa.array([v if v is None else str(v) for v in values], pa.string()))
+
+
 def test_sending_tensors_and_writing_report_tables_never_import_pandas(tmp_path):
     """pa.array imports pandas where it is installed (a third of a second
     and tens of MB in every process): batches on the wire, heartbeats and a

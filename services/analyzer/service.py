@@ -85,7 +85,7 @@ class AnalyzerService(pbg.AnalyzerServicer):
         root = job.report_dir
         if not (root / "summary.json").is_file():
             raise _gone(job_id, root)
-        return [(p.relative_to(root).as_posix(), p) for p in sorted(p for p in root.rglob("*") if p.is_file())]
+        return report_listing(root)
 
     def FetchReport(self, request, context):
         try:
@@ -206,3 +206,18 @@ class AnalyzerServer:
 
 def _gone(job_id: str, root: Path) -> NotFoundError:
     return NotFoundError(f"the reports of job {job_id!r} are no longer on the analyzer ({root})", field="job_id")
+
+
+def report_listing(root: Path) -> list[tuple[str, Path]]:
+    """(path in the report, file) of every regular file under ``root``, in
+    path order (one scandir a directory: a report holds hundreds of files)."""
+    found: list[tuple[tuple[str, ...], Path]] = []
+    for top, _, files in os.walk(root):
+        rel = os.path.relpath(top, root)
+        parts = () if rel == "." else tuple(Path(rel).parts)
+        for name in files:
+            path = os.path.join(top, name)
+            if os.path.isfile(path):
+                found.append(((*parts, name), Path(path)))
+    found.sort(key=lambda item: item[0])
+    return [("/".join(key), path) for key, path in found]

@@ -255,10 +255,20 @@ def _take_report(files: list[tuple[str, Path]], out: Path, root: Path) -> list[P
     both lie on one file system (its directory goes with the process, the
     links stay), copies elsewhere."""
     written = []
+    made: dict[str, Path] = {}      # each directory of the report checked and made once, not once a file
     for rel, src in files:
-        target = _report_target(out, root, rel)
+        folder, _, name = rel.rpartition("/")
+        if name in ("", ".", ".."):
+            raise LayerdiffError(f"report file {rel!r} would land outside {out}", field="path")
+        where = made.get(folder)
+        target = (where or root) / name
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            if where is None:
+                where = _report_target(out, root, folder) if folder else root
+                where.mkdir(parents=True, exist_ok=True)
+                made[folder] = where
+                target = where / name
+            # a link (or anything) already at the name is replaced, never written through
             target.unlink(missing_ok=True)
             try:
                 os.link(src, target)

@@ -195,7 +195,8 @@ def column(values: list | tuple, typ: pa.DataType) -> pa.Array:
         child = column([x for v in values if v is not None for x in v], typ.value_type)
         offsets = _offsets([0 if v is None else len(v) for v in values])
         return pa.Array.from_buffers(typ, n, [vbuf, offsets.buffers()[1]], null_count=nulls, children=[child])
-    plain = values if not nulls else [(False if pa.types.is_boolean(typ) else 0) if v is None else v for v in values]
+    fill = False if pa.types.is_boolean(typ) else 0
+    plain = values if not nulls else [fill if v is None else v for v in values]
     if pa.types.is_boolean(typ):
         data = pa.py_buffer(np.packbits(np.array(plain, dtype=bool), bitorder="little"))
     else:

@@ -26,6 +26,7 @@ that node only: the rest of the dump streams on.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -232,8 +233,8 @@ class DumpDirectory:
 
     def _format(self, entry: dict) -> str:
         fmt = entry.get("format") or self.fmt
-        if not fmt and isinstance(entry.get("file"), str):
-            fmt = _EXTENSIONS.get(Path(entry["file"]).suffix.lower(), "npy")
+        if not fmt and isinstance(entry.get("file"), str):     # no Path made: twice for every entry read
+            fmt = _EXTENSIONS.get(os.path.splitext(entry["file"])[1].lower(), "npy")
         return fmt or "npy"
 
     def _archive_records(self, i: int, entry: dict) -> Iterator[NodeRecord]:

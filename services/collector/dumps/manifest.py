@@ -32,11 +32,10 @@ def resolve_inside(root: Path, rel: object, node: str) -> Path:
         raise LayerdiffError("manifest entry has no file", node=node, field="file")
     if "\x00" in rel or os.path.isabs(rel) or any(p == ".." for p in rel.replace("\\", "/").split("/")):
         raise LayerdiffError(f"file {rel!r} is outside the dump directory", node=node, field="file")
-    p = root / rel
     if not _through_link(root, rel):
         # no '..', not absolute, no link on the way: inside, as written
-        return Path(os.path.abspath(p))
-    p = p.resolve()
+        return Path(os.path.abspath(os.path.join(root, rel)))
+    p = (root / rel).resolve()
     if root.resolve() not in p.parents:
         raise LayerdiffError(f"file {rel!r} is outside the dump directory", node=node, field="file")
     return p
