@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from procs import timed
+from procs import bytecode_ready, timed
 
 MSPROBE_VERSION = "26.2.0"
 MSPROBE_GOAL = "job at least 10x faster than msprobe compare, at no more than its peak RSS"
@@ -363,6 +363,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--msprobe-venv", default=str(Path.home() / ".cache" / "layerdiff-bench" / "msprobe"),
                     help="msprobe's own virtual environment (made on first use)")
     a = ap.parse_args(argv)
+    bytecode_ready()
     out: dict = {"goal": GOAL}
     per_px = bytes_per_pixel()
     side = a.side or pick_side(a.target_mb * 1e6, per_px)

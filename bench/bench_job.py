@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from procs import serve, status_bytes, timed
+from procs import bytecode_ready, serve, status_bytes, timed
 
 from layerdiff.client.demo import det_input, packaged_model
 
@@ -150,6 +150,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-polygraphy", action="store_true")
     ap.add_argument("--skip-scaling", action="store_true")
     a = ap.parse_args(argv)
+    bytecode_ready()
     out = {}
     if not a.skip_scaling:
         with tempfile.TemporaryDirectory(prefix="layerdiff-bench-scaling-") as tmp:

@@ -32,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import timed  # noqa: E402
+from procs import bytecode_ready, timed  # noqa: E402
 from smallmodel import minilm, minilm_inputs  # noqa: E402
 
 # The same work by hand, for each way a model is run (a device model, an FP16
@@ -183,6 +183,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--real-size-only", action="store_true", help="only MiniLM-L6 with its real-size weights")
     a = ap.parse_args(argv)
+    bytecode_ready()
     out = []
     with tempfile.TemporaryDirectory(prefix="layerdiff-bench-small-") as tmp:
         real = bench_real_size(Path(tmp), a.runs)
