@@ -465,3 +465,27 @@ def test_npy_files_that_are_no_npy_files_are_named_in_one_line(tmp_path):
                                                                    {"name": "b", "file": "dir.npy"}]}))
     recs = {r.name: r.message for r in DumpDirectory(str(tmp_path)).records()}
     assert "manifest names a missing file 'gone.npy'" in recs["a"] and "not a regular file" in recs["b"]
+
+
+@pytest.mark.parametrize("elements", [10, 16_000, 17_000, 300_000])
+def test_small_npy_files_read_and_large_ones_mapped_give_the_same_read_only_arrays(tmp_path, elements):
+    """A file up to SMALL_READ_BYTES is read whole, a larger one mapped
+    (either side of the bound): the same values and dtype, read-only, the
+    array still known as that file's (a golden dump kept where it lies), and
+    a truncated one refused either way."""
+    from layerdiff.collector.dumps.readers import SMALL_READ_BYTES, npy_file_of
+
+    v = np.random.default_rng(elements).standard_normal(elements).astype(np.float32)
+    p = tmp_path / "t.npy"
+    np.save(p, v)
+    got = read_npy(p)
+    assert got.dtype == v.dtype and np.array_equal(got, v)
+    assert not got.flags.writeable
+    with pytest.raises(ValueError):
+        got[0] = 1.0
+    assert npy_file_of(got) == p and npy_file_of(got[1:]) is None
+    assert (p.stat().st_size <= SMALL_READ_BYTES) == (elements <= 16_000)
+    data = p.read_bytes()
+    p.write_bytes(data[:-4])
+    with pytest.raises(LayerdiffError, match="truncated"):
+        read_npy(p)

@@ -39,10 +39,10 @@ from layerdiff.common.schema import ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, RO
 def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | None = None) -> np.ndarray:
     """Map a .npy file after checking its header against its size: corrupt,
     truncated or object-typed files are refused before any allocation.
-    The file is mapped once and its header read from the mapping: no read
-    or seek of its own (each a system call that lets the interpreter go,
-    and waits to take it back from the threads comparing, a thousand times
-    a dump)."""
+    The file is mapped once (read whole, up to SMALL_READ_BYTES) and its
+    header read from there: no read or seek of its own (each a system call
+    that lets the interpreter go, and waits to take it back from the threads
+    comparing, a thousand times a dump). The array is read-only."""
     shown = name or str(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -53,7 +53,18 @@ def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | 
         if not stat.S_ISREG(st.st_mode):
             raise LayerdiffError("cannot be read: not a regular file", file=shown)
         size = st.st_size
-        mapped = _NpyMap(fd, 0, access=mmap.ACCESS_READ) if size >= len(_MAGIC) + 2 else None
+        mapped: _NpyMap | _NpyBytes | None = None
+        if len(_MAGIC) + 2 <= size <= SMALL_READ_BYTES:
+            # read, not mapped: most of a dump's files are a few KiB, and a
+            # mapping costs a page fault and, once dropped, an unmap (each
+            # lets the interpreter go, a thousand times a dump)
+            mapped = _NpyBytes(size)
+            got_bytes = os.readv(fd, [mapped])
+            if got_bytes < size:
+                del mapped[got_bytes:]
+                size = got_bytes
+        elif size > SMALL_READ_BYTES:
+            mapped = _NpyMap(fd, 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=shown) from e
     finally:
@@ -88,17 +99,28 @@ def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | 
     if nbytes == 0:
         return np.zeros(shape, dtype=dtype)
     arr = np.ndarray(tuple(shape), dtype=dtype, buffer=mapped, offset=header_end, order="F" if fortran else "C")
+    arr.flags.writeable = False     # as the mapping reads: the dump is never written through an array
     if not fortran:
         mapped.path, mapped.data_address, mapped.data_bytes = str(path), arr.ctypes.data, nbytes
     return arr
 
 
 _MAGIC = b"\x93NUMPY"
+# files up to this size are read into memory of their own, larger ones mapped
+SMALL_READ_BYTES = 64 << 10
 
 
 class _NpyMap(mmap.mmap):
     """A .npy file read_npy mapped, knowing which file and where its data
     lies (a C-order file's; see npy_file_of)."""
+
+    path = ""
+    data_address = 0
+    data_bytes = 0
+
+
+class _NpyBytes(bytearray):
+    """A small .npy file read_npy read whole, knowing the same."""
 
     path = ""
     data_address = 0
@@ -112,7 +134,7 @@ def npy_file_of(arr: np.ndarray) -> Path | None:
     base = arr.base
     while isinstance(base, np.ndarray):
         base = base.base
-    if not isinstance(base, _NpyMap) or not base.path or not arr.flags.c_contiguous \
+    if not isinstance(base, (_NpyMap, _NpyBytes)) or not base.path or not arr.flags.c_contiguous \
             or arr.ctypes.data != base.data_address or arr.nbytes != base.data_bytes:
         return None
     return Path(base.path)
@@ -126,9 +148,9 @@ _NUMPY_HEADER = re.compile(rb"\{'descr': '([<>|=]?[A-Za-z]\d*)', 'fortran_order'
 MAX_HEADER_BYTES = 65536
 
 
-def _npy_header(mapped: mmap.mmap, version: tuple[int, int]) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+def _npy_header(mapped: mmap.mmap | bytearray, version: tuple[int, int]) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """(shape, fortran order, dtype, where the data starts) from the header
-    of a mapped .npy file of this version."""
+    of a mapped (or read) .npy file of this version."""
     start = len(_MAGIC) + 2
     width = 2 if version == (1, 0) else 4
     raw = mapped[start:start + width]
