@@ -691,3 +691,28 @@ def test_reports_fetched_in_this_process_replace_links_in_out_and_never_write_th
         assert not (out / name).is_symlink() and (out / name).stat().st_size > 100, name
     assert r.summary["counts"]["compared"] == 9
     assert {"report.html", "nodes.parquet", "conv2.csv"} <= {p.name for p in out.iterdir()}
+
+
+def test_two_dumps_compared_without_a_model_never_load_onnx_or_onnxruntime(tmp_path, npy_pair):
+    """A tenth of a second of every command's start: a comparison of two
+    dumps without a model runs no model, so neither onnx nor onnxruntime
+    is loaded (the embedded services check the runtime only when asked);
+    the element types written down for that are onnx's own."""
+    import onnx as onnx_module
+
+    from layerdiff.common import onnxgraph
+
+    for name in ("FLOAT", "UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "BOOL", "FLOAT16", "DOUBLE",
+                 "UINT32", "UINT64", "BFLOAT16"):
+        assert getattr(onnxgraph, name) == getattr(onnx_module.TensorProto, name), name
+    base, golden, device = npy_pair
+    dev = write_dump(tmp_path / "device", device, "npy")
+    script = f"""
+import sys
+from layerdiff.client.api import compare
+r = compare({str(golden)!r}, {str(dev)!r}, out={str(tmp_path / 'out')!r}, progress=False)
+print(r.summary["counts"]["compared"], [m for m in ("onnx", "onnxruntime") if m in sys.modules])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=CALL_TIMEOUT)
+    assert out.returncode in (0, 1), out.stderr
+    assert out.stdout.split("\n")[-2] == "9 []", out.stdout

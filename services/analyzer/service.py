@@ -118,11 +118,15 @@ class AnalyzerService(pbg.AnalyzerServicer):
 
 class AnalyzerServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None,
-                 broker_url: str | None = None, security: ServerSecurity | None = None) -> None:
+                 broker_url: str | None = None, security: ServerSecurity | None = None,
+                 readiness: bool = True) -> None:
         """``broker_url`` (default: LAYERDIFF_BROKER_URL) sends comparisons to
         Celery workers; without one they run on the local pool. ``security``
         (default: from LAYERDIFF_TOKEN_FILE, LAYERDIFF_TLS_*): TLS and tokens;
-        a non-loopback host without them is refused unless LAYERDIFF_INSECURE=1."""
+        a non-loopback host without them is refused unless LAYERDIFF_INSECURE=1.
+        ``readiness``: keep grpc.health.v1 true (a served analyzer); False for
+        one started inside a command, which nobody asks (it then says
+        SERVING, and loads no runtime to check)."""
         security = security if security is not None else ServerSecurity.from_env()
         security.check_exposure(host, "analyzer API")
         if broker_url is None:
@@ -148,7 +152,12 @@ class AnalyzerServer:
         self._stopping = threading.Event()
         self._ready_thread = threading.Thread(target=self._readiness, name="analyzer-readiness", daemon=True)
         self.server.start()
-        self._ready_thread.start()
+        if readiness:
+            self._ready_thread.start()
+        else:
+            from grpc_health.v1 import health_pb2
+
+            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def ready(self) -> str:
         """'' when the analyzer can take jobs, else why not: it can run a

@@ -24,9 +24,9 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 import pyarrow as pa
 import pyarrow.flight as flight
 
@@ -40,6 +40,7 @@ from layerdiff.collector.perf.counters import dump_perf_records
 from layerdiff.collector.stream import DEFAULT_HEARTBEAT_S, OutgoingStream
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, Unauthenticated, UnavailableError
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.memory import release_freed_tensors_to_system
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from layerdiff.common.onnxgraph import PARSED, load_inputs, load_model, runtime_ready, without_weight_data
@@ -48,6 +49,11 @@ from layerdiff.common.schema import TENSOR_SCHEMA, NodeRecord, RecordEncoder
 from layerdiff.common.security import ClientSecurity, ServerSecurity, flight_middleware, is_loopback
 from layerdiff.common.tf.format import is_tensorflow, onnx_by_name
 from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    import onnx
+else:
+    onnx = lazy_module("onnx")
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +75,30 @@ def _to_flight_error(e: BaseException) -> Exception:
 
 class CollectorFlight(flight.FlightServerBase):
     def __init__(self, location: str, workdir: Path, security: ServerSecurity | None = None,
-                 roots: DumpRoots | None = None) -> None:
+                 roots: DumpRoots | None = None, check_runtime: bool = True) -> None:
+        """``check_runtime``: whether onnxruntime can run a model here is
+        checked now (a served collector says so as it starts), else when
+        its health is first asked (one started inside a command: a dump
+        read needs no runtime, and loading it costs a tenth of a second)."""
         security = security or ServerSecurity()
         super().__init__(location, middleware=flight_middleware(security), **security.flight_kwargs())
         self.store = ArtifactStore(Path(workdir) / "artifacts")
         self.roots = roots or DumpRoots(None, local=True)
-        why = runtime_ready()     # checked once: a collector that cannot run a model is not ready
-        self.status = "NOT_SERVING" if why else "SERVING"
-        if why:
-            log.warning("collector not ready: %s", why)
+        self._status: str | None = None
+        self._status_lock = threading.Lock()
+        if check_runtime:
+            _ = self.status
+
+    @property
+    def status(self) -> str:
+        """SERVING, or NOT_SERVING where no model can run (checked once)."""
+        with self._status_lock:
+            if self._status is None:
+                why = runtime_ready()
+                self._status = "NOT_SERVING" if why else "SERVING"
+                if why:
+                    log.warning("collector not ready: %s", why)
+            return self._status
 
     def _confined(self, d: pb.DumpSource) -> pb.DumpSource:
         """The dump source with its path checked against the dump roots."""
@@ -276,7 +297,7 @@ class CollectorServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None,
                  security: ServerSecurity | None = None, dump_roots: str | None = None,
-                 health_port: int | None = None) -> None:
+                 health_port: int | None = None, check_runtime: bool = True) -> None:
         """``security`` (default: from LAYERDIFF_TOKEN_FILE, LAYERDIFF_TLS_*):
         TLS and tokens, required on a non-loopback host unless
         LAYERDIFF_INSECURE=1. ``dump_roots`` (default LAYERDIFF_DUMP_ROOTS,
@@ -284,7 +305,8 @@ class CollectorServer:
         any, a collector on loopback reads any path and one on the network none.
         ``health_port`` (default LAYERDIFF_HEALTH_PORT): also serve
         grpc.health.v1 there (a Flight endpoint cannot carry it), with the
-        same TLS; ``layerdiff health`` asks either."""
+        same TLS; ``layerdiff health`` asks either. ``check_runtime``: see
+        CollectorFlight (False for one started inside a command)."""
         security = security if security is not None else ServerSecurity.from_env()
         security.check_exposure(host, "collector")
         roots = DumpRoots.from_env(dump_roots, local=is_loopback(host))
@@ -296,7 +318,8 @@ class CollectorServer:
         # A Flight server answers from its construction. Its serve() is not
         # called: it would take SIGINT over, and shut down on Ctrl-C only
         # once the capture under way had ended, before the process saw it.
-        self.flight = CollectorFlight(f"{security.flight_scheme()}://{host}:{port}", Path(workdir), security, roots)
+        self.flight = CollectorFlight(f"{security.flight_scheme()}://{host}:{port}", Path(workdir), security, roots,
+                                      check_runtime=check_runtime or health_port is not None)
         self.port = self.flight.port
         self.address = f"{host}:{self.port}"
         with _IN_PROCESS_LOCK:

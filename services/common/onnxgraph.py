@@ -8,21 +8,31 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
-from onnx import numpy_helper, shape_inference
 
 from layerdiff.common.errors import LayerdiffError, LimitError
+from layerdiff.common.lazy import lazy_module
 
+if TYPE_CHECKING:
+    import onnx
+    from onnx import numpy_helper, shape_inference
+else:
+    onnx = lazy_module("onnx")
+    numpy_helper = lazy_module("onnx.numpy_helper")
+    shape_inference = lazy_module("onnx.shape_inference")
+
+# onnx.TensorProto's element types: numbers the ONNX standard fixes (written
+# here so that onnx need not be imported to know them; a test holds them to onnx's)
+FLOAT, UINT8, INT8, UINT16, INT16, INT32, INT64, BOOL, FLOAT16, DOUBLE, UINT32, UINT64, BFLOAT16 = (
+    1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 16)
 # onnx TensorProto element type -> numpy dtype name
 ONNX_TO_NUMPY: dict[int, str] = {
-    onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.DOUBLE: "float64",
-    onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT16: "int16",
-    onnx.TensorProto.UINT16: "uint16", onnx.TensorProto.INT32: "int32", onnx.TensorProto.UINT32: "uint32",
-    onnx.TensorProto.INT64: "int64", onnx.TensorProto.UINT64: "uint64", onnx.TensorProto.BOOL: "bool",
+    FLOAT: "float32", FLOAT16: "float16", DOUBLE: "float64", INT8: "int8", UINT8: "uint8", INT16: "int16",
+    UINT16: "uint16", INT32: "int32", UINT32: "uint32", INT64: "int64", UINT64: "uint64", BOOL: "bool",
 }
+FLOAT_TYPES = frozenset({FLOAT, FLOAT16, DOUBLE, BFLOAT16})
 
 
 @dataclass(frozen=True)
@@ -141,8 +151,6 @@ MAX_SEGMENTS = 4
 # Float initializers above this many bytes travel without their data where only
 # their shapes matter (see without_weight_data).
 WEIGHT_DATA_BYTES = 4096
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
-                          onnx.TensorProto.BFLOAT16})
 
 
 def without_weight_data(model: onnx.ModelProto, keep: bool = True) -> tuple[onnx.ModelProto, dict[str, bytes]]:
@@ -157,7 +165,7 @@ def without_weight_data(model: onnx.ModelProto, keep: bool = True) -> tuple[onnx
     _copy_fields(model.graph, light.graph, skip="initializer")
     held: dict[str, bytes] = {}
     for init in model.graph.initializer:
-        if init.data_type in _FLOAT_TYPES and init.HasField("raw_data") and len(init.dims) \
+        if init.data_type in FLOAT_TYPES and init.HasField("raw_data") and len(init.dims) \
                 and int(np.prod(init.dims, dtype=np.int64)) * 2 > WEIGHT_DATA_BYTES \
                 and init.data_location != onnx.TensorProto.EXTERNAL:
             t = light.graph.initializer.add()

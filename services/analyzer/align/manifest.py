@@ -14,12 +14,19 @@ the dump does not hold.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
+from layerdiff.common.lazy import lazy_module
 from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import helper
+else:
+    onnx = lazy_module("onnx")
+    helper = lazy_module("onnx.helper")
 
 # Vendor op types (TensorFlow, Ascend, TensorRT, QNN, RKNN spellings) -> ONNX.
 ALIASES = {
@@ -86,7 +93,7 @@ def skeleton(graph: pb.DeviceGraph, reference: onnx.ModelProto) -> onnx.ModelPro
         value_info += [_value_info(t) for t in n.outputs if t.name]
     # a graph input's shape is not in the dump: none is declared
     g = helper.make_graph(nodes, graph.source or "dump",
-                          [helper.make_tensor_value_info(t, TensorProto.FLOAT, None) for t in inputs], [],
+                          [helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in inputs], [],
                           value_info=value_info)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8
@@ -131,9 +138,9 @@ def _attribute(key: str, text: str) -> onnx.AttributeProto | None:
 
 def _elem_type(dtype: str) -> int:
     try:
-        return helper.np_dtype_to_tensor_dtype(np.dtype(dtype)) if dtype else TensorProto.UNDEFINED
+        return helper.np_dtype_to_tensor_dtype(np.dtype(dtype)) if dtype else onnx.TensorProto.UNDEFINED
     except (TypeError, KeyError, ValueError):
-        return TensorProto.UNDEFINED
+        return onnx.TensorProto.UNDEFINED
 
 
 def _value_info(t: pb.DeviceTensor) -> onnx.ValueInfoProto:

@@ -8,10 +8,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import WeightSplit, lean_session
+
+if TYPE_CHECKING:
+    import onnx
+    import onnxruntime as ort
+else:
+    onnx = lazy_module("onnx")
+    ort = lazy_module("onnxruntime")
 
 if TYPE_CHECKING:
     from layerdiff.common.schema import BufferLease

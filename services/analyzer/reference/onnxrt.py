@@ -8,12 +8,12 @@ segments (``layerdiff.analyzer.reference.segments``) on demand, and each value i
 forgotten once compared."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import onnx
-import onnxruntime as ort
-from onnx import numpy_helper
 
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import (
     ParsedModel,
     TensorSite,
@@ -29,6 +29,15 @@ from layerdiff.common.onnxgraph import (
     plan_segments,
     tensor_sites,
 )
+
+if TYPE_CHECKING:
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+else:
+    onnx = lazy_module("onnx")
+    ort = lazy_module("onnxruntime")
+    numpy_helper = lazy_module("onnx.numpy_helper")
 
 
 def reference_session(model: onnx.ModelProto | WeightSplit, edit=None, quiet: bool = False) -> ort.InferenceSession:

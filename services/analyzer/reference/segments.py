@@ -23,13 +23,19 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 
 from layerdiff.analyzer.jobs.budget import MemoryBudget
 from layerdiff.analyzer.reference.onnxrt import reference_session
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import cut_segments, estimate_output_bytes
+
+if TYPE_CHECKING:
+    import onnx
+else:
+    onnx = lazy_module("onnx")
 
 # The largest share of the budget one segment's outputs may take: the
 # segment being compared and the one computed next are resident together.

@@ -25,14 +25,17 @@ def check_node_name(name: object) -> str:
     return name
 
 
-def resolve_inside(root: Path, rel: object, node: str) -> Path:
+def resolve_inside(root: Path, rel: object, node: str, *, opened_without_following: bool = False) -> Path:
     """The entry's file ``rel`` under ``root``: never absolute, never through
-    '..', and still inside ``root`` once links are resolved."""
+    '..', and still inside ``root`` once links are resolved.
+    ``opened_without_following``: the caller opens the file itself with
+    O_NOFOLLOW (a link there fails the open, and the caller asks again
+    without this): a file directly in ``root`` is then not looked at here."""
     if not isinstance(rel, str) or not rel:
         raise LayerdiffError("manifest entry has no file", node=node, field="file")
     if "\x00" in rel or os.path.isabs(rel) or any(p == ".." for p in rel.replace("\\", "/").split("/")):
         raise LayerdiffError(f"file {rel!r} is outside the dump directory", node=node, field="file")
-    if not _through_link(root, rel):
+    if (opened_without_following and "/" not in rel) or not _through_link(root, rel):
         # no '..', not absolute, no link on the way: inside, as written
         return Path(os.path.abspath(os.path.join(root, rel)))
     p = (root / rel).resolve()

@@ -21,6 +21,7 @@ Ascend runtime dumps by layerdiff.collector.dumps.ascend.
 """
 from __future__ import annotations
 
+import errno
 import io
 import mmap
 import os
@@ -36,17 +37,26 @@ from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.schema import ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, span_bytes
 
 
-def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | None = None) -> np.ndarray:
+class FinalLink(LayerdiffError):
+    """read_npy was told not to follow a link, and the file is one."""
+
+
+def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | None = None, *,
+             no_link: bool = False) -> np.ndarray:
     """Map a .npy file after checking its header against its size: corrupt,
     truncated or object-typed files are refused before any allocation.
     The file is mapped once (read whole, up to SMALL_READ_BYTES) and its
     header read from there: no read or seek of its own (each a system call
     that lets the interpreter go, and waits to take it back from the threads
-    comparing, a thousand times a dump). The array is read-only."""
+    comparing, a thousand times a dump). The array is read-only.
+    ``no_link``: a symbolic link at ``path`` raises FinalLink (the caller
+    checks where it leads, and asks again)."""
     shown = name or str(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if no_link else 0))
     except OSError as e:
+        if no_link and e.errno == errno.ELOOP:
+            raise FinalLink("a symbolic link", file=shown) from None
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=shown) from e
     try:
         st = os.fstat(fd)

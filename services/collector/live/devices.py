@@ -1,9 +1,15 @@
 """Execution providers: the live "device" is an onnxruntime provider chosen by name."""
 from __future__ import annotations
 
-import onnxruntime as ort
+from typing import TYPE_CHECKING
 
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+else:
+    ort = lazy_module("onnxruntime")
 
 ALIASES = {
     "cpu": "CPUExecutionProvider",

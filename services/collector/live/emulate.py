@@ -30,11 +30,20 @@ capture sends the rounded value under the original name.
 """
 from __future__ import annotations
 
-import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.precision import BITS, PRECISIONS, round_significand
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import helper, numpy_helper
+else:
+    onnx = lazy_module("onnx")
+    helper = lazy_module("onnx.helper")
+    numpy_helper = lazy_module("onnx.numpy_helper")
 
 EMULATED = ("bf16", "tf32", "fp8_e4m3fn", "fp8_e5m2")
 _PRODUCTS = {"Conv": (0, 1), "ConvTranspose": (0, 1), "MatMul": (0, 1), "Gemm": (0, 1)}
@@ -130,7 +139,7 @@ def _float_tensors(model: onnx.ModelProto) -> set[str]:
     shaped = onnx.shape_inference.infer_shapes(model)
     types = {v.name: v.type.tensor_type.elem_type for v in [*shaped.graph.value_info, *shaped.graph.input,
                                                                *shaped.graph.output]}
-    return {t for t, ty in types.items() if ty == TensorProto.FLOAT}
+    return {t for t, ty in types.items() if ty == onnx.TensorProto.FLOAT}
 
 
 def emulated(model: onnx.ModelProto, precision: str) -> tuple[onnx.ModelProto, dict[str, str]]:
@@ -147,7 +156,7 @@ def emulated(model: onnx.ModelProto, precision: str) -> tuple[onnx.ModelProto, d
     og = out.graph
     store = _storage(precision)
     for init in og.initializer:
-        if init.data_type != TensorProto.FLOAT:
+        if init.data_type != onnx.TensorProto.FLOAT:
             continue
         product = _product_weight(g, init.name)
         if precision == "tf32" and not product:

@@ -23,12 +23,18 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import WeightSplit, lean_session
+
+if TYPE_CHECKING:
+    import onnx
+else:
+    onnx = lazy_module("onnx")
 
 log = logging.getLogger(__name__)
 

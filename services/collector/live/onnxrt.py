@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 
 from layerdiff.collector.live.devices import resolve_provider
 from layerdiff.collector.live.emulate import EMULATED, emulated
 from layerdiff.collector.live.int8 import to_int8_qdq
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import (
     SharedMaking,
     TensorSite,
@@ -42,6 +42,13 @@ from layerdiff.common.onnxgraph import (
 from layerdiff.common.precision import NAMES
 from layerdiff.common.precision import parse as parse_precision
 from layerdiff.common.schema import ALLOWED_DTYPES, ROLE_INPUT, NodeRecord, check_dump_mode
+
+if TYPE_CHECKING:
+    import onnx
+    import onnxruntime as ort
+else:
+    onnx = lazy_module("onnx")
+    ort = lazy_module("onnxruntime")
 
 log = logging.getLogger(__name__)
 

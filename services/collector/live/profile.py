@@ -27,25 +27,29 @@ import math
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 
 from layerdiff.common.errors import LayerdiffError
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import WeightSplit, lean_session
 from layerdiff.common.perfschema import PerfRecord, shapes_json
+
+if TYPE_CHECKING:
+    import onnx
+    import onnxruntime as ort
+else:
+    onnx = lazy_module("onnx")
+    ort = lazy_module("onnxruntime")
 
 DEFAULT_RUNS = 5
 MAX_RUNS = 1000
 WARMUP_RUNS = 1
 _KERNEL = "_kernel_time"
-GRAPH_OPTIMIZATION = {
-    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-}
+# the names users give -> onnxruntime's GraphOptimizationLevel members
+GRAPH_OPTIMIZATION = {"all": "ORT_ENABLE_ALL", "extended": "ORT_ENABLE_EXTENDED", "basic": "ORT_ENABLE_BASIC",
+                      "none": "ORT_DISABLE_ALL"}
 DEFAULT_GRAPH_OPTIMIZATION = "extended"
 
 
@@ -72,7 +76,7 @@ def profile_model(model: onnx.ModelProto | WeightSplit, feeds: dict[str, np.ndar
     with tempfile.TemporaryDirectory(prefix="layerdiff-profile-") as tmp:
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        so.graph_optimization_level = GRAPH_OPTIMIZATION[level]
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, GRAPH_OPTIMIZATION[level])
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(tmp) / "profile")
         try:

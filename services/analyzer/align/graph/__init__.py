@@ -113,11 +113,17 @@ Limits
 """
 from __future__ import annotations
 
-import onnx
+from typing import TYPE_CHECKING
 
 from layerdiff.analyzer.align.graph.aligner import GraphAligner
 from layerdiff.analyzer.align.graph.alignment import GraphAlignment
 from layerdiff.analyzer.align.graph.weights import WeightPairing
+from layerdiff.common.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import onnx
+else:
+    onnx = lazy_module("onnx")
 
 __all__ = ["GraphAlignment", "align_graphs", "weights_by_name"]
 

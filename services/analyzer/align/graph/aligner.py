@@ -4,8 +4,9 @@ settled resolved at the end (step 4), and the outcome written as a
 GraphAlignment."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import onnx
 
 from layerdiff.analyzer.align.graph.alignment import GraphAlignment
 from layerdiff.analyzer.align.graph.bindings import Alt, Binding, Cell
@@ -14,6 +15,12 @@ from layerdiff.analyzer.align.graph.ops import CHAIN_HEADS, RESHAPES, layout_per
 from layerdiff.analyzer.align.graph.rewrites import RewriteFollower
 from layerdiff.analyzer.align.graph.weights import RELATION_SCORE, weights_relation
 from layerdiff.analyzer.align.names import Pairing
+from layerdiff.common.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import onnx
+else:
+    onnx = lazy_module("onnx")
 
 
 class GraphAligner(RewriteFollower):

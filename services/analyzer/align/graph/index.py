@@ -6,13 +6,21 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
 from layerdiff.analyzer.align.graph.ops import RESHAPES
+from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import infer_shapes
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import helper, numpy_helper
+else:
+    onnx = lazy_module("onnx")
+    helper = lazy_module("onnx.helper")
+    numpy_helper = lazy_module("onnx.numpy_helper")
 
 
 class IndexedGraph:

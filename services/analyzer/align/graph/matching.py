@@ -8,9 +8,9 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 
 from layerdiff.analyzer.align.graph.bindings import Alt, Binding, Cell, Match
 from layerdiff.analyzer.align.graph.fusions import FAMILIES, const_params, fusion_regions, params_agree
@@ -26,6 +26,12 @@ from layerdiff.analyzer.align.graph.ops import (
     norm_name,
 )
 from layerdiff.analyzer.align.graph.weights import RELATION_SCORE, WeightPairing, weights_relation
+from layerdiff.common.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import onnx
+else:
+    onnx = lazy_module("onnx")
 
 
 class NodeMatcher(WeightPairing):

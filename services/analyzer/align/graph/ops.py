@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 
-import onnx
+# the float element types, as every part of alignment asks them of this module
+from layerdiff.common.onnxgraph import FLOAT_TYPES as FLOAT_TYPES
 
 RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 COMMUTATIVE = frozenset({"Add", "Mul", "Sum", "Max", "Min", "Mean", "And", "Or", "Xor", "Equal"})
@@ -23,8 +24,6 @@ CHAIN_HEADS = {
 }
 ELEMENTWISE = ACTIVATIONS | {"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Exp", "Log", "Abs", "Neg", "Erf",
                              "Max", "Min", "Sum", "Reciprocal", "Floor", "Ceil", "Round", "Sign"}
-FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
-                         onnx.TensorProto.BFLOAT16})
 NCHWC_DOMAIN = "com.microsoft.nchwc"
 IGNORED_ATTRS = frozenset({"activation", "activation_params", "channels", "channels_last", "auto_pad"})
 

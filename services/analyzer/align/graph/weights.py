@@ -4,12 +4,19 @@ folding, blocked, different), and the weights of paired nodes side by side
 (``GraphAlignment.weights``, read by layerdiff.analyzer.diagnose.weights)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import onnx
 
 from layerdiff.analyzer.align.graph.alignment import GraphAlignment
 from layerdiff.analyzer.align.graph.index import IndexedGraph
 from layerdiff.analyzer.align.graph.ops import CHAIN_HEADS, COMMUTATIVE, FLOAT_TYPES, IGNORED_ATTRS, NCHWC_DOMAIN
+from layerdiff.common.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import onnx
+else:
+    onnx = lazy_module("onnx")
 
 
 def weights_relation(dev: np.ndarray | None, ref: np.ndarray | None) -> str:

@@ -1,0 +1,35 @@
+"""Modules loaded on first use. onnx and onnxruntime take a tenth of a
+second to import, and a job that compares two dumps without a model uses
+neither: the modules that need them name them through ``lazy_module``
+(the real import stays for type checkers, under TYPE_CHECKING)."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+
+class _LazyModule:
+    """Stands for a module until an attribute of it is first read, then
+    imports it (the import system's own lock makes that once) and passes
+    every read on to it."""
+
+    __slots__ = ("_name", "_module")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self._module
+        if module is None:
+            module = self._module = importlib.import_module(self._name)
+        return getattr(module, attr)
+
+    def __repr__(self) -> str:
+        return f"<module {self._name!r}, {'loaded' if self._module is not None else 'loaded on first use'}>"
+
+
+def lazy_module(name: str) -> Any:
+    """``name``, imported when first used."""
+    return _LazyModule(name)
