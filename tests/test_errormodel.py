@@ -431,3 +431,19 @@ def test_the_worst_window_is_the_one_numpy_finds():
         np.testing.assert_array_equal(got, [rel.flat[i], den.flat[i], se_w.flat[i], sr_w.flat[i]])
     got = np.zeros(4)
     assert kernels()._best_window(np.ones((2, 3)), np.ones((2, 3)), 3, 1, 1.0, 0.0, got) == -1    # no window fits
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_median_scale_of_mask_values_is_numpys_to_the_bit(dtype):
+    """The median that tells mask-like values apart is np.median's, odd and
+    even sizes, tiny to huge magnitudes (float16's two largest averaged
+    without overflowing, as np.mean does)."""
+    from layerdiff.analyzer.diagnose.evidence import median
+
+    rng = np.random.default_rng(3)
+    for n in [*range(1, 24), 1000, 1001, 4096, 4097]:
+        for scale in (1e-3, 1.0, 1e3):
+            v = np.abs(rng.standard_normal(n) * scale).astype(dtype)
+            assert median(v) == float(np.median(v)), (n, scale)
+    top = np.array([65504, 65504, 1, 60000], np.float64).astype(dtype)
+    assert median(top) == float(np.median(top))

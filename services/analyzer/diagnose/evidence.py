@@ -175,6 +175,19 @@ def layout_match(ref: np.ndarray, dev: np.ndarray, m: M.NodeMetrics | None = Non
     return ""
 
 
+def median(values: np.ndarray) -> float:
+    """np.median of finite floats, to the bit (the two middle values
+    averaged in the type np.mean uses: float32 for float16), without its
+    checks: a call a tensor, and its first call imports numpy.ma."""
+    n = values.size
+    k = n // 2
+    if n % 2:
+        return float(np.partition(values, k)[k])
+    part = np.partition(values, (k - 1, k))
+    wide = np.float32 if values.dtype == np.float16 else values.dtype.type
+    return float(values.dtype.type((wide(part[k - 1]) + wide(part[k])) / 2))
+
+
 def core_mask(ref: np.ndarray) -> tuple[np.ndarray | None, float]:
     """The elements that are not mask-like sentinels (|x| above 1000 times
     the median magnitude: the -3.4e38 or -1e4 of an additive attention mask),
@@ -183,7 +196,7 @@ def core_mask(ref: np.ndarray) -> tuple[np.ndarray | None, float]:
     finite = a[np.isfinite(a)]
     if not finite.size:
         return None, math.nan
-    med = float(np.median(finite))
+    med = median(finite)
     if med <= 0:
         return None, math.nan
     thr = 1e3 * med

@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from layerdiff.analyzer.diagnose import errormodel as EM
-from layerdiff.analyzer.diagnose.evidence import core_mask, fmt, layout_match, may_be_uneven, quant_grid, uneven_axis
+from layerdiff.analyzer.diagnose.evidence import (
+    core_mask,
+    fmt,
+    layout_match,
+    may_be_uneven,
+    median,
+    quant_grid,
+    uneven_axis,
+)
 from layerdiff.analyzer.diagnose.isolation import DeviceValues, IsolationUnavailable, run_group_isolated, run_isolated
 from layerdiff.analyzer.diagnose.verdicts import QUANT_OPS
 
@@ -646,7 +654,7 @@ def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout
         # holds the interpreter for every value it steps over)
         sample = np.abs(ref.reshape(-1)[::step] if ref.flags.c_contiguous else ref.flat[::step])
         sample = sample[np.isfinite(sample)]
-        med = float(np.median(sample)) if sample.size else 0.0
+        med = median(sample) if sample.size else 0.0
         # the largest finite magnitude: two passes and no copy where
         # every value is finite, the usual case
         hi, lo = float(np.max(ref)), float(np.min(ref))
