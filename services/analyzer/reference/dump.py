@@ -83,6 +83,10 @@ class DumpReference:
         self._inputs: dict[tuple[str, int], str] = {}   # (node, slot) -> spill key
         self._spilled: dict[str, Path] = {}     # spill key -> its file, as received
         self._files: dict[str, Path] = {}       # tensor (a site, a node's input) -> its spill file
+        # a file read where it lies, as it was read while the golden stream
+        # came (mapped, only its header touched; or read whole, a small one):
+        # handed over at its first reading, read again for any later one
+        self._as_read: dict[Path, np.ndarray] = {}
         self._unavailable: dict[str, str] = {}  # site tensor -> why the golden dump has no value for it
         self._constants: dict = {}
         self._model_nodes: set[str] = set()     # the model's own nodes (re-run alone), with a model
@@ -150,6 +154,8 @@ class DumpReference:
         if path is None:
             path = self.spill / f"{key}.npy"
             np.save(path, np.ascontiguousarray(arr), allow_pickle=False)
+        else:
+            self._as_read[path] = arr
         self._spilled[key] = path
         self.bytes += arr.nbytes
 
@@ -307,8 +313,14 @@ class DumpReference:
     def value(self, tensor: str) -> np.ndarray | None:
         """A golden value, mapped from its spill file (None if not dumped)."""
         path = self._files.get(tensor)
-        # mapped as a plain array: a memmap runs Python on every view taken of it
-        return None if path is None else read_npy(path, sys.maxsize)
+        if path is None:
+            return None
+        # the golden stream's own reading, once (no file opened a second
+        # time); after that, mapped again as a plain array (a memmap runs
+        # Python on every view taken of it). Handed over, not kept: the
+        # pages a comparison touches go with the reader that drops them.
+        kept = self._as_read.pop(path, None)
+        return kept if kept is not None else read_npy(path, sys.maxsize)
 
     def missing_reason(self, tensor: str) -> str:
         return self._unavailable.get(tensor, "")
@@ -396,5 +408,6 @@ class DumpReference:
         return run_isolated(self.model, site.order, inputs, feeds)
 
     def close(self) -> None:
+        self._as_read.clear()
         if self.spill is not None:
             shutil.rmtree(self.spill, ignore_errors=True)
