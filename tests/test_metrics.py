@@ -1149,3 +1149,17 @@ def test_device_moments_do_not_cancel_when_the_tensors_disagree():
         for name in ("cosine", "pearson", "rmse", "mse"):
             g, w = getattr(got, name), getattr(want, name)
             assert abs(g - w) <= 1e-5 * max(abs(w), 1e-3), (name, g, w)
+
+
+def test_metrics_as_a_dict_are_every_field_in_order_with_lists_for_tuples():
+    """summary.json's and the workers' form of a node's metrics: every
+    field in declaration order, the tuple-typed ones (shape, first mismatch
+    index) as lists; from_dict gives the same metrics back."""
+    from dataclasses import fields
+
+    m = M.compare(np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(12, dtype=np.float32).reshape(3, 4) * 1.1)
+    d = m.as_dict()
+    assert list(d) == [f.name for f in fields(M.NodeMetrics)]
+    assert {k for k, v in d.items() if isinstance(v, list)} == {f.name for f in fields(M.NodeMetrics)
+                                                                 if "tuple" in str(f.type)}
+    assert json.dumps(M.NodeMetrics.from_dict(d).as_dict()) == json.dumps(d)     # NaN != NaN: compared as text

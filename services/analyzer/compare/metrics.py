@@ -189,10 +189,10 @@ class NodeMetrics:
         return self.errors == 0
 
     def as_dict(self) -> dict:
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = list(v) if isinstance(v, tuple) else v
+        values = self.__dict__       # fields() and getattr a field: a report asks this of every node
+        out = {k: values[k] for k in _METRIC_FIELDS}
+        for k in _TUPLE_FIELDS:
+            out[k] = list(out[k])
         return out
 
     @classmethod
@@ -201,6 +201,10 @@ class NodeMetrics:
         kw["first_mismatch_index"] = tuple(kw["first_mismatch_index"])
         kw["shape"] = tuple(kw["shape"])
         return cls(**kw)
+
+
+_METRIC_FIELDS = tuple(f.name for f in fields(NodeMetrics))
+_TUPLE_FIELDS = ("first_mismatch_index", "shape")
 
 
 @dataclass
