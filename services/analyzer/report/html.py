@@ -84,6 +84,18 @@ def fmt(v: object) -> str:
     return f"{f:.6g}"
 
 
+def _num_cell(v: object) -> tuple[str, str]:
+    """(fmt(v), _sort_value(v)), the number read once: the cells of a node table."""
+    f = num(v)
+    if math.isnan(f):
+        return ("nan" if v is not None else "—"), ""
+    if math.isinf(f):
+        return ("inf", "Infinity") if f > 0 else ("-inf", "-Infinity")
+    if isinstance(v, int) or f.is_integer() and abs(f) < 1e15 and not isinstance(v, float):
+        return str(int(f)), repr(f)
+    return f"{f:.6g}", repr(f)
+
+
 def _sort_value(v: object) -> str:
     """The data-v attribute of a numeric cell: JS parses it (NaN stays last)."""
     f = num(v)
@@ -395,10 +407,7 @@ def _cells(n: dict) -> list[tuple[str, str, str]]:
     }
     out = []
     for key, _, _ in COLUMNS:
-        if key in values:
-            shown, sv = values[key]
-        else:
-            shown, sv = fmt(n.get(key)), _sort_value(n.get(key))
+        shown, sv = values[key] if key in values else _num_cell(n.get(key))
         out.append((key, shown, sv))
     return out
 
@@ -408,6 +417,11 @@ _WRAPPED = frozenset({"node", "note", "overflow"})
 # nothing in them to escape, thousands of cells a report
 _NUMERIC = frozenset(k for k, _, t in COLUMNS if t == "num")
 _WRAP = ' class="wrap"'
+
+
+def _text_cell(key: str, shown: str, sort: str) -> str:
+    text = esc(shown)
+    return f'<td data-v="{text if sort == shown else esc(sort)}"{_WRAP if key in _WRAPPED else ""}>{text}</td>'
 
 
 def _table(nodes: list[dict], first_key: tuple | None) -> str:
@@ -420,8 +434,7 @@ def _table(nodes: list[dict], first_key: tuple | None) -> str:
             cls.append("input")
         if first_key and (n.get("node"), n.get("tensor"), n.get("role", "output")) == first_key:
             cls.append("first")
-        tds = "".join(f'<td data-v="{sv}"{_WRAP if key in _WRAPPED else ""}>{shown}</td>' if key in _NUMERIC else
-                      f'<td data-v="{esc(sv)}"{_WRAP if key in _WRAPPED else ""}>{esc(shown)}</td>'
+        tds = "".join(f'<td data-v="{sv}">{shown}</td>' if key in _NUMERIC else _text_cell(key, shown, sv)
                       for key, shown, sv in _cells(n))
         rows.append(f'<tr id="row-{i}" data-i="{i}" class="{" ".join(cls)}">{tds}</tr>')
     return (f'<p><label><input type="checkbox" id="only-failing"> failing rows only</label> '
