@@ -254,7 +254,10 @@ def summary_number(v: object) -> float:
 
 
 def node_summary(r: Row) -> dict:
-    d = {k: _json_num(v) for k, v in r.outcome.metrics.as_dict().items()}
+    d = r.outcome.metrics.as_dict()
+    for k, v in d.items():     # only the few non-finite floats rewritten (every node's forty numbers)
+        if isinstance(v, float) and not math.isfinite(v):
+            d[k] = _json_num(v)
     d.update(node=r.site.node, tensor=r.site.tensor, op_type=r.site.op_type, order=r.site.order,
              device_name=r.device_name, passed=not r.failed, constant=r.is_constant, note=r.outcome.note,
              role=r.role, overflow=r.overflow or None)
