@@ -150,10 +150,9 @@ class AnalyzerServer:
         self.broker_url = broker_url
         self._runtime: str | None = None     # why no model can run here ('' when one can), once known
         self._stopping = threading.Event()
-        self._ready_thread = threading.Thread(target=self._readiness, name="analyzer-readiness", daemon=True)
         self.server.start()
         if readiness:
-            self._ready_thread.start()
+            threading.Thread(target=self._readiness, name="analyzer-readiness", daemon=True).start()
         else:
             from grpc_health.v1 import health_pb2
 

@@ -40,7 +40,6 @@ from layerdiff.collector.perf.counters import dump_perf_records
 from layerdiff.collector.stream import DEFAULT_HEARTBEAT_S, OutgoingStream
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, Unauthenticated, UnavailableError
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.memory import release_freed_tensors_to_system
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 from layerdiff.common.onnxgraph import PARSED, load_inputs, load_model, runtime_ready, without_weight_data
@@ -53,7 +52,7 @@ from layerdiff.v1 import layerdiff_pb2 as pb
 if TYPE_CHECKING:
     import onnx
 else:
-    onnx = lazy_module("onnx")
+    from layerdiff.common.lazy import onnx
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,13 @@
 """Modules loaded on first use. onnx and onnxruntime take a tenth of a
 second to import, and a job that compares two dumps without a model uses
-neither: the modules that need them name them through ``lazy_module``
-(the real import stays for type checkers, under TYPE_CHECKING)."""
+neither: the modules that need them import them from here at run time
+(the real import stays for type checkers, under TYPE_CHECKING):
+
+    if TYPE_CHECKING:
+        import onnx
+    else:
+        from layerdiff.common.lazy import onnx
+"""
 from __future__ import annotations
 
 import importlib
@@ -33,3 +39,11 @@ class _LazyModule:
 def lazy_module(name: str) -> Any:
     """``name``, imported when first used."""
     return _LazyModule(name)
+
+
+# the modules loaded so, each bound once under the name its users give it
+onnx = lazy_module("onnx")
+ort = lazy_module("onnxruntime")
+helper = lazy_module("onnx.helper")
+numpy_helper = lazy_module("onnx.numpy_helper")
+shape_inference = lazy_module("onnx.shape_inference")

@@ -13,15 +13,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from layerdiff.common.errors import LayerdiffError, LimitError
-from layerdiff.common.lazy import lazy_module
 
 if TYPE_CHECKING:
     import onnx
     from onnx import numpy_helper, shape_inference
 else:
-    onnx = lazy_module("onnx")
-    numpy_helper = lazy_module("onnx.numpy_helper")
-    shape_inference = lazy_module("onnx.shape_inference")
+    from layerdiff.common.lazy import numpy_helper, onnx, shape_inference
 
 # onnx.TensorProto's element types: numbers the ONNX standard fixes (written
 # here so that onnx need not be imported to know them; a test holds them to onnx's)

@@ -18,15 +18,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from layerdiff.common.lazy import lazy_module
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 if TYPE_CHECKING:
     import onnx
     from onnx import helper
 else:
-    onnx = lazy_module("onnx")
-    helper = lazy_module("onnx.helper")
+    from layerdiff.common.lazy import helper, onnx
 
 # Vendor op types (TensorFlow, Ascend, TensorRT, QNN, RKNN spellings) -> ONNX.
 ALIASES = {

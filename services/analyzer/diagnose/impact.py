@@ -29,15 +29,13 @@ import numpy as np
 
 from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.reference.onnxrt import reference_session
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import WeightSplit
 
 if TYPE_CHECKING:
     import onnx
     import onnxruntime as ort
 else:
-    onnx = lazy_module("onnx")
-    ort = lazy_module("onnxruntime")
+    from layerdiff.common.lazy import onnx, ort
 
 if TYPE_CHECKING:
     from layerdiff.common.schema import BufferLease

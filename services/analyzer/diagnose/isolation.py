@@ -9,15 +9,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import WeightSplit, lean_session
 
 if TYPE_CHECKING:
     import onnx
     import onnxruntime as ort
 else:
-    onnx = lazy_module("onnx")
-    ort = lazy_module("onnxruntime")
+    from layerdiff.common.lazy import onnx, ort
 
 if TYPE_CHECKING:
     from layerdiff.common.schema import BufferLease

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import (
     ParsedModel,
     TensorSite,
@@ -35,9 +34,7 @@ if TYPE_CHECKING:
     import onnxruntime as ort
     from onnx import numpy_helper
 else:
-    onnx = lazy_module("onnx")
-    ort = lazy_module("onnxruntime")
-    numpy_helper = lazy_module("onnx.numpy_helper")
+    from layerdiff.common.lazy import numpy_helper, onnx, ort
 
 
 def reference_session(model: onnx.ModelProto | WeightSplit, edit=None, quiet: bool = False) -> ort.InferenceSession:

@@ -29,13 +29,12 @@ import numpy as np
 
 from layerdiff.analyzer.jobs.budget import MemoryBudget
 from layerdiff.analyzer.reference.onnxrt import reference_session
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import cut_segments, estimate_output_bytes
 
 if TYPE_CHECKING:
     import onnx
 else:
-    onnx = lazy_module("onnx")
+    from layerdiff.common.lazy import onnx
 
 # The largest share of the budget one segment's outputs may take: the
 # segment being compared and the one computed next are resident together.

@@ -4,12 +4,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.lazy import lazy_module
 
 if TYPE_CHECKING:
     import onnxruntime as ort
 else:
-    ort = lazy_module("onnxruntime")
+    from layerdiff.common.lazy import ort
 
 ALIASES = {
     "cpu": "CPUExecutionProvider",

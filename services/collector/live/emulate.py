@@ -34,16 +34,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.precision import BITS, PRECISIONS, round_significand
 
 if TYPE_CHECKING:
     import onnx
     from onnx import helper, numpy_helper
 else:
-    onnx = lazy_module("onnx")
-    helper = lazy_module("onnx.helper")
-    numpy_helper = lazy_module("onnx.numpy_helper")
+    from layerdiff.common.lazy import helper, numpy_helper, onnx
 
 EMULATED = ("bf16", "tf32", "fp8_e4m3fn", "fp8_e5m2")
 _PRODUCTS = {"Conv": (0, 1), "ConvTranspose": (0, 1), "MatMul": (0, 1), "Gemm": (0, 1)}

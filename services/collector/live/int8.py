@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import WeightSplit, lean_session
 
 if TYPE_CHECKING:
     import onnx
 else:
-    onnx = lazy_module("onnx")
+    from layerdiff.common.lazy import onnx
 
 log = logging.getLogger(__name__)
 

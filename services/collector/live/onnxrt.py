@@ -25,7 +25,6 @@ from layerdiff.collector.live.devices import resolve_provider
 from layerdiff.collector.live.emulate import EMULATED, emulated
 from layerdiff.collector.live.int8 import to_int8_qdq
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import (
     SharedMaking,
     TensorSite,
@@ -47,8 +46,7 @@ if TYPE_CHECKING:
     import onnx
     import onnxruntime as ort
 else:
-    onnx = lazy_module("onnx")
-    ort = lazy_module("onnxruntime")
+    from layerdiff.common.lazy import onnx, ort
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import WeightSplit, lean_session
 from layerdiff.common.perfschema import PerfRecord, shapes_json
 
@@ -40,8 +39,7 @@ if TYPE_CHECKING:
     import onnx
     import onnxruntime as ort
 else:
-    onnx = lazy_module("onnx")
-    ort = lazy_module("onnxruntime")
+    from layerdiff.common.lazy import onnx, ort
 
 DEFAULT_RUNS = 5
 MAX_RUNS = 1000

@@ -118,12 +118,11 @@ from typing import TYPE_CHECKING
 from layerdiff.analyzer.align.graph.aligner import GraphAligner
 from layerdiff.analyzer.align.graph.alignment import GraphAlignment
 from layerdiff.analyzer.align.graph.weights import WeightPairing
-from layerdiff.common.lazy import lazy_module
 
 if TYPE_CHECKING:
     import onnx
 else:
-    onnx = lazy_module("onnx")
+    from layerdiff.common.lazy import onnx
 
 __all__ = ["GraphAlignment", "align_graphs", "weights_by_name"]
 

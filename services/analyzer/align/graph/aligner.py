@@ -15,12 +15,11 @@ from layerdiff.analyzer.align.graph.ops import CHAIN_HEADS, RESHAPES, layout_per
 from layerdiff.analyzer.align.graph.rewrites import RewriteFollower
 from layerdiff.analyzer.align.graph.weights import RELATION_SCORE, weights_relation
 from layerdiff.analyzer.align.names import Pairing
-from layerdiff.common.lazy import lazy_module
 
 if TYPE_CHECKING:
     import onnx
 else:
-    onnx = lazy_module("onnx")
+    from layerdiff.common.lazy import onnx
 
 
 class GraphAligner(RewriteFollower):

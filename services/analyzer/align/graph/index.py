@@ -11,16 +11,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from layerdiff.analyzer.align.graph.ops import RESHAPES
-from layerdiff.common.lazy import lazy_module
 from layerdiff.common.onnxgraph import infer_shapes
 
 if TYPE_CHECKING:
     import onnx
     from onnx import helper, numpy_helper
 else:
-    onnx = lazy_module("onnx")
-    helper = lazy_module("onnx.helper")
-    numpy_helper = lazy_module("onnx.numpy_helper")
+    from layerdiff.common.lazy import helper, numpy_helper, onnx
 
 
 class IndexedGraph:

@@ -26,12 +26,11 @@ from layerdiff.analyzer.align.graph.ops import (
     norm_name,
 )
 from layerdiff.analyzer.align.graph.weights import RELATION_SCORE, WeightPairing, weights_relation
-from layerdiff.common.lazy import lazy_module
 
 if TYPE_CHECKING:
     import onnx
 else:
-    onnx = lazy_module("onnx")
+    from layerdiff.common.lazy import onnx
 
 
 class NodeMatcher(WeightPairing):

@@ -11,12 +11,11 @@ import numpy as np
 from layerdiff.analyzer.align.graph.alignment import GraphAlignment
 from layerdiff.analyzer.align.graph.index import IndexedGraph
 from layerdiff.analyzer.align.graph.ops import CHAIN_HEADS, COMMUTATIVE, FLOAT_TYPES, IGNORED_ATTRS, NCHWC_DOMAIN
-from layerdiff.common.lazy import lazy_module
 
 if TYPE_CHECKING:
     import onnx
 else:
-    onnx = lazy_module("onnx")
+    from layerdiff.common.lazy import onnx
 
 
 def weights_relation(dev: np.ndarray | None, ref: np.ndarray | None) -> str:
