@@ -149,6 +149,7 @@ def test_links_out_of_the_dump_are_refused_and_links_inside_followed(tmp_path):
     (dump / "away").symlink_to(outside)                              # a directory linked out
     (dump / "a\\b.npy").symlink_to(outside / "x.npy")              # a backslash is part of the name
     (dump / "in.npy").symlink_to(dump / "sub" / "y.npy")             # a link that stays inside
+    (dump / "dangling.npy").symlink_to(outside / "gone.npy")         # a link out to nothing
     for rel in ("out.npy", "away/x.npy", "a\\b.npy", "./away/x.npy", "sub//../away/x.npy"):
         with pytest.raises(LayerdiffError, match="outside the dump directory"):
             resolve_inside(dump, rel, "n")
@@ -157,9 +158,10 @@ def test_links_out_of_the_dump_are_refused_and_links_inside_followed(tmp_path):
     assert resolve_inside(dump, "missing.npy", "n").name == "missing.npy"
     (dump / "manifest.json").write_text(json.dumps({"nodes": [
         {"name": "leak", "file": "out.npy"}, {"name": "deep", "file": "away/x.npy"},
-        {"name": "ok", "file": "in.npy"}]}))
+        {"name": "ok", "file": "in.npy"}, {"name": "dangling", "file": "dangling.npy"}]}))
     recs = {r.name: r for r in DumpDirectory(str(dump)).records()}
     assert "outside the dump directory" in recs["leak"].message
+    assert "outside the dump directory" in recs["dangling"].message      # not "missing": it points out
     assert "outside the dump directory" in recs["deep"].message
     assert recs["ok"].status == "ok" and np.array_equal(recs["ok"].array, np.arange(4.0))
 

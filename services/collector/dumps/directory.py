@@ -288,6 +288,17 @@ class DumpDirectory:
                                        array=value),
                             placed if isinstance(placed, dict) else {}, role, slot, node)
 
+    def _npy(self, path: Path, entry: dict, name: str, shown: str, no_link: bool) -> np.ndarray:
+        try:
+            return read_npy(path, self.max_tensor_bytes, name=shown, no_link=no_link)
+        except FinalLink:
+            raise
+        except LayerdiffError:
+            # asked only then: a stat a file less for the thousands that are there
+            if not path.exists():
+                raise _missing(entry, name) from None
+            raise
+
     def read_entry(self, i: int, entry: object) -> NodeRecord:
         """One manifest entry as a record (an error record if it cannot be read)."""
         if not isinstance(entry, dict):
@@ -317,16 +328,10 @@ class DumpDirectory:
             shown = str(entry.get("file"))
             if fmt == "npy":
                 try:
-                    try:
-                        arr = read_npy(path, self.max_tensor_bytes, name=shown, no_link=True)
-                    except FinalLink:
-                        path = resolve_inside(self.root, entry.get("file"), name)
-                        arr = read_npy(path, self.max_tensor_bytes, name=shown)
-                except LayerdiffError:
-                    # asked only then: a stat a file less for the thousands that are there
-                    if not path.exists():
-                        raise _missing(entry, name) from None
-                    raise
+                    arr = self._npy(path, entry, name, shown, no_link=True)
+                except FinalLink:      # a link: where it leads must lie inside the dump too
+                    path = resolve_inside(self.root, entry.get("file"), name)
+                    arr = self._npy(path, entry, name, shown, no_link=False)
             elif fmt == "onnx":
                 _, arr = read_tensor_proto(path, self.max_tensor_bytes, name=shown)
             elif fmt == "bin":
