@@ -87,7 +87,9 @@ def _calls(name: str, kinds: tuple[str, ...], rng) -> list[tuple]:
         elif name == "_acc_int":
             out.append((r, d, False, rtol > 0.3, 7, iv, fv))
         elif name == "_worst":
-            out.append((r, d, atol, rtol, 7, 0, np.zeros(40, np.int64), np.zeros(40), np.zeros(40, np.int64)))
+            lo = _fast_tolerances(atol, rtol)
+            out.append((r, d, atol, rtol, *(lo or (0.0, 0.0)), 7, 0, np.zeros(40, np.int64), np.zeros(40),
+                        np.zeros(40, np.int64)))
         elif name == "_worst_int":
             out.append((r, d, False, rtol > 0.3, 7, 0, np.zeros(40, np.int64), np.zeros(40),
                         np.zeros(40, np.int64)))

@@ -910,6 +910,48 @@ def test_worst_elements_past_a_full_heap_are_those_a_sort_finds(dtypes):
     assert [row[0] for row in rows] == list(range(8)) == worst_by_sort(r2, d2)[:8]
 
 
+def _edge_pairs(rng, n: int, atol: float, rtol: float, dev_type) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs a float32 screen could get wrong, one to a stretch of 200
+    that agrees otherwise (a block the screen passes over unless that one
+    pair may mismatch): errors a step or two of the device type either side
+    of the tolerance, magnitudes near float32's largest (their difference
+    overflows float32) and subnormals; a NaN and a large error too."""
+    with np.errstate(all="ignore"):   # float16 holds none of the largest: Inf (and Inf - Inf) there
+        r = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(dev_type).astype(np.float32)
+        at = np.arange(rng.integers(0, 200), n, 200)
+        r[at[::7]] = rng.choice([3.0e38, -3.0e38, 1e-40, -1e-42, 0.0], at[::7].size)
+        d = r.astype(dev_type)
+        tol = atol + rtol * np.abs(r[at].astype(np.float64))
+        edge = (r[at] + np.where(rng.random(at.size) < 0.5, tol, -tol)).astype(dev_type)
+        step = rng.integers(-2, 3, at.size)
+        for _ in range(2):
+            edge = np.where(step > 0, np.nextafter(edge, dev_type(np.inf)), edge)
+            edge = np.where(step < 0, np.nextafter(edge, dev_type(-np.inf)), edge)
+            step = step - np.sign(step)
+        d[at] = edge
+        big = at[np.abs(r[at]) > 1e38]
+        d[big[::2]] = -r[big[::2]]             # |d - r| beyond float32's range
+    d[n // 2] = r[n // 2] + 7
+    d[n // 2 + 5000] = np.nan
+    return r, d
+
+
+@pytest.mark.parametrize("dev_type", [np.float32, np.float16])
+@pytest.mark.parametrize("atol, rtol", [(0.005, 0.2), (0.0, 1e-3), (1e-40, 0.5), (1e-3, 0.0)])
+def test_worst_elements_screened_in_float32_miss_nothing(dev_type, atol, rtol):
+    """float32 and float16 tensors are screened a block at a time in
+    float32 before the exact search: at the edge of the tolerance, past
+    float32's range, among subnormals, with the kept rows full or never
+    filled, the rows are still exactly those a sort in float64 finds."""
+    rng = np.random.default_rng(23)
+    r, d = _edge_pairs(rng, 200_000, atol, rtol, dev_type)
+    order = worst_by_sort(r, d, atol, rtol)
+    assert len(order) > 300        # the edge pairs mismatch about half the time
+    for count in (8, 128, len(order) + 10):      # the kept rows full, and never filled
+        rows = M.worst_elements(r, d, atol, rtol, count=count)
+        assert [row[0] for row in rows] == order[:count]
+
+
 def test_worst_elements_raw_values():
     r = np.array([1.0, np.nan, 2.0, np.inf, 0.0, np.inf, 5.0, 0.0], np.float32)
     d = np.array([9.0, 1.0, np.nan, -np.inf, np.nan, np.inf, 5.0, 3.0], np.float32)

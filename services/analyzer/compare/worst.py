@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from layerdiff.analyzer.compare.compiled import _PIECE, _as_i64, _flat, _into_f64, _kind, kernels
-from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, REL_EPS, RTOL_DEFAULT
+from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, REL_EPS, RTOL_DEFAULT, _fast_tolerances
 
 __all__ = ["worst_elements", "worst_row_key"]
 
@@ -54,8 +54,10 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     ru, du = r.dtype == np.uint64, d.dtype == np.uint64
     narrow = kr in ("f32", "f16") and kd in ("f32", "f16")
     if narrow:      # read as they are stored, each element widened as it is read
+        lo = _fast_tolerances(float(atol), float(rtol))
+        rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
         k = kernels()._worst(r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d,
-                        float(atol), float(rtol), 0, k, hidx, hdiff, hcls)
+                             float(atol), float(rtol), rtol_lo, atol_lo, 0, k, hidx, hdiff, hcls)
     else:
         # one float64 scratch piece per side for the whole tensor: a fresh one per
         # piece is a fresh mapping (memory.MMAP_THRESHOLD_BYTES), faulted in anew
@@ -68,7 +70,7 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
                 assert scratch is not None    # made above for every tensor that is not integer on both sides
                 rp, dp = r[s:s + _PIECE], d[s:s + _PIECE]
                 k = kernels()._worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
-                           float(rtol), s, k, hidx, hdiff, hcls)
+                                     float(rtol), 0.0, 0.0, s, k, hidx, hdiff, hcls)
     if integer:     # exact differences of integers past 2**53: Python's ints, a row at a time
         rows = []
         for j in range(k):
