@@ -81,7 +81,9 @@ def _calls(name: str, kinds: tuple[str, ...], rng) -> list[tuple]:
         iv, fv = _new_state()
         if name == "_acc_fast":
             lo = _fast_tolerances(atol, rtol)
-            out.append((r, d, atol, rtol, *(lo or (0.0, 0.0)), lo is None, 7, iv, fv))
+            out.append((r, d, atol, rtol, *(lo or (0.0, 0.0)), lo is None, 7, iv, fv, np.zeros(-(-n // 2048))))
+            iv, fv = _new_state()
+            out.append((r, d, atol, rtol, *(lo or (0.0, 0.0)), lo is None, 7, iv, fv, np.empty(0)))
         elif name == "_acc_f64":
             out.append((r, d, atol, rtol, 7, iv, fv, True, False))
         elif name == "_acc_int":
@@ -89,6 +91,12 @@ def _calls(name: str, kinds: tuple[str, ...], rng) -> list[tuple]:
         elif name == "_worst":
             lo = _fast_tolerances(atol, rtol)
             out.append((r, d, atol, rtol, *(lo or (0.0, 0.0)), 7, 0, np.zeros(40, np.int64), np.zeros(40),
+                        np.zeros(40, np.int64)))
+        elif name == "_worst_marked":
+            marks = np.zeros(-(-n // 2048))
+            compiled._run(r.view(np.float16) if kinds[0] == "f16" else r,
+                          d.view(np.float16) if kinds[1] == "f16" else d, atol, rtol, 0, marks)
+            out.append((r, d, atol, rtol, marks, 7, 0, np.zeros(40, np.int64), np.zeros(40),
                         np.zeros(40, np.int64)))
         elif name == "_worst_int":
             out.append((r, d, False, rtol > 0.3, 7, 0, np.zeros(40, np.int64), np.zeros(40),
@@ -131,11 +139,11 @@ def test_the_build_refuses_arrays_it_was_not_made_for():
     iv, fv = _new_state()
     f32 = np.zeros(8, np.float32)
     with pytest.raises(TypeError, match="int32"):
-        built._acc_fast(np.zeros(8, np.int32), f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv)
+        built._acc_fast(np.zeros(8, np.int32), f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv, np.empty(1))
     with pytest.raises(TypeError, match="C-ordered"):
-        built._acc_fast(np.zeros(16, np.float32)[::2], f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv)
+        built._acc_fast(np.zeros(16, np.float32)[::2], f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv, np.empty(1))
     with pytest.raises(TypeError, match="not built"):
-        built._acc_fast(np.zeros(8), f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv)
+        built._acc_fast(np.zeros(8), f32, ATOL, RTOL, 0.0, 0.0, True, 0, iv, fv, np.empty(1))
 
 
 def test_a_build_from_other_sources_or_for_another_cpu_is_not_used(monkeypatch, tmp_path):

@@ -947,9 +947,53 @@ def test_worst_elements_screened_in_float32_miss_nothing(dev_type, atol, rtol):
     r, d = _edge_pairs(rng, 200_000, atol, rtol, dev_type)
     order = worst_by_sort(r, d, atol, rtol)
     assert len(order) > 300        # the edge pairs mismatch about half the time
+    marks = M.block_marks(r, d)
+    M.compare(r, d, atol, rtol, marks)
     for count in (8, 128, len(order) + 10):      # the kept rows full, and never filled
         rows = M.worst_elements(r, d, atol, rtol, count=count)
         assert [row[0] for row in rows] == order[:count]
+        # the same, led by the marks the metric pass left: the blocks it names alone are read
+        assert repr(M.worst_elements(r, d, atol, rtol, count=count, marks=marks)) == repr(rows)    # NaN too
+
+
+@pytest.mark.parametrize("dtypes", [(np.float32, np.float16), (np.float16, np.float32), (np.float32, np.float32)])
+def test_worst_elements_led_by_the_metric_pass_marks_are_a_sorts(dtypes):
+    """The metric pass marks each block with its worst mismatch (or NaN
+    and Inf, or none); the search reads only blocks that could enter: the
+    rows are those of a sort whatever lies where (ties, a non-finite pair
+    after a full heap, a tensor with no mismatch, a partial last block)."""
+    rng = np.random.default_rng(31)
+    n = 3 * 2048 * 7 + 1234
+    r = rng.standard_normal(n).astype(dtypes[0])
+    d = (r.astype(np.float64) + np.round(rng.standard_normal(n) * 4) / 4).astype(dtypes[1])   # ties aplenty
+    d[20_000] = d[20_000] + 50
+    d[-3] = np.nan                        # in the partial last block
+    r[30_000] = np.inf
+    for a, b in ((r, d), (r, r.astype(dtypes[1])), (r[:100], d[:100])):
+        marks = M.block_marks(a, b)
+        assert marks is not None and marks.size == -(-a.size // 2048)
+        m = M.compare(a, b, marks=marks)
+        want = worst_by_sort(a, b)
+        assert m.errors == len(want)
+        for count in (1, 16, 128, len(want) + 1):
+            assert [row[0] for row in M.worst_elements(a, b, count=count, marks=marks)] == want[:count]
+    assert M.block_marks(r.astype(np.float64), d.astype(np.float64)) is None    # float64 pairs: no marks
+
+
+def test_compared_nodes_worst_rows_do_not_depend_on_the_marks(monkeypatch):
+    """compare_node, whole or in chunks, gives the worst rows of a plain
+    search."""
+    from layerdiff.analyzer.compare import node as N
+    from layerdiff.analyzer.compare.tolerances import Tolerance
+
+    rng = np.random.default_rng(4)
+    r = rng.standard_normal((3, 50, 700)).astype(np.float32)
+    d = (r + rng.standard_normal(r.shape).astype(np.float32) * 0.05).astype(np.float16)
+    d[1, 3, 5] = np.inf
+    want = repr(M.worst_elements(r, d, 0.005, 0.01, count=64))     # NaN rows compare by their text
+    assert repr(N.compare_node(r, d, Tolerance(0.005, 0.01), 64).worst) == want
+    monkeypatch.setattr(N, "CHUNK_ELEMENTS", 10_000)
+    assert repr(N.compare_node(r, d, Tolerance(0.005, 0.01), 64).worst) == want
 
 
 def test_worst_elements_raw_values():

@@ -42,11 +42,13 @@ _NARROW: list[tuple[str, ...]] = [("f32", "f32"), ("f32", "f16"), ("f16", "f16")
 _STATE = "int64[::1], float64[::1]"
 _HEAP = "int64, int64, int64[::1], float64[::1], int64[::1]"     # base, k, the heap's three arrays
 ENTRIES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
-    "_acc_fast": (f"void({{r}}, {{d}}, float64, float64, float64, float64, boolean, int64, {_STATE})", _NARROW),
+    "_acc_fast": (f"void({{r}}, {{d}}, float64, float64, float64, float64, boolean, int64, {_STATE}, "
+                  "float64[::1])", _NARROW),
     "_acc_f64": (f"void({{r}}, {{d}}, float64, float64, int64, {_STATE}, boolean, boolean)", [("f64", "f64")]),
     "_acc_int": (f"void({{r}}, {{d}}, boolean, boolean, int64, {_STATE})", [("i64", "i64")]),
     "_merge_state": (f"void({_STATE}, {_STATE})", [()]),
     "_worst": (f"int64({{r}}, {{d}}, float64, float64, float64, float64, {_HEAP})", [("f64", "f64"), *_NARROW]),
+    "_worst_marked": (f"int64({{r}}, {{d}}, float64, float64, float64[::1], {_HEAP})", _NARROW),
     "_worst_int": (f"int64({{r}}, {{d}}, boolean, boolean, {_HEAP})", [("i64", "i64")]),
     "_square_sums": ("void({r}, int64, int64, int64, float64[::1], float64[::1])", [("f32",), ("f64",)]),
     "_pair_sums": ("void({r}, {d}, int64, int64, int64, float64[::1], float64[::1], float64[::1], "
@@ -221,9 +223,23 @@ def _as_i64(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
-def _run(ref, dev, atol, rtol, base):
+_NO_MARKS = np.empty(0)
+
+
+def block_marks(ref: np.ndarray, dev: np.ndarray) -> np.ndarray | None:
+    """Room for the marks a metric pass over ``ref`` and ``dev`` leaves for
+    the worst-elements search (one a block of ``contract._BLOCK``
+    elements: see ``kernel._acc_fast``), or None for types it leaves none
+    for (only float32 and float16 pairs)."""
+    if _kind(ref) not in ("f32", "f16") or _kind(dev) not in ("f32", "f16"):
+        return None
+    return np.empty(-(-ref.size // contract._BLOCK))
+
+
+def _run(ref, dev, atol, rtol, base, marks: np.ndarray | None = None):
     """The state of one metric pass over ``ref`` and ``dev`` (flat offset
-    ``base`` in the whole tensor)."""
+    ``base`` in the whole tensor); ``marks`` (``block_marks``) filled
+    where given."""
     r = _flat(ref)
     d = _flat(dev)
     if r.size != d.size:
@@ -240,7 +256,8 @@ def _run(ref, dev, atol, rtol, base):
         dv = d.view(np.uint16) if kd == "f16" else d
         lo = _fast_tolerances(atol, rtol)
         rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
-        k._acc_fast(rv, dv, atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv)
+        k._acc_fast(rv, dv, atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv,
+                    _NO_MARKS if marks is None else marks)
     elif kr == "f64" and kd == "f64":
         k._acc_f64(r, d, atol, rtol, base, iv, fv, True, True)
     elif kr == "int" and kd == "int":
@@ -259,4 +276,4 @@ def _merge_state(iv, fv, jv, gv) -> None:
     kernels()._merge_state(iv, fv, jv, gv)
 
 
-__all__ = ["ATOL_DEFAULT", "RTOL_DEFAULT", "ENTRIES", "kernels", "warmup", "build_key"]
+__all__ = ["ATOL_DEFAULT", "RTOL_DEFAULT", "ENTRIES", "kernels", "warmup", "build_key", "block_marks"]

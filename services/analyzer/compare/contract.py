@@ -21,6 +21,9 @@ FP16_MAX = 65504.0
 REL_EPS = 1e-10
 
 _F32_MAX = float(np.finfo(np.float32).max)
+# Elements per block of the float32 / float16 metric pass (kernel._acc_fast);
+# its marks (one a block, see compiled.block_marks) are by these blocks.
+_BLOCK = 2048
 
 
 # ---------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from numba.extending import intrinsic, overload
 
 from layerdiff.analyzer.compare import contract
 from layerdiff.analyzer.compare.contract import (
+    _BLOCK,
     _F32_MAX,
     _F_C_RD,
     _F_FIRST_DEV,
@@ -128,9 +129,9 @@ _EPS_32 = np.float32(REL_EPS)
 # Bit pattern of float32(65504): every |x| whose bits compare above it (as an
 # unsigned integer) is > 65504, Inf or NaN, i.e. needs the careful path.
 _FP16_MAX_BITS = 0x477FE000
-# Elements per block: the reference and device slices of one block (<= 16
-# KiB) stay in L1 while the kernel sweeps them two to five times.
-_BLOCK = 2048
+# Elements per block (contract._BLOCK, 2048): the reference and device
+# slices of one block (<= 16 KiB) stay in L1 while the kernel sweeps them
+# two to five times.
 
 
 # ---------------------------------------------------------------------------
@@ -1147,18 +1148,23 @@ def _shift32(r, d, lo, hi):
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
-def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
+def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv, marks):
     """Metric pass over float32 / float16-bits arrays (1-D, C order).
 
     ``rtol_lo``/``atol_lo`` come from ``_fast_tolerances``; ``exact_tol``
     forces the float64 tolerance sweep on every block (tolerances it cannot
-    represent).
+    represent). ``marks`` (empty: not wanted) receives, for each block of
+    _BLOCK elements, what the worst-elements search needs of it
+    (``_worst_marked``): -1 where nothing mismatches, +Inf where a pair
+    with NaN or Inf does, else the largest |d - r| of its mismatches
+    (exact: a block that may mismatch is decided in float64).
     """
     n = r.size
     blk = np.empty(_NB, np.float64)
     spc = np.zeros(_NS, np.int64)
     for s in range(0, n, _BLOCK):
         m = min(_BLOCK, n - s)
+        nfe = spc[_S_NFE]
         sr, sd = _shift32(r, d, s, s + m)
         ng = m // _W
         blk[:] = 0.0
@@ -1201,6 +1207,8 @@ def _acc_fast(r, d, atol, rtol, rtol_lo, atol_lo, exact_tol, base, iv, fv):
                     fv[_F_FIRST_REF] = _replace64(x)
                     fv[_F_FIRST_DEV] = _replace64(y)
                     break
+        if marks.size:
+            marks[s // _BLOCK] = np.inf if spc[_S_NFE] > nfe else (blk[_B_MERR] if blk[_B_NERR] > 0.0 else -1.0)
         _merge_block(iv, fv, blk, m, sr, sd)
     _finish_specials(iv, spc)
     if n > 0 and (iv[_I_V0] < 0 or base < iv[_I_V0]):
@@ -1470,16 +1478,46 @@ def _worst(r, d, atol, rtol, rtol_lo, atol_lo, base, k, hidx, hdiff, hcls):
             return k
         if _may_enter(r, d, b0, b1, hdiff[0] if full else 0.0, atol, rtol, rtol_lo, atol_lo) == 0:
             continue
-        for j in range(b0, b1):
-            x = _ld64(r, j)
-            y = _ld64(d, j)
-            if _finite(x) and _finite(y):
-                ae = abs(y - x)
-                if not ae > abs(x) * rtol + atol:
-                    continue
-                k = _heap_add(k, hidx, hdiff, hcls, base + j, ae, 1)
-            elif not (x == y):
-                k = _heap_add(k, hidx, hdiff, hcls, base + j, 0.0, 0)
+        k = _worst_scan(r, d, b0, b1, atol, rtol, base, k, hidx, hdiff, hcls)
+    return k
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _worst_marked(r, d, atol, rtol, marks, base, k, hidx, hdiff, hcls):
+    """``_worst`` of float32 arrays and float16 bit views whose metric
+    pass (``_acc_fast``) left its marks: only the blocks whose mismatches
+    could enter the heap are read (none but a failing tensor's few, once
+    it is full), and no screening pass over the rest."""
+    n = r.size
+    if hidx.size == 0:
+        return k
+    for b in range(marks.size):
+        mark = marks[b]
+        if not mark >= 0.0:         # nothing mismatches there
+            continue
+        if k == hidx.size:
+            if hcls[0] == 0:
+                return k
+            if mark <= hdiff[0]:    # its worst would not enter (a tie comes later: it does not either)
+                continue
+        b0 = b * _BLOCK
+        k = _worst_scan(r, d, b0, min(b0 + _BLOCK, n), atol, rtol, base, k, hidx, hdiff, hcls)
+    return k
+
+
+@njit(inline="always", error_model="numpy")
+def _worst_scan(r, d, b0, b1, atol, rtol, base, k, hidx, hdiff, hcls):
+    """Every mismatch of [b0, b1) offered to the heap, exactly (float64)."""
+    for j in range(b0, b1):
+        x = _ld64(r, j)
+        y = _ld64(d, j)
+        if _finite(x) and _finite(y):
+            ae = abs(y - x)
+            if not ae > abs(x) * rtol + atol:
+                continue
+            k = _heap_add(k, hidx, hdiff, hcls, base + j, ae, 1)
+        elif not (x == y):
+            k = _heap_add(k, hidx, hdiff, hcls, base + j, 0.0, 0)
     return k
 
 

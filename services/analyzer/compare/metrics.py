@@ -100,7 +100,7 @@ from typing import Any
 
 import numpy as np
 
-from layerdiff.analyzer.compare.compiled import _merge_state, _run, warmup
+from layerdiff.analyzer.compare.compiled import _merge_state, _run, block_marks, warmup
 from layerdiff.analyzer.compare.contract import (
     _FLOAT_FIELDS,
     _INT_FIELDS,
@@ -126,6 +126,7 @@ __all__ = [
     "finalize",
     "worst_elements",
     "worst_row_key",
+    "block_marks",
     "reference_metrics",
     "warmup",
 ]
@@ -289,9 +290,10 @@ class Accumulator:
 
 
 def accumulate(ref_chunk, dev_chunk, offset: int = 0, atol: float = ATOL_DEFAULT,
-               rtol: float = RTOL_DEFAULT) -> Accumulator:
-    """Partial metrics of one chunk starting at flat ``offset`` of the tensor."""
-    iv, fv = _run(ref_chunk, dev_chunk, atol, rtol, offset)
+               rtol: float = RTOL_DEFAULT, marks: np.ndarray | None = None) -> Accumulator:
+    """Partial metrics of one chunk starting at flat ``offset`` of the
+    tensor; ``marks``: see ``compare``."""
+    iv, fv = _run(ref_chunk, dev_chunk, atol, rtol, offset, marks)
     return Accumulator._from_arrays(iv, fv, atol, rtol)
 
 
@@ -435,10 +437,12 @@ def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetr
 
 
 def compare(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
-            rtol: float = RTOL_DEFAULT) -> NodeMetrics:
-    """All metrics of one node in one fused pass (``shape`` is ref.shape)."""
+            rtol: float = RTOL_DEFAULT, marks: np.ndarray | None = None) -> NodeMetrics:
+    """All metrics of one node in one fused pass (``shape`` is ref.shape).
+    ``marks`` (``block_marks(ref, dev)``): filled for ``worst_elements``
+    of the same pair, which then reads only the blocks that matter."""
     shape = tuple(np.shape(ref))
-    iv, fv = _run(ref, dev, atol, rtol, 0)
+    iv, fv = _run(ref, dev, atol, rtol, 0, marks)
     return finalize(Accumulator._from_arrays(iv, fv, atol, rtol), shape)
 
 

@@ -107,11 +107,12 @@ def compare_chunk(ref_flat: np.ndarray, dev_flat: np.ndarray, offset: int, tol: 
                   diff_cnt: int) -> tuple[M.Accumulator, list]:
     """Partial metrics of elements [offset, offset+len) and their worst rows
     (indices in the whole tensor)."""
-    acc = M.accumulate(ref_flat, dev_flat, offset, tol.atol, tol.rtol)
+    marks = M.block_marks(ref_flat, dev_flat)
+    acc = M.accumulate(ref_flat, dev_flat, offset, tol.atol, tol.rtol, marks)
     worst = []
     if acc.errors and diff_cnt > 0:
         worst = [(i + offset, *rest) for i, *rest in M.worst_elements(ref_flat, dev_flat, tol.atol, tol.rtol,
-                                                                      diff_cnt)]
+                                                                      diff_cnt, marks)]
     return acc, worst
 
 
@@ -132,6 +133,7 @@ def compare_node(ref: np.ndarray, dev: np.ndarray, tol: Tolerance, diff_cnt: int
         parts = [compare_chunk(r[a:b], d[a:b], a, tol, diff_cnt) for a, b in chunk_bounds(ref.size)]
         m, worst = merge_chunks(parts, ref.shape, diff_cnt)
         return NodeOutcome(m, worst, note)
-    m = M.compare(ref, dev, tol.atol, tol.rtol)
-    worst = M.worst_elements(ref, dev, tol.atol, tol.rtol, diff_cnt) if m.errors and diff_cnt > 0 else []
+    marks = M.block_marks(ref, dev)     # where the worst elements lie, from the metric pass
+    m = M.compare(ref, dev, tol.atol, tol.rtol, marks)
+    worst = M.worst_elements(ref, dev, tol.atol, tol.rtol, diff_cnt, marks) if m.errors and diff_cnt > 0 else []
     return NodeOutcome(m, worst, note)

@@ -26,7 +26,7 @@ def worst_row_key(row) -> tuple:
 
 
 def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
-                   rtol: float = RTOL_DEFAULT, count: int = 128) -> list:
+                   rtol: float = RTOL_DEFAULT, count: int = 128, marks: np.ndarray | None = None) -> list:
     """Up to ``count`` mismatching elements, worst first.
 
     Rows are ``(flat index, ref value, dev value, abs_diff, relative_diff)``
@@ -35,7 +35,9 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     NaN or inf for a non-finite pair; for two integer tensors abs_diff is
     the exact difference rounded once.  Pairs with NaN or Inf come first (by
     index), then the rest by abs_diff descending then index
-    (``worst_row_key``).
+    (``worst_row_key``). ``marks``: what ``metrics.compare`` of the same
+    pair with the same tolerances left (``block_marks``): only the blocks
+    they name are read.
     """
     r = _flat(ref)
     d = _flat(dev)
@@ -54,10 +56,13 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     ru, du = r.dtype == np.uint64, d.dtype == np.uint64
     narrow = kr in ("f32", "f16") and kd in ("f32", "f16")
     if narrow:      # read as they are stored, each element widened as it is read
-        lo = _fast_tolerances(float(atol), float(rtol))
-        rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
-        k = kernels()._worst(r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d,
-                             float(atol), float(rtol), rtol_lo, atol_lo, 0, k, hidx, hdiff, hcls)
+        rs, ds = r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d
+        if marks is not None:
+            k = kernels()._worst_marked(rs, ds, float(atol), float(rtol), marks, 0, k, hidx, hdiff, hcls)
+        else:
+            lo = _fast_tolerances(float(atol), float(rtol))
+            rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
+            k = kernels()._worst(rs, ds, float(atol), float(rtol), rtol_lo, atol_lo, 0, k, hidx, hdiff, hcls)
     else:
         # one float64 scratch piece per side for the whole tensor: a fresh one per
         # piece is a fresh mapping (memory.MMAP_THRESHOLD_BYTES), faulted in anew
