@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import onnx
+import pytest
 from conftest import small_cnn
 from onnx import TensorProto, helper, numpy_helper
 from onnxbuild import opset17
@@ -207,6 +208,31 @@ def test_uneven_error_read_a_block_at_a_time_is_the_whole_tensors(monkeypatch):
         seen += 1
         assert f"{want[1]} half of axis {want[0]}" in text, (shape, text, want)
     assert seen > 50
+
+
+@pytest.mark.parametrize("types", [(np.float32, np.float16), (np.float16, np.float32), (np.float32, np.float32),
+                                   (np.float64, np.float64), (np.int32, np.int32), (np.float32, np.float64)])
+def test_error_profiles_are_the_sums_of_the_finite_pairs_errors(types):
+    """Each axis's profile (the |d - r| at each of its indices, summed over
+    the others) and the sum of r², over the pairs finite on both sides,
+    whatever the types (compiled for float32, float16 and float64 as they
+    are stored, numpy otherwise), for a view that is not contiguous too."""
+    from layerdiff.analyzer.diagnose import evidence
+
+    rng = np.random.default_rng(3)
+    ref = (rng.standard_normal((2, 6, 5, 7)) * 40).astype(types[0])
+    dev = (ref.astype(np.float64) + rng.standard_normal(ref.shape) * 3).astype(types[1])
+    if np.dtype(types[0]).kind == "f":
+        ref.flat[5], dev.flat[9], ref.flat[11], dev.flat[11] = np.nan, np.inf, np.inf, np.inf
+    for r, d in ((ref, dev), (ref.transpose(0, 2, 1, 3), dev.transpose(0, 2, 1, 3))):
+        bad = ~(np.isfinite(r) & np.isfinite(d))
+        r64, d64 = np.where(bad, 0, r).astype(np.float64), np.where(bad, 0, d).astype(np.float64)
+        err = np.abs(d64 - r64)
+        profiles, sum_r2 = evidence._error_profiles(r, d)
+        assert sum_r2 == pytest.approx(float(np.sum(r64 * r64)), rel=1e-12)
+        for ax in range(4):
+            others = tuple(a for a in range(4) if a != ax)
+            np.testing.assert_allclose(profiles[ax], err.sum(axis=others), rtol=1e-12)
 
 
 def test_int8_build_gets_range_advice(services, tmp_path):

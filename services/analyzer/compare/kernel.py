@@ -1599,6 +1599,35 @@ def _pair_sums(r, d, p, k, q, ek, rk, eq, rq):
 
 
 # ---------------------------------------------------------------------------
+# Where along each axis a failing tensor's error lies (evidence.uneven_axis)
+# ---------------------------------------------------------------------------
+
+
+# reassoc: the sums may be taken in any order (vectorized)
+@njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
+def _abs_profiles(r, d, outer, inner, by_row, by_col):
+    # r, d: outer*inner elements seen as (outer, inner); by_row[i] += the
+    # |d - r| of row i, by_col[m] += those of column m, each in float64
+    # over the pairs finite on both sides (any other counts as 0 - 0);
+    # returns the sum of r^2 over the same pairs
+    s2 = 0.0
+    for i in range(outer):
+        rr = r[i * inner:(i + 1) * inner]       # indexed from 0 (see _may_enter: vectorized)
+        dd = d[i * inner:(i + 1) * inner]
+        srow = 0.0
+        for m in range(inner):
+            x = _ld64(rr, m)
+            y = _ld64(dd, m)
+            fin = (x - x == 0.0) & (y - y == 0.0)
+            e = abs(y - x) if fin else 0.0
+            s2 += x * x if fin else 0.0
+            srow += e
+            by_col[m] += e
+        by_row[i] += srow
+    return s2
+
+
+# ---------------------------------------------------------------------------
 # The worst window of an error model's sums (errormodel.worst_blocks)
 # ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 
 from layerdiff.analyzer.compare import metrics as M
+from layerdiff.analyzer.compare.compiled import kernels
 
 
 def fmt(v: float | None) -> str:
@@ -57,35 +58,54 @@ def may_be_uneven(m: M.NodeMetrics) -> bool:
     return not m.mean_abs_diff / scale < UNEVEN_MIN_REL / 3
 
 
-# elements of a tensor taken at a time by _error_profiles (its float64 copies
-# of them, 8 MiB each, instead of the whole tensor's: a detector's largest
-# activation held three float64 copies, 225 MB, at the analyzer's peak)
+# the most elements of a row of _error_profiles (its column sums, float64),
+# and what its numpy path takes at a time (float64 copies of them, 8 MiB
+# each, instead of the whole tensor's: a detector's largest activation held
+# three float64 copies, 225 MB, at the analyzer's peak)
 PROFILE_BLOCK = 1 << 20
+
+
+def _compiled_pair(ref: np.ndarray, dev: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The two tensors flat, as the compiled passes take them (float16 as
+    its bits), or None for types they do not take."""
+    kinds = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64"}
+    kr, kd = kinds.get(ref.dtype), kinds.get(dev.dtype)
+    if kr is None or kd is None or (kr == "f64") != (kd == "f64"):
+        return None
+    r, d = np.ascontiguousarray(ref).reshape(-1), np.ascontiguousarray(dev).reshape(-1)
+    return (r.view(np.uint16) if kr == "f16" else r), (d.view(np.uint16) if kd == "f16" else d)
 
 
 def _error_profiles(ref: np.ndarray, dev: np.ndarray) -> tuple[list[np.ndarray], float]:
     """For each axis, the sums of |d - r| at each of its indices over all
     the others, and the sum of r², over the pairs finite on both sides (as
-    _finite_pairs counts them), in float64, a block of elements at a time.
-    The tensor is read as rows of its trailing axes (at most a block's
-    worth, where they fit): a row's sum gives the leading axes' profiles,
-    the rows' sum the trailing axes', two reductions per element."""
+    _finite_pairs counts them), in float64. The tensor is read as rows of
+    its trailing axes (at most PROFILE_BLOCK of them, where they fit): a
+    row's sum gives the leading axes' profiles, the rows' sum the trailing
+    axes', two sums per element; in one compiled pass over float32,
+    float16 and float64 tensors as they are stored (a detector's failing
+    nodes took a tenth of the job's own thread in float64 copies), else a
+    block of elements at a time in numpy."""
     shape, nd = ref.shape, ref.ndim
     k = nd - 1     # the trailing axes k.. make a row
     while k > 0 and int(np.prod(shape[k - 1:], dtype=np.int64)) <= PROFILE_BLOCK:
         k -= 1
     inner = int(np.prod(shape[k:], dtype=np.int64))
     outer = ref.size // inner
-    r_rows, d_rows = np.reshape(ref, (outer, inner)), np.reshape(dev, (outer, inner))
     by_row, by_column = np.zeros(outer), np.zeros(inner)
-    sum_r2 = 0.0
-    step = max(1, PROFILE_BLOCK // inner)
-    for i0 in range(0, outer, step):
-        r, d = _finite_pairs(r_rows[i0:i0 + step], d_rows[i0:i0 + step])
-        sum_r2 += float(np.einsum("ij,ij->", r, r))      # not BLAS: its threads would spin beside ours
-        err = np.abs(np.subtract(d, r, out=d), out=d)
-        by_row[i0:i0 + step] = err.sum(axis=1)
-        by_column += err.sum(axis=0)
+    flat = _compiled_pair(ref, dev)
+    if flat is not None:
+        sum_r2 = float(kernels()._abs_profiles(flat[0], flat[1], outer, inner, by_row, by_column))
+    else:
+        r_rows, d_rows = np.reshape(ref, (outer, inner)), np.reshape(dev, (outer, inner))
+        sum_r2 = 0.0
+        step = max(1, PROFILE_BLOCK // inner)
+        for i0 in range(0, outer, step):
+            r, d = _finite_pairs(r_rows[i0:i0 + step], d_rows[i0:i0 + step])
+            sum_r2 += float(np.einsum("ij,ij->", r, r))      # not BLAS: its threads would spin beside ours
+            err = np.abs(np.subtract(d, r, out=d), out=d)
+            by_row[i0:i0 + step] = err.sum(axis=1)
+            by_column += err.sum(axis=0)
     leading, trailing = by_row.reshape(shape[:k]), by_column.reshape(shape[k:])
     profiles = []
     for ax, size in enumerate(shape):
