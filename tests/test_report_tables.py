@@ -208,3 +208,19 @@ def test_diff_says_when_it_cannot_answer(reports, tmp_path):
     (old / "cpu_vs_npu.csv").write_text("op_name\n")
     before_tables = _diff(old, reports["clean"])
     assert before_tables.returncode == 2 and "before reports held tables" in before_tables.stderr
+
+
+def test_a_value_a_tensor_is_repeated_for_each_of_its_elements():
+    """The elements table's per-tensor columns (node, tensor, role, input
+    index, detail file) are one value a tensor repeated over its rows:
+    non-ASCII names, nulls, tensors with no rows and integer columns."""
+    import pyarrow as pa
+
+    from layerdiff.analyzer.report.tables import _repeated
+
+    times = np.array([2, 0, 3, 1])
+    names = _repeated(["a", "skipped", "é/conv", None], times, pa.string())
+    assert names.to_pylist() == ["a", "a", "é/conv", "é/conv", "é/conv", None] and names.null_count == 1
+    slots = _repeated([None, 7, 0, None], times, pa.int32())
+    assert slots.type == pa.int32() and slots.to_pylist() == [None, None, 0, 0, 0, None]
+    assert _repeated(["x"], np.array([0]), pa.string()).to_pylist() == []

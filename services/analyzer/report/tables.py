@@ -74,12 +74,14 @@ def node_rows(rows: list, aligned: list[tuple]) -> list[dict]:
     return out
 
 
-def element_columns(rows: list, detail_files: dict[str, str]) -> dict[str, list]:
+def element_columns(rows: list, detail_files: dict[str, str]) -> dict[str, list | pa.Array]:
     """The worst elements of every failing tensor, as its detail CSV lists
     them, column by column (twenty thousand rows of dicts took longer to
     make into a table than the rest of the report)."""
     cols: dict[str, list] = {f.name: [] for f in ELEMENTS_SCHEMA}
     index_parts: list[np.ndarray] = []      # each tensor's (rows, rank) axis indices
+    tensors: dict[str, list] = {"node": [], "tensor": [], "role": [], "input_index": [], "detail_file": []}
+    counts: list[int] = []
     for r in rows:
         fname = detail_files.get(r.label)
         if fname is None or not r.outcome.worst:
@@ -88,20 +90,41 @@ def element_columns(rows: list, detail_files: dict[str, str]) -> dict[str, list]
         idx, rv, dv, ad, rd = (list(c) for c in zip(*r.outcome.worst))
         shape = tuple(r.outcome.metrics.shape)
         flat = np.asarray(idx, np.int64)
-        cols["node"] += [r.site.node] * n
-        cols["tensor"] += [r.site.tensor] * n
-        cols["role"] += [r.role] * n
-        cols["input_index"] += [r.site.output_index if r.is_input else None] * n
-        cols["detail_file"] += [fname] * n
-        cols["rank"] += list(range(n))
+        for name, value in (("node", r.site.node), ("tensor", r.site.tensor), ("role", r.role),
+                            ("input_index", r.site.output_index if r.is_input else None), ("detail_file", fname)):
+            tensors[name].append(value)
+        counts.append(n)
+        cols["rank"] += range(n)
         cols["flat_index"] += idx
         index_parts.append(np.stack(np.unravel_index(flat, shape), axis=1) if shape else np.empty((n, 0), np.int64))
         cols["std_value"] += rv
         cols["npu_value"] += dv
         cols["abs_diff"] += ad
         cols["relative_diff"] += rd
-    cols["index"] = _index_lists(index_parts)
-    return cols
+    # what is the same for a tensor's rows: a value a tensor, repeated in numpy (not a Python list a row)
+    times = np.array(counts, np.int64)
+    out: dict[str, list | pa.Array] = dict(cols)
+    for name, values in tensors.items():
+        out[name] = _repeated(values, times, ELEMENTS_SCHEMA.field(name).type)
+    out["index"] = _index_lists(index_parts)
+    return out
+
+
+def _repeated(values: list, times: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """``values[i]`` ``times[i]`` times over, as an Arrow array of ``typ``
+    (string or an integer type; None: null)."""
+    n = int(times.sum())
+    valid = np.repeat(np.array([v is not None for v in values], bool), times)
+    nulls = n - int(np.count_nonzero(valid))
+    vbuf = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
+    if pa.types.is_string(typ):
+        encoded = [b"" if v is None else v.encode("utf-8") for v in values]
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(np.repeat(np.array([len(b) for b in encoded], np.int64), times), out=offsets[1:])
+        data = b"".join(b * int(t) for b, t in zip(encoded, times))
+        return pa.Array.from_buffers(typ, n, [vbuf, pa.py_buffer(offsets), pa.py_buffer(data)], null_count=nulls)
+    plain = np.repeat(np.array([0 if v is None else v for v in values], np.dtype(typ.to_pandas_dtype())), times)
+    return pa.Array.from_buffers(typ, n, [vbuf, pa.py_buffer(plain)], null_count=nulls)
 
 
 def _index_lists(parts: list[np.ndarray]) -> pa.Array:
