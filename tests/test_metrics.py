@@ -978,6 +978,12 @@ def test_worst_elements_led_by_the_metric_pass_marks_are_a_sorts(dtypes):
         for count in (1, 16, 128, len(want) + 1):
             assert [row[0] for row in M.worst_elements(a, b, count=count, marks=marks)] == want[:count]
     assert M.block_marks(r.astype(np.float64), d.astype(np.float64)) is None    # float64 pairs: no marks
+    size = M.block_marks(r, d).size
+    for wrong in (np.empty(size - 1), np.empty(size, np.float32), np.empty(2 * size)[::2]):
+        with pytest.raises(ValueError, match="block_marks"):
+            M.compare(r, d, marks=wrong)        # never written past its end
+        with pytest.raises(ValueError, match="block_marks"):
+            M.worst_elements(r, d, marks=wrong)
 
 
 def test_compared_nodes_worst_rows_do_not_depend_on_the_marks(monkeypatch):

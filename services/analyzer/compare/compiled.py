@@ -237,6 +237,15 @@ def block_marks(ref: np.ndarray, dev: np.ndarray) -> np.ndarray | None:
     return np.empty(-(-ref.size // contract._BLOCK))
 
 
+def check_marks(marks: np.ndarray, n: int) -> np.ndarray:
+    """``marks`` as block_marks makes them for ``n`` elements (the compiled
+    code writes them unchecked), else ValueError."""
+    if not (isinstance(marks, np.ndarray) and marks.dtype == np.float64 and marks.ndim == 1
+            and marks.flags.c_contiguous and marks.flags.writeable and marks.size == -(-n // contract._BLOCK)):
+        raise ValueError(f"marks are not block_marks' for {n} elements")
+    return marks
+
+
 def _run(ref, dev, atol, rtol, base, marks: np.ndarray | None = None):
     """The state of one metric pass over ``ref`` and ``dev`` (flat offset
     ``base`` in the whole tensor); ``marks`` (``block_marks``) filled
@@ -258,7 +267,7 @@ def _run(ref, dev, atol, rtol, base, marks: np.ndarray | None = None):
         lo = _fast_tolerances(atol, rtol)
         rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
         k._acc_fast(rv, dv, atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv,
-                    _NO_MARKS if marks is None else marks)
+                    _NO_MARKS if marks is None else check_marks(marks, r.size))
     elif kr == "f64" and kd == "f64":
         k._acc_f64(r, d, atol, rtol, base, iv, fv, True, True)
     elif kr == "int" and kd == "int":

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from layerdiff.analyzer.compare.compiled import _PIECE, _as_i64, _flat, _into_f64, _kind, kernels
+from layerdiff.analyzer.compare.compiled import _PIECE, _as_i64, _flat, _into_f64, _kind, check_marks, kernels
 from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, REL_EPS, RTOL_DEFAULT, _fast_tolerances
 
 __all__ = ["worst_elements", "worst_row_key"]
@@ -58,7 +58,8 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     if narrow:      # read as they are stored, each element widened as it is read
         rs, ds = r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d
         if marks is not None:
-            k = kernels()._worst_marked(rs, ds, float(atol), float(rtol), marks, 0, k, hidx, hdiff, hcls)
+            k = kernels()._worst_marked(rs, ds, float(atol), float(rtol), check_marks(marks, r.size), 0, k,
+                                        hidx, hdiff, hcls)
         else:
             lo = _fast_tolerances(float(atol), float(rtol))
             rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
