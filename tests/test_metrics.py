@@ -911,8 +911,8 @@ def test_worst_elements_past_a_full_heap_are_those_a_sort_finds(dtypes):
 
 
 def _edge_pairs(rng, n: int, atol: float, rtol: float, dev_type) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs a float32 screen could get wrong, one to a stretch of 200
-    that agrees otherwise (a block the screen passes over unless that one
+    """Pairs a float32 decision could get wrong, one to a stretch of 200
+    that agrees otherwise (a block the search passes over unless that one
     pair may mismatch): errors a step or two of the device type either side
     of the tolerance, magnitudes near float32's largest (their difference
     overflows float32) and subnormals; a NaN and a large error too."""
@@ -938,11 +938,13 @@ def _edge_pairs(rng, n: int, atol: float, rtol: float, dev_type) -> tuple[np.nda
 
 @pytest.mark.parametrize("dev_type", [np.float32, np.float16])
 @pytest.mark.parametrize("atol, rtol", [(0.005, 0.2), (0.0, 1e-3), (1e-40, 0.5), (1e-3, 0.0)])
-def test_worst_elements_screened_in_float32_miss_nothing(dev_type, atol, rtol):
-    """float32 and float16 tensors are screened a block at a time in
-    float32 before the exact search: at the edge of the tolerance, past
-    float32's range, among subnormals, with the kept rows full or never
-    filled, the rows are still exactly those a sort in float64 finds."""
+def test_worst_elements_led_by_float32_marks_miss_nothing(dev_type, atol, rtol):
+    """float32 and float16 tensors are searched only in the blocks their
+    metric pass (float32 lanes, float64 where a block may mismatch) marks:
+    at the edge of the tolerance, past float32's range, among subnormals,
+    with the kept rows full or never filled, the rows are still exactly
+    those a sort in float64 finds, whether the marks are handed over or
+    made by the search itself."""
     rng = np.random.default_rng(23)
     r, d = _edge_pairs(rng, 200_000, atol, rtol, dev_type)
     order = worst_by_sort(r, d, atol, rtol)
@@ -984,6 +986,20 @@ def test_worst_elements_led_by_the_metric_pass_marks_are_a_sorts(dtypes):
             M.compare(r, d, marks=wrong)        # never written past its end
         with pytest.raises(ValueError, match="block_marks"):
             M.worst_elements(r, d, marks=wrong)
+
+
+def test_a_block_whose_worst_barely_beats_the_kept_rows_is_read():
+    """Once 128 rows are kept, a later block is read when its worst
+    mismatch beats the least kept one by any amount (a float32 step here),
+    and passed over when it only ties it."""
+    n = 60 * 2048
+    r = np.zeros(n, np.float32)
+    d = (1 - np.arange(n) * 2.0 ** -22).astype(np.float32)    # every error smaller than the one before
+    d[50 * 2048 + 7] = d[126]      # later, beats the 128th worst (d[127]) by one float32 step
+    d[55 * 2048 + 3] = d[127]      # ties it: a sort puts it after, out of the first 128
+    rows = M.worst_elements(r, d, count=128)
+    assert [row[0] for row in rows] == worst_by_sort(r, d)[:128]
+    assert 50 * 2048 + 7 in [row[0] for row in rows] and 55 * 2048 + 3 not in [row[0] for row in rows]
 
 
 def test_compared_nodes_worst_rows_do_not_depend_on_the_marks(monkeypatch):

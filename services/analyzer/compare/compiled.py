@@ -47,7 +47,7 @@ ENTRIES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "_acc_f64": (f"void({{r}}, {{d}}, float64, float64, int64, {_STATE}, boolean, boolean)", [("f64", "f64")]),
     "_acc_int": (f"void({{r}}, {{d}}, boolean, boolean, int64, {_STATE})", [("i64", "i64")]),
     "_merge_state": (f"void({_STATE}, {_STATE})", [()]),
-    "_worst": (f"int64({{r}}, {{d}}, float64, float64, float64, float64, {_HEAP})", [("f64", "f64"), *_NARROW]),
+    "_worst": (f"int64({{r}}, {{d}}, float64, float64, {_HEAP})", [("f64", "f64")]),
     "_worst_marked": (f"int64({{r}}, {{d}}, float64, float64, float64[::1], {_HEAP})", _NARROW),
     "_worst_int": (f"int64({{r}}, {{d}}, boolean, boolean, {_HEAP})", [("i64", "i64")]),
     "_square_sums": ("void({r}, int64, int64, int64, float64[::1], float64[::1])", [("f32",), ("f64",)]),

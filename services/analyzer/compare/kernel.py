@@ -1396,87 +1396,43 @@ _WORST_BLOCK = 512
 
 
 @njit(inline="always", error_model="numpy")
-def _floor32(floor):
-    """A float32 at most floor * (1 - 2**-24): a float32 |y - x| (rounded
-    once, 2**-24 relative) of a pair whose exact |y - x| exceeds ``floor``
-    is at least this."""
-    if not floor >= 2.0 ** -120:        # NaN too: nothing can be told, the block is read
-        return np.float32(0.0)
-    v = floor * (1.0 - 2.0 ** -20)
-    if v >= _F32_MAX:
-        return np.float32(_F32_MAX)
-    return np.float32(v)
-
-
-def _may_enter(r, d, b0, b1, floor, atol, rtol, rtol_lo, atol_lo):
-    raise NotImplementedError
-
-
-@overload(_may_enter)
-def _ov_may_enter(r, d, b0, b1, floor, atol, rtol, rtol_lo, atol_lo):
-    # How many pairs of [b0, b1) may enter a full heap whose root is
-    # ``floor``: a NaN or Inf pair that is not the same infinity, or a
-    # mismatch worse than the root. Float64 arrays are tested exactly;
-    # float32 arrays and float16 bit views in float32, twice as many
-    # lanes, against the root and the tolerance both lowered past what
-    # float32 rounding can move (rtol_lo / atol_lo: contract's
-    # _fast_tolerances; 0 where that has none): never fewer pairs than the
-    # exact test, at times a few more, and the block is then read exactly.
-    # The block is indexed as a slice of its own: an index numba cannot
-    # prove non-negative (b0 + j) is wrapped around element by element, and
-    # that alone kept the loop from being vectorized (4x slower).
-    if r.dtype == types.float64:
-        def exact(r, d, b0, b1, floor, atol, rtol, rtol_lo, atol_lo):
-            rb = r[b0:b1]
-            db = d[b0:b1]
-            hits = 0
-            for j in range(rb.size):
-                x = rb[j]
-                y = db[j]
-                ae = abs(y - x)
-                nonfinite = (x - x != 0.0) | (y - y != 0.0)
-                hits += (nonfinite & (x != y)) | ((ae > abs(x) * rtol + atol) & (ae > floor))
-            return hits
-        return exact
-
-    def narrow(r, d, b0, b1, floor, atol, rtol, rtol_lo, atol_lo):
-        lo = _floor32(floor)
-        rl = np.float32(rtol_lo)
-        al = np.float32(atol_lo)
-        zero = np.float32(0.0)
-        rb = r[b0:b1]
-        db = d[b0:b1]
-        hits = 0
-        for j in range(rb.size):
-            x = _ld32(rb, j)
-            y = _ld32(db, j)
-            ae = abs(y - x)
-            nonfinite = (x - x != zero) | (y - y != zero)
-            hits += (nonfinite & (x != y)) | ((ae >= abs(x) * rl + al) & (ae >= lo))
-        return hits
-    return narrow
+def _may_enter(r, d, b0, b1, floor, atol, rtol):
+    # How many pairs of [b0, b1) may enter a heap whose root is ``floor``
+    # (0 while it fills): a NaN or Inf pair that is not the same infinity,
+    # or a mismatch worse than the root. The block is indexed as a slice of
+    # its own: an index numba cannot prove non-negative (b0 + j) is wrapped
+    # around element by element, and that alone keeps a loop from being
+    # vectorized (here and in the sums below: 2-4x slower).
+    rb = r[b0:b1]
+    db = d[b0:b1]
+    hits = 0
+    for j in range(rb.size):
+        x = rb[j]
+        y = db[j]
+        ae = abs(y - x)
+        nonfinite = (x - x != 0.0) | (y - y != 0.0)
+        hits += (nonfinite & (x != y)) | ((ae > abs(x) * rtol + atol) & (ae > floor))
+    return hits
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
-def _worst(r, d, atol, rtol, rtol_lo, atol_lo, base, k, hidx, hdiff, hcls):
+def _worst(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
     """The worst mismatches into the heap (see _heap_add), of float64
-    arrays, or of float32 arrays and float16 bit views read as stored, each
-    element widened to float64 as it is read (exact: the same search).
-    Indices only grow from call to call, so once the heap is full a finite
-    pair enters only with a larger abs_diff than its root's, and a pair
-    with NaN or Inf always does (unless the root is one: then none can):
-    a block where ``_may_enter`` finds none is passed over, as is one
-    without a mismatch while the heap fills."""
+    arrays (float32 and float16 take ``_worst_marked``). Indices only grow
+    from call to call, so once the heap is full a finite pair enters only
+    with a larger abs_diff than its root's, and a pair with NaN or Inf
+    always does (unless the root is one: then none can): a block where
+    ``_may_enter`` finds none is passed over, as is one without a
+    mismatch while the heap fills."""
     n = r.size
     if hidx.size == 0:
         return k
     for b0 in range(0, n, _WORST_BLOCK):
         b1 = min(b0 + _WORST_BLOCK, n)
-        # a heap not yet full takes any mismatch (a root of 0 lets every one in)
         full = k == hidx.size
         if full and hcls[0] == 0:
             return k
-        if _may_enter(r, d, b0, b1, hdiff[0] if full else 0.0, atol, rtol, rtol_lo, atol_lo) == 0:
+        if _may_enter(r, d, b0, b1, hdiff[0] if full else 0.0, atol, rtol) == 0:
             continue
         k = _worst_scan(r, d, b0, b1, atol, rtol, base, k, hidx, hdiff, hcls)
     return k
@@ -1546,7 +1502,7 @@ def _square_sums(x, p, k, q, by_k, by_q):
     i = 0
     for _ in range(p):
         for j in range(k):
-            row = x[i:i + q]        # indexed from 0 (see _may_enter: vectorized)
+            row = x[i:i + q]        # indexed from 0: vectorized (see _may_enter)
             s = 0.0
             for m in range(q):
                 v = row[m]
@@ -1578,7 +1534,7 @@ def _pair_sums(r, d, p, k, q, ek, rk, eq, rq):
     i = 0
     for _ in range(p):
         for j in range(k):
-            rr = r[i:i + q]         # indexed from 0 (see _may_enter: vectorized)
+            rr = r[i:i + q]         # indexed from 0: vectorized (see _may_enter)
             dd = d[i:i + q]
             se = 0.0
             sr = 0.0
@@ -1612,7 +1568,7 @@ def _abs_profiles(r, d, outer, inner, by_row, by_col):
     # returns the sum of r^2 over the same pairs
     s2 = 0.0
     for i in range(outer):
-        rr = r[i * inner:(i + 1) * inner]       # indexed from 0 (see _may_enter: vectorized)
+        rr = r[i * inner:(i + 1) * inner]       # indexed from 0: vectorized (see _may_enter)
         dd = d[i * inner:(i + 1) * inner]
         srow = 0.0
         for m in range(inner):

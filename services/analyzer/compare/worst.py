@@ -1,6 +1,9 @@
 """The worst mismatching elements of a node, worst first (the rows of
-the per-node detail tables).  The compiled search (a bounded heap per
-piece) is ``kernel._worst`` / ``kernel._worst_int`` (as ``compiled.kernels()`` gives them).
+the per-node detail tables).  The compiled search (a bounded heap) is
+``kernel._worst_marked`` for float32 and float16 pairs (the blocks their
+metric pass marks), ``kernel._worst`` for other floats (widened to float64
+a piece at a time) and ``kernel._worst_int`` (as ``compiled.kernels()``
+gives them).
 """
 
 from __future__ import annotations
@@ -9,8 +12,18 @@ import math
 
 import numpy as np
 
-from layerdiff.analyzer.compare.compiled import _PIECE, _as_i64, _flat, _into_f64, _kind, check_marks, kernels
-from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, REL_EPS, RTOL_DEFAULT, _fast_tolerances
+from layerdiff.analyzer.compare.compiled import (
+    _PIECE,
+    _as_i64,
+    _flat,
+    _into_f64,
+    _kind,
+    _run,
+    block_marks,
+    check_marks,
+    kernels,
+)
+from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, REL_EPS, RTOL_DEFAULT
 
 __all__ = ["worst_elements", "worst_row_key"]
 
@@ -35,9 +48,10 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     NaN or inf for a non-finite pair; for two integer tensors abs_diff is
     the exact difference rounded once.  Pairs with NaN or Inf come first (by
     index), then the rest by abs_diff descending then index
-    (``worst_row_key``). ``marks``: what ``metrics.compare`` of the same
-    pair with the same tolerances left (``block_marks``): only the blocks
-    they name are read.
+    (``worst_row_key``). Float32 and float16 pairs are searched only in
+    the blocks their metric pass marks (``block_marks``): ``marks`` is
+    what ``metrics.compare`` of the same pair with the same tolerances
+    left, else the pass is made here.
     """
     r = _flat(ref)
     d = _flat(dev)
@@ -56,14 +70,14 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     ru, du = r.dtype == np.uint64, d.dtype == np.uint64
     narrow = kr in ("f32", "f16") and kd in ("f32", "f16")
     if narrow:      # read as they are stored, each element widened as it is read
+        if marks is None:       # the metric pass tells where the mismatches lie
+            made = block_marks(r, d)
+            assert made is not None     # a float32/float16 pair
+            _run(r, d, atol, rtol, 0, made)
+            marks = made
         rs, ds = r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d
-        if marks is not None:
-            k = kernels()._worst_marked(rs, ds, float(atol), float(rtol), check_marks(marks, r.size), 0, k,
-                                        hidx, hdiff, hcls)
-        else:
-            lo = _fast_tolerances(float(atol), float(rtol))
-            rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
-            k = kernels()._worst(rs, ds, float(atol), float(rtol), rtol_lo, atol_lo, 0, k, hidx, hdiff, hcls)
+        k = kernels()._worst_marked(rs, ds, float(atol), float(rtol), check_marks(marks, r.size), 0, k,
+                                    hidx, hdiff, hcls)
     else:
         # one float64 scratch piece per side for the whole tensor: a fresh one per
         # piece is a fresh mapping (memory.MMAP_THRESHOLD_BYTES), faulted in anew
@@ -76,7 +90,7 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
                 assert scratch is not None    # made above for every tensor that is not integer on both sides
                 rp, dp = r[s:s + _PIECE], d[s:s + _PIECE]
                 k = kernels()._worst(_into_f64(rp, scratch[0]), _into_f64(dp, scratch[1]), float(atol),
-                                     float(rtol), 0.0, 0.0, s, k, hidx, hdiff, hcls)
+                                     float(rtol), s, k, hidx, hdiff, hcls)
     if integer:     # exact differences of integers past 2**53: Python's ints, a row at a time
         rows = []
         for j in range(k):
