@@ -177,7 +177,7 @@ def column(values: list | tuple, typ: pa.DataType) -> pa.Array:
     vbuf = pa.py_buffer(np.packbits(np.array([v is not None for v in values], dtype=bool), bitorder="little")) \
         if nulls else None
     if pa.types.is_map(typ):       # dicts (None: an empty one)
-        return pa.MapArray.from_arrays(_offsets([len(v or ()) for v in values]),
+        return pa.MapArray.from_arrays(run_offsets([len(v or ()) for v in values]),
                                        column([k for v in values for k in (v or {})], typ.key_type),
                                        column([x for v in values for x in (v or {}).values()], typ.item_type))
     if pa.types.is_string(typ) or pa.types.is_binary(typ):
@@ -186,14 +186,14 @@ def column(values: list | tuple, typ: pa.DataType) -> pa.Array:
             data = "".join(texts).encode("utf-8")
             lengths = list(map(len, texts))
             if len(data) == sum(lengths):   # ASCII: a character a byte, no encoding per value
-                return pa.Array.from_buffers(typ, n, [vbuf, _offsets(lengths).buffers()[1], pa.py_buffer(data)],
+                return pa.Array.from_buffers(typ, n, [vbuf, run_offsets(lengths).buffers()[1], pa.py_buffer(data)],
                                              null_count=nulls)
         parts = [b"" if v is None else v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
-        return pa.Array.from_buffers(typ, n, [vbuf, _offsets(list(map(len, parts))).buffers()[1],
+        return pa.Array.from_buffers(typ, n, [vbuf, run_offsets(list(map(len, parts))).buffers()[1],
                                               pa.py_buffer(b"".join(parts))], null_count=nulls)
     if pa.types.is_list(typ):
         child = column([x for v in values if v is not None for x in v], typ.value_type)
-        offsets = _offsets([0 if v is None else len(v) for v in values])
+        offsets = run_offsets([0 if v is None else len(v) for v in values])
         return pa.Array.from_buffers(typ, n, [vbuf, offsets.buffers()[1]], null_count=nulls, children=[child])
     fill = False if pa.types.is_boolean(typ) else 0
     plain = values if not nulls else [fill if v is None else v for v in values]
@@ -204,10 +204,11 @@ def column(values: list | tuple, typ: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(typ, n, [vbuf, data], null_count=nulls)
 
 
-def _offsets(lengths: list[int]) -> pa.Array:
-    """int32 offsets (n + 1 of them) of runs of these lengths."""
+def run_offsets(lengths) -> pa.Array:
+    """int32 offsets (n + 1 of them) of runs of these lengths (a list or
+    an integer array)."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    if lengths:
+    if len(lengths):
         np.cumsum(np.array(lengths, dtype=np.int64), out=offsets[1:])
     return pa.Array.from_buffers(pa.int32(), len(offsets), [None, pa.py_buffer(offsets)])
 

@@ -204,6 +204,16 @@ def _kind(a: np.ndarray) -> str:
     raise TypeError(f"unsupported tensor dtype {dt}")
 
 
+def as_stored(a: np.ndarray) -> np.ndarray:
+    """A flat array as the kernels take it: float16 as its bits (``_ARRAY``)."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def narrow_pair(ref: np.ndarray, dev: np.ndarray) -> bool:
+    """Float32 or float16 on both sides: the kernels' own pair types."""
+    return _kind(ref) in ("f32", "f16") and _kind(dev) in ("f32", "f16")
+
+
 def _as_f64(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.float64 else a.astype(np.float64)
 
@@ -232,9 +242,7 @@ def block_marks(ref: np.ndarray, dev: np.ndarray) -> np.ndarray | None:
     the worst-elements search (one a block of ``contract._BLOCK``
     elements: see ``kernel._acc_fast``), or None for types it leaves none
     for (only float32 and float16 pairs)."""
-    if _kind(ref) not in ("f32", "f16") or _kind(dev) not in ("f32", "f16"):
-        return None
-    return np.empty(-(-ref.size // contract._BLOCK))
+    return np.empty(-(-ref.size // contract._BLOCK)) if narrow_pair(ref, dev) else None
 
 
 def check_marks(marks: np.ndarray, n: int) -> np.ndarray:
@@ -262,11 +270,9 @@ def _run(ref, dev, atol, rtol, base, marks: np.ndarray | None = None):
     k = kernels()
     iv, fv = _new_state()
     if kr in ("f32", "f16") and kd in ("f32", "f16"):
-        rv = r.view(np.uint16) if kr == "f16" else r
-        dv = d.view(np.uint16) if kd == "f16" else d
         lo = _fast_tolerances(atol, rtol)
         rtol_lo, atol_lo = lo if lo is not None else (0.0, 0.0)
-        k._acc_fast(rv, dv, atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv,
+        k._acc_fast(as_stored(r), as_stored(d), atol, rtol, rtol_lo, atol_lo, lo is None, base, iv, fv,
                     _NO_MARKS if marks is None else check_marks(marks, r.size))
     elif kr == "f64" and kd == "f64":
         k._acc_f64(r, d, atol, rtol, base, iv, fv, True, True)
@@ -286,4 +292,5 @@ def _merge_state(iv, fv, jv, gv) -> None:
     kernels()._merge_state(iv, fv, jv, gv)
 
 
-__all__ = ["ATOL_DEFAULT", "RTOL_DEFAULT", "ENTRIES", "kernels", "warmup", "build_key", "block_marks"]
+__all__ = ["ATOL_DEFAULT", "RTOL_DEFAULT", "ENTRIES", "kernels", "warmup", "build_key", "block_marks", "as_stored",
+           "narrow_pair"]

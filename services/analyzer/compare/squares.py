@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from layerdiff.analyzer.compare.compiled import kernels
+from layerdiff.analyzer.compare.compiled import as_stored, kernels
 
 
 def _contiguous(x: np.ndarray) -> np.ndarray:
@@ -52,7 +52,7 @@ def pair_square_sums(ref: np.ndarray, dev: np.ndarray, first: int,
     if ref.size:
         r = _contiguous(ref)
         d = _contiguous(dev)
-        kernels()._pair_sums(r, d.view(np.uint16) if d.dtype == np.float16 else d, p, k, q, ek, rk, eq, rq)
+        kernels()._pair_sums(r, as_stored(d), p, k, q, ek, rk, eq, rq)
     return (ek.reshape(kept), rk.reshape(kept)), (eq.reshape(after), rq.reshape(after))
 
 

@@ -19,6 +19,7 @@ from layerdiff.analyzer.compare.compiled import (
     _into_f64,
     _kind,
     _run,
+    as_stored,
     block_marks,
     check_marks,
     kernels,
@@ -75,9 +76,8 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
             assert made is not None     # a float32/float16 pair
             _run(r, d, atol, rtol, 0, made)
             marks = made
-        rs, ds = r.view(np.uint16) if kr == "f16" else r, d.view(np.uint16) if kd == "f16" else d
-        k = kernels()._worst_marked(rs, ds, float(atol), float(rtol), check_marks(marks, r.size), 0, k,
-                                    hidx, hdiff, hcls)
+        k = kernels()._worst_marked(as_stored(r), as_stored(d), float(atol), float(rtol),
+                                    check_marks(marks, r.size), 0, k, hidx, hdiff, hcls)
     else:
         # one float64 scratch piece per side for the whole tensor: a fresh one per
         # piece is a fresh mapping (memory.MMAP_THRESHOLD_BYTES), faulted in anew

@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 
 from layerdiff.analyzer.compare import metrics as M
-from layerdiff.analyzer.compare.compiled import kernels
+from layerdiff.analyzer.compare.compiled import _flat, as_stored, kernels, narrow_pair
 
 
 def fmt(v: float | None) -> str:
@@ -65,17 +65,6 @@ def may_be_uneven(m: M.NodeMetrics) -> bool:
 PROFILE_BLOCK = 1 << 20
 
 
-def _compiled_pair(ref: np.ndarray, dev: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """The two tensors flat, as the compiled passes take them (float16 as
-    its bits), or None for types they do not take."""
-    kinds = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64"}
-    kr, kd = kinds.get(ref.dtype), kinds.get(dev.dtype)
-    if kr is None or kd is None or (kr == "f64") != (kd == "f64"):
-        return None
-    r, d = np.ascontiguousarray(ref).reshape(-1), np.ascontiguousarray(dev).reshape(-1)
-    return (r.view(np.uint16) if kr == "f16" else r), (d.view(np.uint16) if kd == "f16" else d)
-
-
 def _error_profiles(ref: np.ndarray, dev: np.ndarray) -> tuple[list[np.ndarray], float]:
     """For each axis, the sums of |d - r| at each of its indices over all
     the others, and the sum of r², over the pairs finite on both sides (as
@@ -93,9 +82,9 @@ def _error_profiles(ref: np.ndarray, dev: np.ndarray) -> tuple[list[np.ndarray],
     inner = int(np.prod(shape[k:], dtype=np.int64))
     outer = ref.size // inner
     by_row, by_column = np.zeros(outer), np.zeros(inner)
-    flat = _compiled_pair(ref, dev)
-    if flat is not None:
-        sum_r2 = float(kernels()._abs_profiles(flat[0], flat[1], outer, inner, by_row, by_column))
+    if narrow_pair(ref, dev) or ref.dtype == dev.dtype == np.float64:
+        sum_r2 = float(kernels()._abs_profiles(as_stored(_flat(ref)), as_stored(_flat(dev)), outer, inner,
+                                               by_row, by_column))
     else:
         r_rows, d_rows = np.reshape(ref, (outer, inner)), np.reshape(dev, (outer, inner))
         sum_r2 = 0.0

@@ -18,6 +18,7 @@ from layerdiff.common.schema import (
     REPORT_TABLES,
     WEIGHTS_SCHEMA,
     column,
+    run_offsets,
 )
 
 # NodeMetrics fields under their column names (the device is "npu" in the seed's columns)
@@ -119,10 +120,9 @@ def _repeated(values: list, times: np.ndarray, typ: pa.DataType) -> pa.Array:
     vbuf = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
     if pa.types.is_string(typ):
         encoded = [b"" if v is None else v.encode("utf-8") for v in values]
-        offsets = np.zeros(n + 1, np.int32)
-        np.cumsum(np.repeat(np.array([len(b) for b in encoded], np.int64), times), out=offsets[1:])
+        offsets = run_offsets(np.repeat(np.array([len(b) for b in encoded], np.int64), times))
         data = b"".join(b * int(t) for b, t in zip(encoded, times))
-        return pa.Array.from_buffers(typ, n, [vbuf, pa.py_buffer(offsets), pa.py_buffer(data)], null_count=nulls)
+        return pa.Array.from_buffers(typ, n, [vbuf, offsets.buffers()[1], pa.py_buffer(data)], null_count=nulls)
     plain = np.repeat(np.array([0 if v is None else v for v in values], np.dtype(typ.to_pandas_dtype())), times)
     return pa.Array.from_buffers(typ, n, [vbuf, pa.py_buffer(plain)], null_count=nulls)
 
@@ -132,11 +132,8 @@ def _index_lists(parts: list[np.ndarray]) -> pa.Array:
     tensors' index matrices (no list a row: twenty thousand of them)."""
     ranks = [p.shape[1] for p in parts for _ in range(p.shape[0])]
     flat = np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64) if parts else np.empty(0, np.int64)
-    offsets = np.zeros(len(ranks) + 1, np.int32)
-    np.cumsum(np.array(ranks, np.int64), out=offsets[1:])
     child = pa.Array.from_buffers(pa.int64(), flat.size, [None, pa.py_buffer(flat)])
-    return pa.ListArray.from_arrays(pa.Array.from_buffers(pa.int32(), offsets.size, [None, pa.py_buffer(offsets)]),
-                                    child)
+    return pa.ListArray.from_arrays(run_offsets(ranks), child)
 
 
 def _table(rows: list[dict], schema: pa.Schema) -> pa.Table:
