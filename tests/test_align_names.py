@@ -67,6 +67,11 @@ def test_exact_beats_relaxed_and_case_collisions_stay_unmatched():
     assert set(al.closest("FEAT")) == {"Feat", "feat"}
     d = al.match(" CONV1_OUT\t")
     assert d.site is sites[0] and d.confidence < 1.0 and "case" in d.note and "whitespace" in d.note
+    # two reference tensors whose names normalize alike: each pairs with its own name, whichever comes first
+    sites = [TensorSite("a/b", "n1", "Relu", 0, 0), TensorSite("a_b", "n2", "Relu", 1, 0)]
+    for device in (["a_b", "a/b"], ["a/b", "a_b"]):
+        al = Aligner(sites)
+        assert {name: al.match(name).site.tensor for name in device} == {"a_b": "a_b", "a/b": "a/b"}
 
 
 def test_output_suffixes_and_repeated_dumps():

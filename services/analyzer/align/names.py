@@ -36,6 +36,7 @@ import difflib
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import TensorSite
@@ -187,6 +188,15 @@ def _letters(name: str) -> str:
     return "".join(_LETTER.findall(name))
 
 
+class _Relaxed(NamedTuple):
+    """Reference names as relaxed spellings find them."""
+    canon: dict[str, list[TensorSite]]              # canonical key -> sites
+    plain: dict[str, list[TensorSite]]              # plain(canonical key) -> sites
+    shown: dict[str, str]                           # canonical -> the reference's own spelling
+    vocab: set[str]                                 # the reference's name tokens and op types
+    shapes: dict[tuple, list[tuple[TensorSite, tuple]]]     # _shape words -> (site, numeric gaps)
+
+
 class Aligner:
     def __init__(self, sites: list[TensorSite], *, map_node_dict: dict[str, str] | None = None,
                  skip_keys: list[str] | None = None, exclude_node_list: list[str] | None = None,
@@ -211,30 +221,12 @@ class Aligner:
         self.skip_keys = [k for k in (skip_keys or []) if k]
         self._skip_folded = [(k, k.casefold(), canonical(k) or k.casefold()) for k in self.skip_keys]
         self._by_key: dict[str, TensorSite] = {}
-        self._canon: dict[str, list[TensorSite]] = {}
-        self._plain: dict[str, list[TensorSite]] = {}    # plain(canonical key) -> sites
-        self._shown: dict[str, str] = {}     # canonical -> the reference's own spelling
         self._tensor: dict[str, TensorSite] = {}
-        self._vocab: set[str] = set()
-        self._shapes: dict[tuple, list[tuple[TensorSite, tuple]]] = {}
         for s in sites:
             self._tensor.setdefault(s.tensor, s)
             for key in self._keys(s):
                 self._by_key.setdefault(key, s)
-                ck = key.casefold()
-                bucket = self._canon.setdefault(ck, [])
-                if all(x.tensor != s.tensor for x in bucket):
-                    bucket.append(s)
-                    words, gaps = _shape(ck)
-                    self._shapes.setdefault(words, []).append((s, gaps))
-                signless = self._plain.setdefault(plain(ck), [])
-                if all(x.tensor != s.tensor for x in signless):
-                    signless.append(s)
-                self._vocab.update(_tokens(ck))
-            self._vocab.add(s.op_type.casefold())
-            for shown in (s.tensor, s.node):
-                self._shown.setdefault(canonical(shown), shown)
-        self._vocab -= CONVERTER_SUFFIXES
+        self._relaxed_index: _Relaxed | None = None     # made when a name is first looked up relaxed
         self._claimed: set[str] = set()      # reference tensors map_node_dict or pairs decide
         self._mapped: dict[str, TensorSite] = {}
         self._map_canon: dict[str, str] = {}  # canonical device name -> normalized one
@@ -287,6 +279,32 @@ class Aligner:
 
     # ----------------------------------------------------------------- index
 
+    @property
+    def _relaxed(self) -> _Relaxed:
+        """The index of relaxed spellings, made at the first name that is
+        not a reference name as written (two dumps of one runtime may never
+        need it: a twentieth of such a job's time)."""
+        if self._relaxed_index is None:
+            ix = _Relaxed({}, {}, {}, set(), {})
+            for s in self.sites:
+                for key in self._keys(s):
+                    ck = key.casefold()
+                    bucket = ix.canon.setdefault(ck, [])
+                    if all(x.tensor != s.tensor for x in bucket):
+                        bucket.append(s)
+                        words, gaps = _shape(ck)
+                        ix.shapes.setdefault(words, []).append((s, gaps))
+                    signless = ix.plain.setdefault(plain(ck), [])
+                    if all(x.tensor != s.tensor for x in signless):
+                        signless.append(s)
+                    ix.vocab.update(_tokens(ck))
+                ix.vocab.add(s.op_type.casefold())
+                for shown in (s.tensor, s.node):
+                    ix.shown.setdefault(canonical(shown), shown)
+            ix.vocab.difference_update(CONVERTER_SUFFIXES)
+            self._relaxed_index = ix
+        return self._relaxed_index
+
     @staticmethod
     def _keys(s: TensorSite) -> list[str]:
         keys = [normalize(s.tensor), normalize(f"{s.node}:{s.output_index}")]
@@ -295,10 +313,10 @@ class Aligner:
         return keys
 
     def _known_name(self, c: str) -> bool:
-        if c in self._canon or c in self._shown:
+        if c in self._relaxed.canon or c in self._relaxed.shown:
             return True
         m = _COLON0.match(c)
-        return m is not None and (m.group(1) in self._canon or m.group(1) in self._shown)
+        return m is not None and (m.group(1) in self._relaxed.canon or m.group(1) in self._relaxed.shown)
 
     def _lookup_reference(self, name: str) -> TensorSite | None:
         """A reference name as a user writes it (map_node_dict): exact, else
@@ -306,19 +324,19 @@ class Aligner:
         site = self._by_key.get(normalize(name))
         if site is not None:
             return site
-        found = self._canon.get(canonical(name), [])
+        found = self._relaxed.canon.get(canonical(name), [])
         return found[0] if len(found) == 1 else None
 
     def _look(self, key: str) -> dict[str, tuple[TensorSite, str]]:
         """Unclaimed reference sites under a canonical key, with the note a
         ``:0`` read as output 0 needs."""
         out: dict[str, tuple[TensorSite, str]] = {}
-        for s in self._canon.get(key, []):
+        for s in self._relaxed.canon.get(key, []):
             if s.tensor not in self._claimed:
                 out.setdefault(s.tensor, (s, ""))
         m = _COLON0.match(key)
         if m:
-            for s in self._canon.get(m.group(1), []):
+            for s in self._relaxed.canon.get(m.group(1), []):
                 if s.tensor not in self._claimed:
                     out.setdefault(s.tensor, (s, "':0' read as output 0"))
         return out
@@ -386,7 +404,9 @@ class Aligner:
             d = self._by_original(*original)
             if d is not None:
                 return d
-        site = self._by_key.get(keys[0])
+        # the reference tensor of this very name before one its spelling relaxes to
+        # ("a_b" is not "a/b", though both normalize to one key)
+        site = (self._tensor.get(device_name) if tensor else None) or self._by_key.get(keys[0])
         if site is not None and tensor and site.tensor in self._pair_claims:
             # the graphs pair that reference tensor with another device tensor
             # (a fold's partial result keeps the Conv's name): the name is not it
@@ -458,7 +478,7 @@ class Aligner:
             return self._one(found, device_name)
         # 1b. either side's names sanitized for file names ('conv1/Relu:0' as 'conv1_Relu_0')
         for f, conf, notes in forms:
-            for s in self._plain.get(plain(f), []):
+            for s in self._relaxed.plain.get(plain(f), []):
                 prev = found.get(s.tensor)
                 if s.tensor not in self._claimed and (prev is None or prev.confidence < conf * _C_SIGNS):
                     found[s.tensor] = _Cand(s, conf * _C_SIGNS, notes + (
@@ -494,7 +514,7 @@ class Aligner:
         scoped: dict[str, _Cand | None] = {}
         for f, conf, notes in forms:
             words, gaps = _shape(f)
-            group = self._shapes.get(words, [])
+            group = self._relaxed.shapes.get(words, [])
             for s, ref_gaps in group:
                 if s.tensor in self._claimed or not _instance_of(gaps, ref_gaps):
                     continue
@@ -558,7 +578,7 @@ class Aligner:
         if (all(t in CONVERTER_SUFFIXES for t in toks) or self._pending[dropped] >= LEARN_AFTER
                 or self._learned[("suffix", dropped)] >= LEARN_AFTER):
             return True
-        return generic and not any(t in self._vocab for t in toks)
+        return generic and not any(t in self._relaxed.vocab for t in toks)
 
     def _affix_variants(self, forms, raw: str, c: str, generic: bool = False):
         for n_form, (f, conf, notes) in enumerate(forms):
@@ -652,9 +672,9 @@ class Aligner:
         seps = list(_TOKEN_SEP.finditer(base))
         starts, ends = [0] + [m.end() for m in seps], [m.start() for m in seps] + [len(base)]
         inside = {base[i:j] for i in starts for j in ends if j - i >= 3 and (i, j) != (0, len(base))}
-        for k in sorted((k for k in inside if k in self._shown and _LETTER.search(k)), key=len, reverse=True):
-            add(self._shown[k])
-        for k in difflib.get_close_matches(base, list(self._shown), n=n, cutoff=0.6):
-            add(self._shown[k])
+        for k in sorted((k for k in inside if k in self._relaxed.shown and _LETTER.search(k)), key=len, reverse=True):
+            add(self._relaxed.shown[k])
+        for k in difflib.get_close_matches(base, list(self._relaxed.shown), n=n, cutoff=0.6):
+            add(self._relaxed.shown[k])
         return out[:n]
 
