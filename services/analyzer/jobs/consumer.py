@@ -37,6 +37,7 @@ from layerdiff.analyzer.align.values import ValueMatcher
 from layerdiff.analyzer.compare.node import SkipNode
 from layerdiff.analyzer.diagnose.examiner import NodeExaminer, inherited_words
 from layerdiff.analyzer.jobs.budget import DEFAULT_BUDGET, MemoryBudget
+from layerdiff.analyzer.report.details import DetailFiles
 from layerdiff.analyzer.report.drawer import PlotDrawer
 from layerdiff.analyzer.report.files import JobReport, Row
 from layerdiff.common.onnxgraph import TensorSite
@@ -95,16 +96,19 @@ class StreamConsumer:
 
     def __init__(self, prepared, executor, references: Callable[[], object], report: JobReport,
                  report_dir: Path, progress: Callable[[int, str, bool], None] | None = None,
-                 dump_mode: str = "output", injected=None, budget: MemoryBudget = DEFAULT_BUDGET) -> None:
+                 dump_mode: str = "output", injected=None, budget: MemoryBudget = DEFAULT_BUDGET,
+                 details: DetailFiles | None = None) -> None:
         """``injected``: where the examiner keeps the device values of nodes
         with an error of their own (layerdiff.analyzer.diagnose.impact); ``budget``:
-        what the examiner may keep."""
+        what the examiner may keep; ``details``: where each failing row's
+        worst elements are written as soon as it is recorded."""
         self.p = prepared
         self.executor = executor
         self._references = references
         self.refs = None
         self.rep = report
         self.report_dir = report_dir
+        self.details = details
         self.progress = progress or (lambda done, node, passed: None)
         self.examiner = NodeExaminer(prepared.reference, prepared.feeds, prepared.quantized,
                                      given_ranges=prepared.given_ranges, dump_mode=dump_mode,
@@ -454,6 +458,8 @@ class StreamConsumer:
             self.examiner.row_done(row, item.ref, dev, item.lease, item.tol, p.force_compare,
                                    item.stats.result() if item.stats is not None else None)
             self.rep.rows.append(row)
+            if self.details is not None:
+                self.details.add(row)
             passed = not row.failed
         if rec.role == ROLE_INPUT:
             return   # progress counts node outputs

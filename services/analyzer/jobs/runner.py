@@ -45,6 +45,7 @@ from layerdiff.analyzer.jobs.records import JobRecords, Retention, drop_broker_k
 from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
+from layerdiff.analyzer.report.details import DetailFiles
 from layerdiff.analyzer.report.files import JobReport, write_report
 from layerdiff.collector.service import CollectorClient, CollectorFlight, in_process
 from layerdiff.common.artifacts import ArtifactStore
@@ -346,6 +347,8 @@ class JobRunner:
         helper.shutdown(wait=False)
 
         rep = JobReport()
+        # the failing tensors' files, written while the job compares
+        details = DetailFiles(job.report_dir)
         if isinstance(p.reference, DumpReference):
             rep.reference_overflow = dict(p.reference.overflow)
         # device values of nodes with an error of their own, for the impact re-runs
@@ -367,7 +370,8 @@ class JobRunner:
                         if job.cancelled.is_set():
                             executor.cancel()
                         p.settle_graph(spec.options)     # made while the collector started the device
-                        self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget, pool)
+                        self._consume(job, p, stream, ref_future, executor, rep, total, injected, budget, pool,
+                                      details)
                     finally:
                         executor.close()
                         job.executor = None
@@ -400,10 +404,12 @@ class JobRunner:
                                    presumed=getattr(p.reference, "presumed", None),
                                    outputs=getattr(p.reference, "model_outputs", frozenset()),
                                    order=ExecutionOrder(getattr(p.reference, "order_from", ""),
-                                                        getattr(p.reference, "order_unknown", "")))
+                                                        getattr(p.reference, "order_unknown", "")),
+                                   details=details)
             _check_report_quota(job.report_dir)
             return summary
         finally:
+            details.close()
             if injected is not None:
                 injected.release()
 
@@ -583,7 +589,7 @@ class JobRunner:
 
     def _consume(self, job: Job, p: Prepared, stream, ref_future: Future, executor, rep: JobReport,
                  total: int, injected=None, budget: MemoryBudget = DEFAULT_BUDGET,
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, details: DetailFiles | None = None) -> None:
         assembler = TensorAssembler(pool=pool if pool is not None else BufferPool())
 
         def progress(done: int, node: str, passed: bool) -> None:
@@ -598,7 +604,8 @@ class JobRunner:
                         raise _Cancelled() from None
 
         consumer = StreamConsumer(p, executor, references, rep, job.report_dir, progress,
-                                  dump_mode=check_dump_mode(job.spec.dump_mode), injected=injected, budget=budget)
+                                  dump_mode=check_dump_mode(job.spec.dump_mode), injected=injected, budget=budget,
+                                  details=details)
         try:
             if isinstance(stream, InProcessStream):     # a dump read in this process: its records as read
                 for rec in stream.records():

@@ -3,7 +3,8 @@
 - ``cpu_vs_npu.csv``: one row per compared node output in execution order,
   the seed tool's columns first, then layerdiff's further metrics;
 - ``{op_name}.csv``: for each failing node, its worst elements (at most
-  ``diff_cnt``; index, std_value, npu_value, abs_diff, relative_diff);
+  ``diff_cnt``; index, std_value, npu_value, abs_diff, relative_diff),
+  written while the job compares (report.details);
 - ``compare_skip.log``, ``invalid_out_nodename.log``,
   ``dump_memory_nodename.log``, ``overflow_nodename.log``: a node and a
   reason per line;
@@ -27,6 +28,7 @@ from layerdiff.analyzer.compare.node import NodeOutcome
 from layerdiff.analyzer.diagnose import verdicts as diagnose
 from layerdiff.analyzer.diagnose import weights as weights_mod
 from layerdiff.analyzer.diagnose.errormodel import Block, Budget
+from layerdiff.analyzer.report.details import DetailFiles
 from layerdiff.analyzer.report.jsontext import json_text
 from layerdiff.analyzer.report.tables import write_tables
 from layerdiff.common.names import safe_filename
@@ -43,9 +45,6 @@ EXTRA_COLUMNS = ["index", "node", "tensor", "op_type", "device_name", "result", 
                  # the error model: what the node computes in, the relative RMS error its own arithmetic
                  # explains and may add (FACTOR times it), the error it adds itself (re-run alone), and read
                  "precision", "explained_rel_err", "allowed_rel_err", "own_rel_err", "read_rel_err"]
-DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
-_DETAIL_HEAD = ",".join(DETAIL_COLUMNS) + "\r\n"
-_DETAIL_ROW = "%d,%.6g,%.6g,%.6g,%.6g\r\n"     # g6's format, a row at once: 100k cells a job
 
 
 def g6(v: float) -> str:
@@ -350,7 +349,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                  sections: dict | Callable[[], dict | None] | None = None,
                  min_coverage: float | None = None, impact=None, weights: list | None = None,
                  presumed: dict[str, str] | None = None, outputs: set[str] | frozenset = frozenset(),
-                 order: diagnose.ExecutionOrder | None = None) -> dict:
+                 order: diagnose.ExecutionOrder | None = None, details: DetailFiles | None = None) -> dict:
     """``sections``: further top-level parts of summary.json (the performance
     data, its per-node view), written by their own modules; a callable is
     called once every row carries its diagnosis. The coverage comes first:
@@ -362,7 +361,9 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     ``presumed``: node -> the tensor it is presumed to read (a golden dump
     that records no inputs: the node before it in execution order), said
     in its evidence. ``order``: what the execution order was read from
-    (without one, no node is called first)."""
+    (without one, no node is called first). ``details``: the detail files
+    written while the job compared (report.details), placed here; without
+    them, written here."""
     order = order or diagnose.ExecutionOrder()
     out.mkdir(parents=True, exist_ok=True)
     rep.in_graph_order(all_sites)
@@ -393,7 +394,7 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     # beside the rest, each on a thread of its own: creating hundreds of
     # files and Parquet's encoding let the interpreter go meanwhile.
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="report-aside") as aside:
-        written = [aside.submit(_write_details, out, rows, detail_files),
+        written = [aside.submit((details or DetailFiles(out)).place, rows, detail_files),
                    aside.submit(write_tables, out, rows, detail_files, aligned, weights)]
         with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
@@ -517,16 +518,6 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     for done in written:
         done.result()
     return summary
-
-
-def _write_details(out: Path, rows: list[Row], detail_files: dict[str, str]) -> None:
-    """Each failing tensor's worst elements, {op_name}.csv (``detail_files``
-    names it)."""
-    for r in rows:
-        if r.failed:
-            # numbers only (no cell to quote): one format a row, as csv.writer's dialect ends it
-            with open(out / detail_files[r.label], "w", newline="", encoding="utf-8") as f:
-                f.write(_DETAIL_HEAD + "".join(map(_DETAIL_ROW.__mod__, r.outcome.worst)))
 
 
 def _answer(headline: str, kind: str, row: Row | None, outcome: dict, cov: dict) -> dict:

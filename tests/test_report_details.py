@@ -1,0 +1,109 @@
+"""The failing tensors' detail files, written while the job compares
+(report.details): the same bytes under the same names as when written at
+the end, nothing provisional left behind however the job ends, and a job
+of two dumps whose stream does not follow the execution order."""
+from __future__ import annotations
+
+import csv
+import os
+
+import numpy as np
+import pytest
+
+from layerdiff.analyzer.compare.node import compare_node
+from layerdiff.analyzer.compare.tolerances import Tolerance
+from layerdiff.analyzer.report.details import DetailFiles, write_detail
+from layerdiff.analyzer.report.files import Row
+from layerdiff.client.api import compare
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.common.onnxgraph import TensorSite
+from layerdiff.common.schema import NodeRecord
+
+TOL = Tolerance(0.005, 0.2)
+
+
+def _row(tensor: str, scale: float, order: int = 0, seed: int = 0) -> Row:
+    ref = np.random.default_rng(seed).standard_normal(300).astype(np.float32)
+    return Row(TensorSite(tensor, tensor, "Conv", order, 0), tensor, compare_node(ref, ref * scale, TOL, 128))
+
+
+def _listing(d) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+def test_files_written_while_comparing_are_those_written_at_the_end(tmp_path):
+    rows = [_row("a", 1.0), _row("b", 1.5, 1, 1), _row("c/d", 2.0, 2, 2), _row("e", 3.0, 3, 3)]
+    assert [r.failed for r in rows] == [False, True, True, True]
+    names = {"b": "b.csv", "c/d": "c_d.csv", "e": "e.csv"}
+    early = DetailFiles(tmp_path / "early")
+    for r in rows[:3]:          # "e" is recorded some other way: placed without being added
+        early.add(r)
+    early.place(rows, names)
+    early.close()
+    late = tmp_path / "late"
+    late.mkdir()
+    DetailFiles(late).place(rows, names)
+    assert _listing(tmp_path / "early") == _listing(late) == ["b.csv", "c_d.csv", "e.csv"]
+    for name in names.values():
+        assert (tmp_path / "early" / name).read_bytes() == (late / name).read_bytes()
+    with open(late / "c_d.csv", newline="", encoding="utf-8") as f:
+        got = list(csv.DictReader(f))
+    assert list(got[0]) == ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
+    assert len(got) == len(rows[2].outcome.worst) and int(got[0]["index"]) == rows[2].outcome.worst[0][0]
+
+
+def test_a_tensor_recorded_twice_keeps_its_last_file_only(tmp_path):
+    first, again = _row("x", 1.5), _row("x", 4.0, seed=9)
+    files = DetailFiles(tmp_path)
+    files.add(first)
+    files.add(again)
+    files.place([again], {"x": "x.csv"})
+    assert _listing(tmp_path) == ["x.csv"]
+    want = tmp_path / "want.csv"
+    write_detail(want, again.outcome.worst)
+    assert (tmp_path / "x.csv").read_bytes() == want.read_bytes()
+
+
+@pytest.mark.parametrize("rows", [1, 40])      # still in hand, and handed to the writer
+def test_a_job_that_ends_before_its_reports_leaves_nothing_provisional(tmp_path, rows):
+    files = DetailFiles(tmp_path)
+    for i in range(rows):
+        files.add(_row(f"n{i}", 2.0, i, i))
+    files.close()
+    assert _listing(tmp_path) == []
+    files.add(_row("late", 2.0))     # a row after the end is not written
+    assert _listing(tmp_path) == []
+
+
+def test_a_report_directory_that_cannot_be_written_fails_at_placing(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    files = DetailFiles(tmp_path / "file" / "report")
+    files.add(_row("b", 1.5))
+    with pytest.raises(OSError):
+        files.place([_row("b", 1.5)], {"b": "b.csv"})
+    files.close()
+
+
+def test_two_dumps_in_another_order_than_execution_name_clashing_files_alike(tmp_path):
+    """Names that clash once made safe ('a/b' and 'a_b') take their file
+    names in execution order, whatever order the device dump lists them
+    in; every failing tensor has its file, no provisional one is left."""
+    rng = np.random.default_rng(3)
+    names = ["a/b", "a_b"] + [f"t{i}" for i in range(40)]
+    gold = {n: rng.standard_normal(64).astype(np.float32) for n in names}
+    write_dump(tmp_path / "gold", [NodeRecord(name=n, array=v, order=i) for i, (n, v) in enumerate(gold.items())])
+    # the device dump lists them backwards, each failing
+    write_dump(tmp_path / "dev", [NodeRecord(name=n, array=gold[n] * 3, order=len(names) - i)
+                                  for i, n in enumerate(reversed(names))])
+    res = compare(tmp_path / "gold", tmp_path / "dev", out=tmp_path / "out", progress=False)
+    files = res.summary["detail_files"]
+    assert len(files) == len(names)
+    assert files["a/b"] == "a_b.csv" and files["a_b"].startswith("a_b_") and files["a_b"].endswith(".csv")
+    on_disk = [n for n in _listing(tmp_path / "out") if n.endswith(".csv")]
+    assert set(files.values()) <= set(on_disk)
+    assert not [n for n in _listing(tmp_path / "out") if n.startswith(".")]
+    for tensor in ("a/b", "a_b"):
+        with open(tmp_path / "out" / files[tensor], newline="", encoding="utf-8") as f:
+            worst = list(csv.DictReader(f))
+        i = int(worst[0]["index"])
+        assert float(worst[0]["std_value"]) == pytest.approx(float(gold[tensor][i]), rel=1e-5)
