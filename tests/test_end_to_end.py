@@ -11,9 +11,10 @@ import onnx
 import pytest
 
 from layerdiff.client.analyzer_client import AnalyzerClient
-from layerdiff.client.api import run
+from layerdiff.client.api import compare, run
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.live.onnxrt import LiveRunner
+from layerdiff.common.schema import NodeRecord
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 
@@ -211,6 +212,77 @@ def test_progress_events_are_paced_but_never_hide_a_failing_node(tmp_path):
     time.sleep(PROGRESS_EVERY_S)
     job.progress(1, 0, "again", True)        # a passing node after a pause: sent (total unknown)
     assert job.events[-1].node == "again"
+
+
+def test_a_paced_watcher_gets_changes_of_state_at_once_and_progress_thinned():
+    """A watcher that asks for node progress at most every 5 s is sent the
+    first events at once, then nothing for the failing nodes that follow
+    (not even woken), but a change of state ends the wait at once and
+    brings the latest count; a watcher that asks for every event gets
+    each failing node's."""
+    import threading
+
+    from layerdiff.analyzer.jobs.job import EventCursor, Job
+
+    job = Job("j", pb.JobSpec(), None)
+    paced, every = EventCursor(job, every_s=5.0), EventCursor(job)
+    job.emit(pb.COMPARING, nodes_total=300)
+    batch, ended = paced.next(lambda: True)
+    assert [e.state for e in batch] == [pb.COMPARING] and not ended
+    for done in range(1, 201):
+        job.progress(done, 300, f"n{done}", False)
+    woken = []
+    orig_wait = job.changed.wait
+
+    def counted(timeout=None):
+        woken.append(timeout)
+        return orig_wait(timeout)
+
+    job.changed.wait = counted
+    timer = threading.Timer(0.5, lambda: job.emit(pb.REPORTING, nodes_done=300, nodes_total=300))
+    start = time.monotonic()
+    timer.start()
+    batch, ended = paced.next(lambda: True, poll_s=10.0)
+    took = time.monotonic() - start
+    assert 0.4 < took < 4.0, took           # woken by the change of state, not by the quiet time's end
+    assert len(woken) == 1                  # the 200 failing nodes woke nobody
+    assert [(e.state, e.nodes_done) for e in batch] == [(pb.COMPARING, 200), (pb.REPORTING, 300)]
+    assert batch[0].node == "n200" and not ended
+    job.emit(pb.DONE)
+    batch, ended = paced.next(lambda: True)     # the end: at once, quiet time or not
+    assert [e.state for e in batch] == [pb.DONE] and ended
+    got = []
+    while True:
+        batch, ended = every.next(lambda: True)
+        got += batch
+        if ended:
+            break
+    assert [e.nodes_done for e in got if e.node] == list(range(1, 201))
+    assert got[-1].state == pb.DONE
+
+
+def test_watch_over_the_wire_paced_or_not(services, tmp_path):
+    """Watch of a finished job with 40 failing nodes: every event asked
+    for, every failing node's; progress at most every 100 ms asked for, the
+    changes of state and the last count only."""
+    collector, analyzer = services
+    rng = np.random.default_rng(4)
+    gold = {f"t{i}": rng.standard_normal(32).astype(np.float32) for i in range(40)}
+    write_dump(tmp_path / "gold", [NodeRecord(name=n, array=v) for n, v in gold.items()])
+    write_dump(tmp_path / "dev", [NodeRecord(name=n, array=v * 2) for n, v in gold.items()])
+    jobs = []
+    compare(tmp_path / "gold", tmp_path / "dev", out=tmp_path / "out", collector=collector.address,
+            analyzer=analyzer.address, progress=False, on_job=jobs.append)
+    client = AnalyzerClient(analyzer.address)
+    try:
+        every = list(client.watch(jobs[0], timeout=30))
+        paced = list(client.watch(jobs[0], timeout=30, progress_every_s=0.1))
+    finally:
+        client.close()
+    assert sorted(e.node for e in every if e.node and not e.node_passed) == sorted(gold)
+    assert [e for e in paced if e.node] == [e for e in every if e.node][-1:]
+    assert [e.state for e in paced if not e.node] == [e.state for e in every if not e.node]
+    assert paced[-1].state == every[-1].state == pb.DONE
 
 
 def test_fp16_run_of_the_demo_model(services, tmp_path):

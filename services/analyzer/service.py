@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from layerdiff import __version__
+from layerdiff.analyzer.jobs.job import EventCursor
 from layerdiff.analyzer.jobs.runner import JobRunner
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, abort_with
@@ -20,6 +21,8 @@ from layerdiff.v1 import layerdiff_pb2_grpc as pbg
 
 log = logging.getLogger(__name__)
 READINESS_S = 5.0
+# the slowest pace of node progress a watcher may ask for
+MAX_PROGRESS_EVERY_MS = 60_000
 
 
 class AnalyzerService(pbg.AnalyzerServicer):
@@ -60,16 +63,12 @@ class AnalyzerService(pbg.AnalyzerServicer):
             job = self._job(request.job_id, context)
         except Exception as e:
             abort_with(context, e)
-        sent = 0   # counted over the job's whole history, of which a finished job keeps the end
+        cursor = EventCursor(job, min(request.progress_every_ms, MAX_PROGRESS_EVERY_MS) / 1000)
         while context.is_active():
-            with job.cond:
-                while sent >= job.dropped + len(job.events) and not job.done:
-                    job.cond.wait(timeout=1.0)
-                    if not context.is_active():
-                        return
-                batch = job.events[max(0, sent - job.dropped):]
-                sent = job.dropped + len(job.events)
-                finished = job.done
+            got = cursor.next(context.is_active)
+            if got is None:
+                return
+            batch, finished = got
             yield from batch
             if finished:
                 return

@@ -160,11 +160,13 @@ class AnalyzerClient:
                     raise Interrupted("interrupted while submitting; no job was started") from None
             raise self.interrupted(job_id) from None
 
-    def watch(self, job_id: str, timeout: float | None = None):
-        """The job's events from its first, to its end. No deadline by
-        default: a job may run for hours, and the channel's keepalive finds a
-        dead link."""
-        return self.stub.Watch(pb.JobRef(job_id=job_id), timeout=timeout)
+    def watch(self, job_id: str, timeout: float | None = None, progress_every_s: float = 0.0):
+        """The job's events from its first, to its end: every one, or with
+        ``progress_every_s`` node progress at most that often (the latest;
+        changes of state at once). No deadline by default: a job may run
+        for hours, and the channel's keepalive finds a dead link."""
+        every_ms = max(0, min(round(progress_every_s * 1000), 2**32 - 1))
+        return self.stub.Watch(pb.WatchRequest(job_id=job_id, progress_every_ms=every_ms), timeout=timeout)
 
     def state(self, job_id: str, timeout: float = STATE_TIMEOUT) -> tuple[pb.JobEvent | None, bool]:
         """The job's latest event, and whether the job has ended."""

@@ -19,6 +19,8 @@ from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
+# how often the progress bar (or a job followed without one) is sent node progress (s)
+BAR_EVERY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,9 @@ def fetch_result(client: AnalyzerClient, job_id: str, out, *, reattachable: bool
 def _follow_events(client: AnalyzerClient, job_id: str, progress, timeout, reattachable) -> pb.JobEvent | None:
     bar = _progress_bar(progress is True)
     last = None
-    stream = client.watch(job_id, timeout=timeout)
+    # a callable is given every event (each failing node's); a bar, or
+    # nothing, needs only the count now and then and the end
+    stream = client.watch(job_id, timeout=timeout, progress_every_s=0.0 if callable(progress) else BAR_EVERY_S)
     try:
         for ev in stream:
             last = ev

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,7 +36,9 @@ class Job:
     report_dir: Path
     state: pb.JobState.ValueType = pb.QUEUED
     events: list = field(default_factory=list)
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    cond: threading.Condition = field(init=False, repr=False)       # notified of every event
+    changed: threading.Condition = field(init=False, repr=False)    # of a change of state only
     cancelled: threading.Event = field(default_factory=threading.Event)
     call: CollectorStream | InProcessStream | None = None   # the collector stream being read, for Cancel
     executor: LocalPool | CeleryPool | None = None     # the comparisons' pool, for Cancel
@@ -47,10 +50,15 @@ class Job:
     thread: threading.Thread | None = None    # the job's own thread, while it runs here
     progress_at: float = -math.inf        # when the last progress event was made (time.monotonic)
 
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition(self.lock)
+        self.changed = threading.Condition(self.lock)
+
     def emit(self, state: pb.JobState.ValueType | None = None, **kw) -> None:
         with self.cond:
-            if state is not None:
+            if state is not None and state != self.state:
                 self.state = state
+                self.changed.notify_all()
             self.events.append(pb.JobEvent(job_id=self.id, state=self.state, **kw))
             self.cond.notify_all()
 
@@ -99,6 +107,50 @@ class Job:
         job.events.append(pb.JobEvent(job_id=job.id, state=state,
                                       **{f: event[f] for f in RECORDED_EVENT_FIELDS if f in event}))
         return job
+
+
+class EventCursor:
+    """One watcher's place in a job's events (Watch): what it was sent, and
+    with ``every_s`` > 0 the pace of node progress it wants. A paced
+    watcher is sent, at most once in ``every_s``, the events since the last
+    time with node progress thinned to the latest (which carries the
+    count), and is not woken by node progress in between, only by a change
+    of state (sent at once): hundreds of failing nodes a second would each
+    wake the thread that sends and the client that reads."""
+
+    def __init__(self, job: Job, every_s: float = 0.0) -> None:
+        self.job = job
+        self.every_s = every_s
+        self.sent = 0       # counted over the job's whole history, of which a finished job keeps the end
+        self.state: pb.JobState.ValueType | None = None     # of the last event sent
+        self.quiet_until = -math.inf
+
+    def next(self, active: Callable[[], bool], poll_s: float = 1.0) -> tuple[list, bool] | None:
+        """(the events to send now, whether the job has ended); waits for
+        them. None as soon as ``active()`` is false (looked at least every
+        ``poll_s``: the caller went away)."""
+        job = self.job
+        with job.cond:
+            while True:
+                pending = self.sent < job.dropped + len(job.events)
+                if job.done or pending and (job.state != self.state or time.monotonic() >= self.quiet_until):
+                    break
+                if pending:     # in the quiet time: a change of state ends it
+                    job.changed.wait(timeout=min(poll_s, self.quiet_until - time.monotonic()))
+                else:
+                    job.cond.wait(timeout=poll_s)
+                if not active():
+                    return None
+            batch = job.events[max(0, self.sent - job.dropped):]
+            self.sent = job.dropped + len(job.events)
+            finished = job.done
+        if self.every_s > 0:
+            last = max((i for i, e in enumerate(batch) if e.node), default=-1)
+            batch = [e for i, e in enumerate(batch) if not e.node or i == last]
+            self.quiet_until = time.monotonic() + self.every_s
+        if batch:
+            self.state = batch[-1].state
+        return batch, finished
 
 
 def failure_exit_status(e: BaseException) -> int:
