@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from functools import lru_cache
 
 Perm = tuple[int, ...]
 
@@ -68,6 +69,18 @@ def _distinct_effects(perms, ref_shape: tuple) -> list[Perm]:
     return list(seen.values())
 
 
+@lru_cache(maxsize=4096)
+def _layouts_fitting(ref_shape: tuple, dev_shape: tuple) -> tuple[Perm, ...] | None:
+    """The layout permutations that fit, one for each distinct effect;
+    None where the shapes are no permutation of each other. Kept for each
+    pair of shapes: a model's tensors share a few dozen, and this was asked
+    for every tensor of a dump."""
+    if len(ref_shape) != len(dev_shape) or sorted(ref_shape) != sorted(dev_shape):
+        return None
+    return tuple(_distinct_effects([p for p in layout_perms(len(ref_shape)) if fits(p, dev_shape, ref_shape)],
+                                   ref_shape))
+
+
 def _all_fitting(dev_shape: tuple, ref_shape: tuple) -> list[Perm]:
     if len(dev_shape) != len(ref_shape) or sorted(dev_shape) != sorted(ref_shape) or len(dev_shape) > 6:
         return []
@@ -84,8 +97,8 @@ def evidence(ref_shape: tuple, dev_shape: tuple) -> Perm | None:
     ref_shape, dev_shape = tuple(ref_shape), tuple(dev_shape)
     if len(ref_shape) != len(dev_shape) or len(ref_shape) < 3 or sum(s != 1 for s in ref_shape) < 2:
         return None
-    std = _distinct_effects([p for p in layout_perms(len(ref_shape)) if fits(p, dev_shape, ref_shape)], ref_shape)
-    return std[0] if len(std) == 1 else None
+    std = _layouts_fitting(ref_shape, dev_shape)
+    return std[0] if std is not None and len(std) == 1 else None
 
 
 class LayoutVote:
@@ -152,9 +165,9 @@ def resolve(ref_shape: tuple, dev_shape: tuple, vote: LayoutVote | None = None) 
     own order where it fits (the tensor compared as sent)."""
     ref_shape, dev_shape = tuple(ref_shape), tuple(dev_shape)
     n = len(ref_shape)
-    if n != len(dev_shape) or sorted(ref_shape) != sorted(dev_shape):
+    std = _layouts_fitting(ref_shape, dev_shape)
+    if std is None:
         return None, "", False
-    std = _distinct_effects([p for p in layout_perms(n) if fits(p, dev_shape, ref_shape)], ref_shape)
     dom = vote.decided(n) if vote is not None else None
     if dom is not None and fits(dom, dev_shape, ref_shape):
         others = [p for p in std if effect(p, ref_shape) != effect(dom, ref_shape)]

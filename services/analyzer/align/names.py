@@ -344,6 +344,8 @@ class Aligner:
     # -------------------------------------------------------------- skipping
 
     def _skipped(self, names: list[str]) -> str:
+        if not self._skip_folded and not self.exclude:
+            return ""       # nothing to skip: no name need be folded (three a record)
         for n in names:
             nf, nc = n.casefold(), canonical(n)
             for k, kf, kc in self._skip_folded:
@@ -387,14 +389,15 @@ class Aligner:
             # only an explicit mapping names device nodes: a tensor whose
             # name matches must not lose its place to a node-name guess
             keys.append(normalize(device_node if slot == 0 else f"{device_node}:{slot}"))
-        for key in keys:
+        for key in keys if self._mapped else ():
             key = key if key in self._mapped else self._map_canon.get(canonical(key), key)
             site = self._mapped.get(key)
             if site is not None:
                 self._map_used.add(key)
                 ref, dev = self._map_entries[key]
                 return Decision(site, "", "map", 1.0, f"map_node_dict {ref!r} -> {dev!r}")
-        key = keys[0] if keys[0] in self._pairs else self._pairs_canon.get(canonical(device_name), "")
+        key = keys[0] if keys[0] in self._pairs or not self._pairs else \
+            self._pairs_canon.get(canonical(device_name), "")
         p = self._pairs.get(key)
         if p is not None:
             site = self._tensor[p.ref_tensor]
