@@ -53,15 +53,20 @@ def test_files_written_while_comparing_are_those_written_at_the_end(tmp_path):
 
 
 def test_a_tensor_recorded_twice_keeps_its_last_file_only(tmp_path):
-    first, again = _row("x", 1.5), _row("x", 4.0, seed=9)
+    """x twice, with other tensors before and after it: each keeps its
+    own file (a provisional name is never given twice)."""
+    first, other, again, later = _row("x", 1.5), _row("y", 2.0, 1, 1), _row("x", 4.0, seed=9), _row("z", 3.0, 2, 2)
     files = DetailFiles(tmp_path)
-    files.add(first)
-    files.add(again)
-    files.place([again], {"x": "x.csv"})
-    assert _listing(tmp_path) == ["x.csv"]
-    want = tmp_path / "want.csv"
-    write_detail(want, again.outcome.worst)
-    assert (tmp_path / "x.csv").read_bytes() == want.read_bytes()
+    for r in (first, other, again, later):
+        files.add(r)
+    rows = [again, other, later]
+    files.place(rows, {"x": "x.csv", "y": "y.csv", "z": "z.csv"})
+    assert _listing(tmp_path) == ["x.csv", "y.csv", "z.csv"]
+    for r in rows:
+        want = tmp_path / "want.csv"
+        write_detail(want, r.outcome.worst)
+        assert (tmp_path / f"{r.label}.csv").read_bytes() == want.read_bytes(), r.label
+        want.unlink()
 
 
 @pytest.mark.parametrize("rows", [1, 40])      # still in hand, and handed to the writer

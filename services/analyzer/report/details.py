@@ -51,6 +51,7 @@ class DetailFiles:
         self._batch: list[tuple[str, list, str | None]] = []
         self._thread: threading.Thread | None = None
         self._written: dict[str, str] = {}    # row label -> provisional file name
+        self._named = 0                       # provisional names given (a label added twice gets a new one)
         self._failure: OSError | None = None  # the writer's (a full disk): raised by place
         self._closed = False
 
@@ -58,7 +59,8 @@ class DetailFiles:
         """A recorded row: written now, under a provisional name, if it failed."""
         if not row.failed or self._closed:
             return
-        name = _PROVISIONAL.format(len(self._written))
+        name = _PROVISIONAL.format(self._named)
+        self._named += 1
         stale = self._written.get(row.label)
         self._written[row.label] = name
         self._batch.append((name, row.outcome.worst, stale))
