@@ -9,7 +9,7 @@ from conftest import small_cnn
 
 from layerdiff.analyzer.align.names import Aligner
 from layerdiff.analyzer.compare.tolerances import Tolerances
-from layerdiff.analyzer.execute.local import LocalPool
+from layerdiff.analyzer.execute.local import INLINE_ELEMENTS, LocalPool
 from layerdiff.analyzer.jobs.consumer import StreamConsumer
 from layerdiff.analyzer.jobs.prepare import Prepared
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
@@ -73,7 +73,8 @@ def _prepared(model_bytes: bytes, feeds: dict) -> Prepared:
 
 @pytest.mark.parametrize("order", ["stream", "reversed"])
 @pytest.mark.parametrize("end", ["finish", "abandon", "no-waiting"])
-def test_the_consumer_lets_go_of_every_buffer(tmp_path, order, end):
+@pytest.mark.parametrize("inline", [0, INLINE_ELEMENTS], ids=["pool", "inline"])
+def test_the_consumer_lets_go_of_every_buffer(tmp_path, order, end, inline):
     model = small_cnn().SerializeToString()
     device = small_cnn(bug_in="conv2").SerializeToString()
     feeds = {"input": np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype(np.float32)}
@@ -84,7 +85,7 @@ def test_the_consumer_lets_go_of_every_buffer(tmp_path, order, end):
     pool = BufferPool()
     asm = TensorAssembler(pool=pool)
     received = [r for batch in encode_records(sent) for r in asm.feed(batch)]
-    executor = LocalPool(2)
+    executor = LocalPool(2, inline_elements=inline)
     rep = JobReport()
     consumer = StreamConsumer(p, executor, lambda: SegmentedReference(p.reference, feeds), rep, tmp_path)
     if end == "no-waiting":
