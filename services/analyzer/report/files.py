@@ -390,12 +390,20 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     detail_files = {r.label: safe_filename(r.label if r.is_input or r.site.output_index else r.site.node, taken)
                     + ".csv" for r in rows if r.failed}
     aligned = alignment_rows(rep, aligner, all_sites)
-    # The failing nodes' detail files and the Parquet tables are written
-    # beside the rest, each on a thread of its own: creating hundreds of
-    # files and Parquet's encoding let the interpreter go meanwhile.
+    if details is not None:
+        # Written while the job compared: the last few written and all
+        # renamed now, before any other thread runs Python again. Each is a
+        # system call, after which its thread waits for the interpreter
+        # lock as long as another thread keeps it (a switch interval, 5 ms):
+        # beside the report's other threads, a hundred files took 0.1 s.
+        details.place(rows, detail_files)
+    # The Parquet tables (and detail files not written yet) are written
+    # beside the rest, on threads of their own: Parquet's encoding and
+    # creating hundreds of files let the interpreter go meanwhile.
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="report-aside") as aside:
-        written = [aside.submit((details or DetailFiles(out)).place, rows, detail_files),
-                   aside.submit(write_tables, out, rows, detail_files, aligned, weights)]
+        written = [aside.submit(write_tables, out, rows, detail_files, aligned, weights)]
+        if details is None:
+            written.append(aside.submit(DetailFiles(out).place, rows, detail_files))
         with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
             w.writerow(SEED_COLUMNS + EXTRA_COLUMNS)
