@@ -13,7 +13,7 @@ from layerdiff.analyzer.jobs.job import EventCursor
 from layerdiff.analyzer.jobs.runner import JobRunner
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, abort_with
-from layerdiff.common.memory import release_freed_tensors_to_system
+from layerdiff.common.memory import leave_loaded_out_of_collection, release_freed_tensors_to_system
 from layerdiff.common.net import DEFAULT_CHUNK_BYTES, bind, make_server, serve_health
 from layerdiff.common.security import ServerSecurity, grpc_identity, grpc_interceptors
 from layerdiff.v1 import layerdiff_pb2 as pb
@@ -150,6 +150,7 @@ class AnalyzerServer:
         self._runtime: str | None = None     # why no model can run here ('' when one can), once known
         self._stopping = threading.Event()
         self.server.start()
+        leave_loaded_out_of_collection()
         if readiness:
             threading.Thread(target=self._readiness, name="analyzer-readiness", daemon=True).start()
         else:
