@@ -395,7 +395,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         # renamed now, before any other thread runs Python again. Each is a
         # system call, after which its thread waits for the interpreter
         # lock as long as another thread keeps it (a switch interval, 5 ms):
-        # beside the report's other threads, a hundred files took 0.1 s.
+        # beside the report's other threads, the last 15 files and 257
+        # renames took 0.14 s; alone, 0.02 s.
         details.place(rows, detail_files)
     # The Parquet tables (and detail files not written yet) are written
     # beside the rest, on threads of their own: Parquet's encoding and
