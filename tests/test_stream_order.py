@@ -104,30 +104,46 @@ def baseline(services, detector):
 N_TENSORS = 672
 
 
+@pytest.fixture(scope="module")
+def pooled(services, tmp_path_factory):
+    """The same collector with an analyzer whose local pool compares every
+    tensor on its own threads (by default the detector's tensors at 64x64
+    are all small enough to be compared on the stream's thread)."""
+    analyzer = ServiceProcess("analyzer", tmp_path_factory.mktemp("pooled"),
+                              env={**os.environ, "LAYERDIFF_INLINE_ELEMENTS": "1"})
+    try:
+        yield services[0], analyzer
+    finally:
+        analyzer.stop()
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(order=st.permutations(range(N_TENSORS)), cores=st.integers(1, 4))
-def test_any_stream_order_gives_the_same_reports_on_the_local_pool(services, detector, baseline, order, cores):
+@given(order=st.permutations(range(N_TENSORS)), cores=st.integers(1, 4), on_threads=st.booleans())
+def test_any_stream_order_gives_the_same_reports_on_the_local_pool(services, pooled, detector, baseline, order,
+                                                                   cores, on_threads):
+    where = pooled if on_threads else services
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        own = _run(services, detector, permuted(detector["own"], order, tmp / "own"), tmp / "own-out",
+        own = _run(where, detector, permuted(detector["own"], order, tmp / "own"), tmp / "own-out",
                    max_cores=cores)
         c = own.summary["counts"]
         assert (c["compared"], c["failed"], c["failed_constants"]) == (N_TENSORS, 0, 0), own.summary["diagnosis"]
         assert own.exit_status == 0
-        _run(services, detector, permuted(detector["bug"], order, tmp / "bug"), tmp / "bug-out", max_cores=cores)
+        _run(where, detector, permuted(detector["bug"], order, tmp / "bug"), tmp / "bug-out", max_cores=cores)
         assert reports(tmp / "bug-out") == baseline
 
 
-def test_reversed_and_interleaved_orders(services, detector, baseline, tmp_path):
+def test_reversed_and_interleaved_orders(services, pooled, detector, baseline, tmp_path):
     """The orders that hid the defect least: everything backwards, and
-    consumers before their producers two by two."""
+    consumers before their producers two by two; on the stream's thread
+    and on the pool's."""
     n = N_TENSORS
     pairs = [j for i in range(0, n - 1, 2) for j in (i + 1, i)] + ([n - 1] if n % 2 else [])
     for name, order in (("reversed", list(range(n))[::-1]), ("pairs", pairs)):
-        for cores in (1, 3):
+        for where, cores in ((services, 1), (pooled, 3)):
             out = tmp_path / f"{name}-{cores}"
-            _run(services, detector, permuted(detector["bug"], order, tmp_path / f"dump-{name}-{cores}"), out,
+            _run(where, detector, permuted(detector["bug"], order, tmp_path / f"dump-{name}-{cores}"), out,
                  max_cores=cores)
             assert reports(out) == baseline, (name, cores)
 

@@ -64,6 +64,8 @@ SETTINGS: dict[str, tuple[str, str, str]] = {
     "LAYERDIFF_ADVERTISE_HOST": ("analyzer", "the analyzer's address as workers reach it", "the listening host"),
     "LAYERDIFF_FLIGHT_MIN_BYTES": ("analyzer", "tensors from this size go through the tensor endpoint", "1 MiB"),
     "LAYERDIFF_CHUNK_ELEMENTS": ("analyzer, worker", "node size beyond which comparisons are chunked", "16777216"),
+    "LAYERDIFF_INLINE_ELEMENTS": ("analyzer", "node size up to which the local pool compares on the stream's "
+                                  "thread, not its own", "65536"),
     "LAYERDIFF_TASK_SECRET": ("analyzer, worker", "the secret tasks are signed with (at least 16 characters)",
                               "none: loopback brokers only"),
     "LAYERDIFF_TASK_SECRET_FILE": ("analyzer, worker", "a file whose first line is that secret (not both)", "none"),

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from layerdiff.analyzer.compare.node import NodeOutcome, compare_node
+from layerdiff.common.settings import env_limit
 
 
 def default_cores() -> int:
@@ -21,7 +22,8 @@ def default_cores() -> int:
 
 # Tensors of at most this many elements are compared where they are
 # submitted (a tenth of a millisecond of work or less: three fifths of a
-# detector's tensors, under 1 % of its elements).
+# detector's tensors, under 1 % of its elements); LAYERDIFF_INLINE_ELEMENTS
+# sets it.
 INLINE_ELEMENTS = 1 << 16
 
 
@@ -36,9 +38,10 @@ def _done(call: Callable, *args) -> Future:
 
 
 class LocalPool:
-    def __init__(self, max_cores: int | None = None, inline_elements: int = INLINE_ELEMENTS) -> None:
+    def __init__(self, max_cores: int | None = None, inline_elements: int | None = None) -> None:
         self.max_cores = max(1, max_cores or default_cores())
-        self.inline_elements = inline_elements
+        self.inline_elements = env_limit("LAYERDIFF_INLINE_ELEMENTS", INLINE_ELEMENTS) \
+            if inline_elements is None else inline_elements
         self.max_in_flight = 2 * self.max_cores   # each in-flight node holds its tensors
         self._ex = ThreadPoolExecutor(max_workers=self.max_cores, thread_name_prefix="layerdiff-compare")
 
