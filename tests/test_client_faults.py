@@ -245,6 +245,36 @@ def test_ctrl_c_the_moment_a_job_starts_ends_the_command_every_time(services, cn
         assert err.splitlines() == [f"layerdiff: interrupted; job {job} cancelled"], (i, err)
 
 
+def _lock_broken_by_ctrl_c(*args, **kwargs):
+    """What a Ctrl-C landing inside gRPC's wait for the next event did (seen
+    once in a run of the suite, in the test above): the stream's condition
+    lock left released, the statement's end failing on it, with the
+    KeyboardInterrupt as its context."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise RuntimeError("cannot release un-acquired lock")  # noqa: B904 - as the library raised it
+
+
+def test_what_ctrl_c_breaks_inside_the_watch_is_still_ctrl_c(services, cnn_files, tmp_path, monkeypatch):
+    """The error a Ctrl-C leaves behind inside a library cancels the job and
+    reads as the interrupt (it printed a traceback, and left the job
+    running); any other error is left alone."""
+    import layerdiff.client.api as api
+    from layerdiff.client.analyzer_client import Interrupted, by_ctrl_c
+
+    assert not by_ctrl_c(RuntimeError("cannot release un-acquired lock"))
+    collector, analyzer = services
+    model, inputs, _ = cnn_files
+    (tmp_path / "dump").mkdir()      # watched and empty: the job waits for the runtime
+    monkeypatch.setattr(api, "follow", _lock_broken_by_ctrl_c)
+    with pytest.raises(Interrupted) as got:
+        api.run(model, inputs, dump=str(tmp_path / "dump"), watch=True, analyzer=analyzer.address,
+                collector=collector.address, out=tmp_path / "out", progress=False)
+    assert re.fullmatch(r"interrupted; job \w+ cancelled", str(got.value)), got.value
+    assert _wait_state(analyzer.address, got.value.job_id, (pb.CANCELLED,)).state == pb.CANCELLED
+
+
 def test_ctrl_c_with_the_embedded_services_is_immediate(det_files, tmp_path):
     """The embedded collector's Flight server would hold Ctrl-C until its
     capture ended (the device run under way, seconds on a loaded host); the

@@ -73,6 +73,22 @@ class Interrupted(KeyboardInterrupt):
         return self.message
 
 
+def by_ctrl_c(e: BaseException) -> bool:
+    """Is ``e`` Ctrl-C, or what it broke on its way out? Raised into a
+    library in the middle of a statement (gRPC's stream waiting on a
+    condition, its lock released and not yet taken back), it can come back
+    as another exception ('cannot release un-acquired lock') whose context
+    is the KeyboardInterrupt."""
+    seen: set[int] = set()
+    at: BaseException | None = e
+    while at is not None and id(at) not in seen:
+        if isinstance(at, KeyboardInterrupt):
+            return True
+        seen.add(id(at))
+        at = at.__context__
+    return False
+
+
 @contextmanager
 def _sigint_held():
     """Hold off Ctrl-C while a job is being cancelled: a second press must not

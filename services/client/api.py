@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 from layerdiff.client import prefetch
-from layerdiff.client.analyzer_client import AnalyzerClient, Embedded, Interrupted, rpc_failure
+from layerdiff.client.analyzer_client import AnalyzerClient, Embedded, Interrupted, by_ctrl_c, rpc_failure
 from layerdiff.client.follow import RunResult, fetch_result, follow
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.localfile import FileStamp, LocalFile
@@ -278,7 +278,9 @@ def _run_job(make_spec: Callable[[AnalyzerClient, str], pb.JobSpec], *, analyzer
             return follow(client, job_id, out, progress=progress, timeout=timeout, reattachable=reattachable)
         except Interrupted:
             raise
-        except KeyboardInterrupt:
+        except BaseException as e:
+            if not by_ctrl_c(e):
+                raise
             if job_id is None or client is None:
                 raise Interrupted("interrupted; no job was started") from None
             raise client.interrupted(job_id) from None
@@ -339,7 +341,9 @@ def watch(job_id: str, *, analyzer: str, out="layerdiff-out", progress: bool | C
         return follow(client, job_id, out, progress=progress, timeout=timeout, reattachable=True)
     except Interrupted:
         raise
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not by_ctrl_c(e):
+            raise
         raise client.interrupted(job_id) from None
     finally:
         client.close()
@@ -355,7 +359,9 @@ def fetch(job_id: str, *, analyzer: str, out="layerdiff-out") -> RunResult:
         return fetch_result(client, job_id, out, reattachable=True)
     except Interrupted:
         raise
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not by_ctrl_c(e):
+            raise
         raise Interrupted(f"interrupted; the reports of job {job_id} were not all fetched", job_id) from None
     finally:
         client.close()

@@ -425,6 +425,11 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:
         import grpc
 
+        from layerdiff.client.analyzer_client import by_ctrl_c
+
+        if by_ctrl_c(e):       # what a Ctrl-C broke on its way out
+            print("layerdiff: interrupted", file=sys.stderr)
+            return 130
         if not isinstance(e, (grpc.RpcError, OSError)):
             raise
         # a service or the system failed where no message was prepared: still one line
