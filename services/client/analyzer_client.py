@@ -167,7 +167,9 @@ class AnalyzerClient:
         call = self.stub.Submit.future(spec, timeout=CALL_TIMEOUT)
         try:
             return call.result().job_id
-        except KeyboardInterrupt:
+        except BaseException as e:
+            if not by_ctrl_c(e):
+                raise
             with _sigint_held():
                 try:
                     job_id = call.result(timeout=CANCEL_TIMEOUT).job_id

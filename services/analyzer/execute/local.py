@@ -27,9 +27,8 @@ def default_cores() -> int:
 INLINE_ELEMENTS = 1 << 16
 
 
-def _done(call: Callable, *args) -> Future:
-    """``call(*args)`` made now, as a finished future."""
-    fut: Future = Future()
+def _fill(fut: Future, call: Callable, *args) -> Future:
+    """``fut``, given what ``call(*args)`` returns or raises (made now)."""
     try:
         fut.set_result(call(*args))
     except BaseException as e:     # handed to whoever reads the result
@@ -47,7 +46,7 @@ class LocalPool:
 
     def submit(self, ref, dev, tol, diff_cnt, force_compare) -> Future[NodeOutcome]:
         if ref.size <= self.inline_elements:
-            return _done(compare_node, ref, dev, tol, diff_cnt, force_compare)
+            return _fill(Future(), compare_node, ref, dev, tol, diff_cnt, force_compare)
         return self._ex.submit(compare_node, ref, dev, tol, diff_cnt, force_compare)
 
     def submit_with(self, ref, dev, tol, diff_cnt, force_compare,
@@ -59,18 +58,15 @@ class LocalPool:
         set where the comparison is cancelled before it starts. A small
         tensor: both made here, before this returns."""
         if ref.size <= self.inline_elements:
-            return (_done(compare_node, ref, dev, tol, diff_cnt, force_compare),
-                    _done(after, ref, dev, force_compare))
+            return (_fill(Future(), compare_node, ref, dev, tol, diff_cnt, force_compare),
+                    _fill(Future(), after, ref, dev, force_compare))
         then: Future = Future()
 
         def both() -> NodeOutcome:
             try:
                 return compare_node(ref, dev, tol, diff_cnt, force_compare)
             finally:
-                try:
-                    then.set_result(after(ref, dev, force_compare))
-                except BaseException as e:     # handed to whoever reads the figures
-                    then.set_exception(e)
+                _fill(then, after, ref, dev, force_compare)
 
         return self._ex.submit(both), then
 
