@@ -28,7 +28,7 @@ setup:
 # numba compiles them on first use and caches them (warmed here).
 KERNELS := services/analyzer/compare
 $(KERNELS)/_kernels.sha256: $(KERNELS)/kernel.py $(KERNELS)/contract.py $(KERNELS)/compiled.py $(KERNELS)/build.py
-	$(BIN)/python -m layerdiff.analyzer.compare.build
+	$(BIN)/layerdiff kernels
 	$(BIN)/python -c "from layerdiff.analyzer.compare import compiled; compiled.warmup(just_in_time=True)"
 
 kernels: $(KERNELS)/_kernels.sha256

@@ -4,9 +4,12 @@ compares, and no build used where it was not made from these sources on
 this CPU."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,10 +157,11 @@ def test_the_build_refuses_arrays_it_was_not_made_for():
 def test_a_build_from_other_sources_or_for_another_cpu_is_not_used(monkeypatch, tmp_path):
     assert compiled._ahead_of_time() is not None
     with monkeypatch.context() as m:      # another CPU (a copied image): its instructions may not run here
-        m.setattr(compiled, "_cpu_identity", lambda: "GenuineIntel|another|fpu sse2")
+        m.setattr(compiled, "_cpu_fields", lambda: {"vendor_id": "GenuineIntel", "model name": "another",
+                                                    "flags": " ".join(sorted(compiled._PORTABLE_FLAGS))})
         assert compiled._ahead_of_time() is None
     with monkeypatch.context() as m:      # a CPU that cannot be told
-        m.setattr(compiled, "_cpu_identity", lambda: "")
+        m.setattr(compiled, "_cpu_fields", lambda: {})
         assert compiled._ahead_of_time() is None
     with monkeypatch.context() as m:      # built before the sources changed
         key = tmp_path / "_kernels.sha256"
@@ -169,6 +173,115 @@ def test_a_build_from_other_sources_or_for_another_cpu_is_not_used(monkeypatch, 
     with monkeypatch.context() as m:      # numba told to compile for another CPU
         m.setenv("NUMBA_CPU_NAME", "haswell")
         assert compiled._ahead_of_time() is None
+
+
+def test_a_portable_build_is_used_on_every_cpu_of_its_level_and_no_other(monkeypatch, tmp_path):
+    """A container image's build is made for x86-64-v3 (AVX2, FMA, ...): any
+    CPU with those features loads it, one without them (an older CPU, where
+    it would stop at an illegal instruction) compiles just in time."""
+    key = tmp_path / "_kernels.sha256"
+    key.write_text(compiled.build_key(compiled.PORTABLE_CPU) + "\n")
+    monkeypatch.setattr(compiled, "KEY_FILE", key)
+    level = " ".join(sorted(compiled._PORTABLE_FLAGS | {"fpu", "sse2", "avx512f"}))
+    monkeypatch.setattr(compiled, "_cpu_fields", lambda: {"model name": "a newer CPU", "flags": level})
+    built = compiled._ahead_of_time()
+    assert built is not None and built.built_for == compiled.PORTABLE_CPU
+    for missing in ("avx2", "fma", "f16c", "movbe"):
+        short = " ".join(sorted(compiled._PORTABLE_FLAGS - {missing}))
+        monkeypatch.setattr(compiled, "_cpu_fields", lambda short=short: {"model name": "older", "flags": short})
+        assert compiled._ahead_of_time() is None, missing
+    key.write_text(compiled.build_key("x86-64-v4") + "\n")      # a level this program does not build for
+    monkeypatch.setattr(compiled, "_cpu_fields", lambda: {"model name": "a newer CPU", "flags": level})
+    assert compiled._ahead_of_time() is None
+
+
+_OUTPUTS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from test_compiled import _calls, _outputs
+    from layerdiff.analyzer.compare import compiled
+    k = compiled.kernels()
+    rng = np.random.default_rng(11)
+    got = {}
+    for name, (_, keys) in compiled.ENTRIES.items():
+        for kinds in keys:
+            for i, args in enumerate(_calls(name, kinds, rng)):
+                ret, arrays = _outputs(getattr(k, name), args)
+                got[f"{name}|{'-'.join(kinds)}|{i}|ret"] = np.asarray(np.nan if ret is None else ret)
+                for j, a in enumerate(arrays):
+                    got[f"{name}|{'-'.join(kinds)}|{i}|{j}"] = a
+    np.savez(sys.argv[1], how=k.how, built_for=k.built_for, **got)
+""")
+
+
+def test_layerdiff_kernels_builds_for_an_image_and_falls_back_to_numba_s_cache(tmp_path):
+    """`layerdiff kernels --portable` as an image build runs it, in an
+    installed copy of the package: a build for x86-64-v3 that answers as
+    numba's own functions compiled for that level do (bit for bit where
+    the order of a sum cannot matter); where no build can be made (no C
+    compiler), numba's cache is filled instead and the last build stays in
+    use; and a command that has to wait for numba's compiler says so,
+    once."""
+    site = tmp_path / "site"
+    shutil.copytree(Path(compiled.__file__).parents[2], site / "layerdiff",
+                    ignore=shutil.ignore_patterns("__pycache__", "_kernels*"))
+    env = dict(os.environ, PYTHONPATH=str(site), NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env.pop("NUMBA_CPU_NAME", None)
+    env.pop("NUMBA_CPU_FEATURES", None)
+    at_level = dict(env, NUMBA_CPU_NAME=compiled.PORTABLE_CPU, NUMBA_CPU_FEATURES=compiled.PORTABLE_FEATURES)
+
+    def layerdiff(*args, env=env):
+        return subprocess.run([sys.executable, "-m", "layerdiff.client.cli", *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    def outputs(path, env):
+        done = subprocess.run([sys.executable, "-c", _OUTPUTS, str(path), str(Path(__file__).parent)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return np.load(path)
+
+    built = layerdiff("kernels", "--portable")
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert built.stdout.startswith(f"layerdiff: metric kernels built for any {compiled.PORTABLE_CPU} CPU in ")
+    assert str(site) in built.stdout and not built.stderr
+    aot = outputs(tmp_path / "aot.npz", env)
+    assert (str(aot["how"]), str(aot["built_for"])) == (compiled.AHEAD_OF_TIME, compiled.PORTABLE_CPU)
+
+    rng = np.random.default_rng(3)
+    for side in ("golden", "device"):
+        (tmp_path / side).mkdir()
+    for i in range(4):
+        t = rng.standard_normal((32, 128)).astype(np.float32)
+        np.save(tmp_path / "golden" / f"{i:04d}_n{i}.npy", t)
+        np.save(tmp_path / "device" / f"{i:04d}_n{i}.npy", t.astype(np.float16))
+    notice = "layerdiff: the first comparisons wait for numba to compile the metric kernels for this CPU"
+    first = layerdiff("compare", "golden", "device", "--no-progress", env=at_level)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert notice in first.stderr and "layerdiff kernels" in first.stderr
+
+    no_compiler = layerdiff("kernels", env=dict(at_level, CC="/bin/false"))
+    assert no_compiler.returncode == 0, no_compiler.stderr[-2000:]
+    assert no_compiler.stderr.startswith("layerdiff: the metric kernels were not built ahead of time (")
+    assert "numba compiled them for this CPU into its cache" in no_compiler.stderr
+    assert len(no_compiler.stderr.splitlines()) == 1
+    still = subprocess.run([sys.executable, "-c", "from layerdiff.analyzer.compare import compiled; "
+                            "k = compiled.kernels(); print(k.how, '|', k.built_for)"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert still.stdout.strip() == f"{compiled.AHEAD_OF_TIME} | {compiled.PORTABLE_CPU}", \
+        "a build that failed left the last one in use"
+    again = layerdiff("compare", "golden", "device", "--no-progress", env=at_level)
+    assert again.returncode == 0 and notice not in again.stderr, again.stderr[-2000:]
+
+    jit = outputs(tmp_path / "jit.npz", at_level)
+    assert str(jit["how"]) == compiled.JUST_IN_TIME
+    names = [n for n in aot.files if "|" in n]
+    assert sorted(names) == sorted(n for n in jit.files if "|" in n) and len(names) > 100
+    for n in names:
+        if n.split("|")[0] in _ANY_ORDER:
+            np.testing.assert_allclose(aot[n], jit[n], rtol=1e-12, err_msg=n)
+        else:
+            np.testing.assert_array_equal(aot[n], jit[n], err_msg=n)
 
 
 def test_a_comparison_runs_without_numba():

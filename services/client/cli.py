@@ -19,7 +19,15 @@ import threading
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from layerdiff.client.cli_services import add_health, add_service, add_worker
-from layerdiff.client.cli_tools import add_convert, add_diff, add_dump, add_histogram, add_overflow, add_perf_diff
+from layerdiff.client.cli_tools import (
+    add_convert,
+    add_diff,
+    add_dump,
+    add_histogram,
+    add_kernels,
+    add_overflow,
+    add_perf_diff,
+)
 from layerdiff.common.precision import NAMES as PRECISION_NAMES
 
 # gRPC's own log lines (a failed TLS handshake, a refused connection) are not
@@ -242,6 +250,14 @@ def _job_line(a):
         # the services run in this process: what they log is for operators
         # (-v shows it); the job's own outcome reaches the user below
         logging.getLogger("layerdiff").setLevel(logging.CRITICAL)
+    if not a.analyzer:
+        # the comparisons run in this process: a wait for numba's compiler is the user's to know of
+        kernels_log = logging.getLogger("layerdiff.analyzer.compare.compiled")
+        said = logging.StreamHandler(sys.stderr)
+        said.setFormatter(logging.Formatter("layerdiff: %(message)s"))
+        kernels_log.addHandler(said)
+        kernels_log.setLevel(logging.WARNING)
+        kernels_log.propagate = False
 
     def on_job(job_id: str) -> None:
         # a job on running services outlives this process: say how to find it again
@@ -332,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_perf_diff(sub)
     add_histogram(sub)
     add_health(sub)
+    add_kernels(sub)
     return parser
 
 

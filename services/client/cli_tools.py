@@ -1,6 +1,6 @@
 """The ``layerdiff`` subcommands that work on local files, with no service:
-``convert``, ``dump``, ``overflow``, ``histogram`` and ``perf-diff``. Each
-imports what it needs only when it runs.
+``convert``, ``dump``, ``overflow``, ``histogram``, ``perf-diff`` and
+``kernels``. Each imports what it needs only when it runs.
 """
 from __future__ import annotations
 
@@ -209,3 +209,26 @@ def _cmd_perf_diff(a) -> int:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(d, f, indent=1)
     return 1 if d["regressed"] else 0
+
+
+def add_kernels(sub) -> None:
+    p = sub.add_parser("kernels", help="build the metric kernels for this CPU ahead of time (once, after installing)",
+                       description="Build the compiled kernels every comparison runs, for this CPU, beside the "
+                                   "installed package, so that no command waits for them to be compiled (make setup "
+                                   "does it for a clone; run it once after installing layerdiff from a wheel). "
+                                   "Where no build can be made (no C compiler or Python headers), numba compiles "
+                                   "them into its cache instead. Exit status 0 when the next command finds them "
+                                   "ready, 1 when neither way worked.")
+    p.add_argument("--portable", action="store_true",
+                   help="build for any x86-64-v3 CPU (AVX2, FMA: Intel since Haswell, AMD since Excavator) instead "
+                        "of this one, as an image built here and run on other machines needs")
+    p.add_argument("--no-fallback", action="store_true",
+                   help="where no build can be made, exit with status 1 instead of filling numba's cache (an image "
+                        "build wants the build)")
+    p.set_defaults(func=_cmd_kernels)
+
+
+def _cmd_kernels(a) -> int:
+    from layerdiff.analyzer.compare import build
+
+    return build.run(portable=a.portable, fallback=not a.no_fallback)

@@ -11,6 +11,11 @@ compiler made one, numba compiles the same functions just in time and
 caches them, as a clone without a build did before (so does a process
 told which CPU to compile for: NUMBA_CPU_NAME, NUMBA_CPU_FEATURES).
 
+A container image is built on one machine and run on others: its build is
+made for a CPU level instead (``PORTABLE_CPU``, ``layerdiff kernels
+--portable``) and used on any CPU that has that level's features, where no
+build for the CPU itself is there.
+
 Both ways give the same functions under the same names; the exported ones
 take exactly the signatures in ``ENTRIES``, so every call here hands them
 1-D C-ordered arrays of those types (float16 tensors as their uint16 bits).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import os
 import threading
 from pathlib import Path
@@ -34,6 +40,7 @@ HERE = Path(__file__).parent
 MODULE = "_kernels"
 KEY_FILE = HERE / f"{MODULE}.sha256"
 AHEAD_OF_TIME, JUST_IN_TIME = "built ahead of time", "compiled just in time"
+log = logging.getLogger(__name__)
 
 # The exported functions of kernel.py: a numba signature template and the
 # array types it is built for ({r} and {d}: the reference and device arrays).
@@ -67,28 +74,51 @@ def exported_name(name: str, kinds: tuple[str, ...]) -> str:
     return "__".join((name.lstrip("_"), *kinds))
 
 
-def _cpu_identity() -> str:
-    """The model and feature flags of this CPU (the first processor of
-    /proc/cpuinfo), or "" where they cannot be read."""
+# The level a portable build is compiled for (AVX2, FMA, F16C, BMI1/2,
+# LZCNT, MOVBE: Intel since Haswell, AMD since Excavator), and the flags
+# /proc/cpuinfo shows for it (LZCNT is "abm"): a CPU without one of them
+# would stop at an illegal instruction, so it compiles just in time.
+PORTABLE_CPU = "x86-64-v3"
+_PORTABLE_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave", "popcnt",
+                             "sse4_1", "sse4_2", "ssse3", "cx16"})
+# the same level as numba names its features (NUMBA_CPU_FEATURES)
+PORTABLE_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,"
+                     "+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave")
+
+
+def _cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ({} where they cannot be read)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            fields = {}
             for line in f:
                 if not line.strip():
                     break
                 k, _, v = line.partition(":")
                 fields[k.strip()] = v.strip()
     except OSError:
-        return ""
+        return {}
+    return fields
+
+
+def _cpu_identity() -> str:
+    """The model and feature flags of this CPU, or "" where they cannot be read."""
+    fields = _cpu_fields()
     if "flags" not in fields:
         return ""
     return f"{fields.get('vendor_id', '')}|{fields.get('model name', '')}|{fields['flags']}"
 
 
-def build_key() -> str:
-    """What a build must have been made from to be used here ("" where the
-    CPU cannot be told: then nothing built ahead of time is trusted)."""
-    cpu = _cpu_identity()
+def _runs_portable() -> bool:
+    """Whether this CPU has every feature of ``PORTABLE_CPU``."""
+    return _PORTABLE_FLAGS <= set(_cpu_fields().get("flags", "").split())
+
+
+def build_key(target: str = "") -> str:
+    """What a build must have been made from to be used here: for this CPU,
+    or (``target``) for a CPU level ("" where the CPU cannot be told: then
+    nothing built ahead of time for it is trusted)."""
+    cpu = f"level|{target}" if target else _cpu_identity()
     if not cpu:
         return ""
     h = hashlib.sha256()
@@ -98,6 +128,16 @@ def build_key() -> str:
                  repr(sorted(ENTRIES.items())).encode(), cpu.encode()):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()
+
+
+def _usable_builds() -> dict[str, str]:
+    """The keys of the builds this process may load, and what each was built for."""
+    if not _cpu_identity():
+        return {}
+    usable = {build_key(): "this CPU"}
+    if _runs_portable():
+        usable[build_key(PORTABLE_CPU)] = PORTABLE_CPU
+    return usable
 
 
 class _Typed:
@@ -130,21 +170,33 @@ def _array_kind(a, name: str) -> str:
 def _ahead_of_time() -> SimpleNamespace | None:
     if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
         return None         # numba is told which CPU to compile for: it compiles
-    key = build_key()
     try:
-        if not key or KEY_FILE.read_text().strip() != key:
+        built_for = _usable_builds().get(KEY_FILE.read_text().strip())
+        if built_for is None:
             return None
         module = importlib.import_module(f"{__package__}.{MODULE}")
     except (OSError, ImportError):
         return None
-    return SimpleNamespace(how=AHEAD_OF_TIME,
+    return SimpleNamespace(how=AHEAD_OF_TIME, built_for=built_for,
                            **{name: _Typed(module, name, keys) for name, (_, keys) in ENTRIES.items()})
 
 
 def _just_in_time() -> SimpleNamespace:
     from layerdiff.analyzer.compare import kernel
 
-    return SimpleNamespace(how=JUST_IN_TIME, **{name: getattr(kernel, name) for name in ENTRIES})
+    return SimpleNamespace(how=JUST_IN_TIME, built_for="this CPU",
+                           **{name: getattr(kernel, name) for name in ENTRIES})
+
+
+def _cache_is_cold(jit: SimpleNamespace) -> bool:
+    """Whether numba's cache lacks the metric pass every comparison starts
+    with, so that the first one waits for the compiler (False where that
+    cannot be told). The other kernels are compiled as a job first calls
+    them, and cached with it."""
+    try:
+        return not jit._acc_fast._cache._cache_file._load_index()
+    except Exception:       # numba's cache laid out otherwise: no claim either way
+        return False
 
 
 _lock = threading.Lock()
@@ -157,7 +209,12 @@ def kernels() -> SimpleNamespace:
     if _loaded is None:
         with _lock:
             if _loaded is None:
-                _loaded = _ahead_of_time() or _just_in_time()
+                loaded = _ahead_of_time() or _just_in_time()
+                if loaded.how == JUST_IN_TIME and _cache_is_cold(loaded):
+                    # seconds to minutes of silence otherwise: say why, and what prevents it
+                    log.warning("the first comparisons wait for numba to compile the metric kernels for this CPU "
+                                "(once; `layerdiff kernels` builds them ahead of time)")
+                _loaded = loaded
     return _loaded
 
 
