@@ -5,8 +5,6 @@ how numbers are written in the evidence sentences."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 
@@ -159,29 +157,47 @@ def layout_match(ref: np.ndarray, dev: np.ndarray, m: M.NodeMetrics | None = Non
         if _rel_mean_err(r, d) < UNEVEN_MIN_REL:
             return ""
         scale = float(np.sqrt(np.mean(r * r))) or 1.0
-    candidates: list[tuple[str, Callable[[], np.ndarray]]] = []     # each made when the one before is not the answer
+    # each candidate as a view whose values in C order are the candidate's:
+    # nothing is copied before a part of it has been looked at
+    candidates: list[tuple[str, np.ndarray]] = []
     for i in range(ref.ndim):
         for j in range(i + 1, ref.ndim):
             if ref.shape[i] == ref.shape[j] and ref.shape[i] > 1:
-                candidates.append((f"axes {i} and {j} swapped", partial(np.swapaxes, r, i, j)))
+                candidates.append((f"axes {i} and {j} swapped", np.swapaxes(r, i, j)))
     if ref.ndim == 4:
         n, c, h, w = ref.shape
-        candidates.append(("NHWC data read as NCHW", lambda: r.transpose(0, 2, 3, 1).reshape(ref.shape)))
-        candidates.append(("NCHW data read as NHWC", lambda: r.reshape(n, h, w, c).transpose(0, 3, 1, 2)
-                           .reshape(ref.shape) if c and h and w else r))
+        candidates.append(("NHWC data read as NCHW", r.transpose(0, 2, 3, 1)))
+        candidates.append(("NCHW data read as NHWC", r.reshape(n, h, w, c).transpose(0, 3, 1, 2)))
     # a candidate is the answer when its mean |d - r| is under 1 % of the
-    # reference's RMS: a quarter of the tensor whose sum is over that budget
-    # already rules it out (every term is positive), as most do
+    # reference's RMS: its first quarter (in C order) whose sum is over that
+    # budget already rules it out (every term is positive), as most do
     budget = 0.01 * scale * r.size * (1 + 1e-9)
-    axis = int(np.argmax(ref.shape))
-    part = tuple(slice(0, max(1, ref.shape[axis] // 4)) if k == axis else slice(None) for k in range(ref.ndim))
-    for label, make in candidates:
-        cand = make()
-        if float(np.sum(np.abs(np.subtract(d[part], cand[part], dtype=np.float64)))) > budget:
+    q = max(1, r.size // 4)
+    d_part = _leading(d, q)
+    for label, view in candidates:
+        if _abs_diff_sum(d_part, _leading(view, q)) > budget:
             continue
-        if float(np.mean(np.abs(np.subtract(d, cand, dtype=np.float64)))) / scale < 0.01:
+        cand = view if view.shape == ref.shape else view.reshape(ref.shape)
+        if _abs_diff_sum(d, cand) / r.size / scale < 0.01:
             return f"layout: the device output is the expected output with {label}"
     return ""
+
+
+def _abs_diff_sum(a: np.ndarray, b: np.ndarray) -> float:
+    """sum |a - b|, the differences taken in float64 (one temporary)."""
+    diff = np.subtract(a, b, dtype=np.float64)
+    return float(np.sum(np.abs(diff, out=diff)))
+
+
+def _leading(a: np.ndarray, q: int) -> np.ndarray:
+    """The first ``q`` values of ``a`` (no axis of size 0) in C order, copying
+    about ``q`` of them where ``a`` is a transposed view (a reshape of the
+    whole would copy it all)."""
+    while a.ndim > 1 and a[0].size >= q:
+        a = a[0]
+    if a.ndim > 1:
+        a = a[:-(-q // a[0].size)]
+    return a.reshape(-1)[:q]
 
 
 def median(values: np.ndarray) -> float:
