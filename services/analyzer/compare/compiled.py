@@ -130,14 +130,16 @@ def build_key(target: str = "") -> str:
     return h.hexdigest()
 
 
-def _usable_builds() -> dict[str, str]:
-    """The keys of the builds this process may load, and what each was built for."""
+def _built_for(key: str) -> str | None:
+    """What the build of ``key`` was made for, where this process may load
+    it: this CPU, or a level this CPU has every feature of (None: neither)."""
     if not _cpu_identity():
-        return {}
-    usable = {build_key(): "this CPU"}
-    if _runs_portable():
-        usable[build_key(PORTABLE_CPU)] = PORTABLE_CPU
-    return usable
+        return None
+    if key == build_key():
+        return "this CPU"
+    if _runs_portable() and key == build_key(PORTABLE_CPU):
+        return PORTABLE_CPU
+    return None
 
 
 class _Typed:
@@ -171,7 +173,7 @@ def _ahead_of_time() -> SimpleNamespace | None:
     if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
         return None         # numba is told which CPU to compile for: it compiles
     try:
-        built_for = _usable_builds().get(KEY_FILE.read_text().strip())
+        built_for = _built_for(KEY_FILE.read_text().strip())
         if built_for is None:
             return None
         module = importlib.import_module(f"{__package__}.{MODULE}")
