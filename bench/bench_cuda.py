@@ -13,8 +13,10 @@ capture's own, so the capture records the wrong output as a broken kernel
 would write it. Counted: false "Computation error" headlines on clean runs,
 and the share of bugs named at the module that has them.
 
-Random weights (torchvision builds them without downloading anything), one
-image of 224x224, module level; ``--operator`` adds ATen operator captures
+Random weights (torchvision builds them without downloading anything;
+``--calibrate-bn`` gives their BatchNorms the statistics of a few random
+batches, so that activations keep a trained network's scale), one image of
+224x224, module level; ``--operator`` adds ATen operator captures
 of the first model in BF16, the bugs planted in a convolution's or a matrix
 product's output (the analyzer replays a failing operator in FP32 on the
 CPU from the device's inputs).
@@ -56,6 +58,26 @@ def build_model(torch, name: str):
     import torchvision
 
     return getattr(torchvision.models, name)(weights=None).eval(), (1, 3, 224, 224)
+
+
+def calibrate_batchnorm(torch, model, shape: tuple, batches: int = 4) -> None:
+    """Running statistics of every BatchNorm from a few batches of random
+    inputs, as training leaves them: with the freshly built ones (mean 0,
+    variance 1) a randomly initialised network's activations shrink layer
+    after layer (to 1e-7 and below in MobileNetV3's later blocks, FP16's
+    subnormals), which no trained network does."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    gen = torch.Generator().manual_seed(2)
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None           # a plain average over the batches
+    model.train()
+    with torch.no_grad():
+        for _ in range(batches):
+            model(torch.randn(max(8, shape[0]), *shape[1:], generator=gen))
+    model.eval()
 
 
 PRODUCTS = ("aten.convolution.default", "aten.addmm.default", "aten.mm.default", "aten.bmm.default")
@@ -218,6 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--deadline", type=float, default=480, help="seconds after which nothing new starts")
     p.add_argument("--seed", type=int, default=26)
     p.add_argument("--factors", help="block bug sizes to draw from (default: 1.05,1.2,2; 1.01,1.02,1.05 on fp32)")
+    p.add_argument("--calibrate-bn", action="store_true",
+                   help="BatchNorm statistics from a few random batches first (activations of a trained network's "
+                        "scale instead of vanishing ones)")
     p.add_argument("--compare-python", default=sys.executable,
                    help="the Python that runs layerdiff compare (default: this one)")
     a = p.parse_args(argv)
@@ -256,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
             break
         print(f"{time.monotonic() - t0:.0f}s: {name} ({level})", flush=True)
         model, shape = build_model(torch, name)
+        if a.calibrate_bn:
+            calibrate_batchnorm(torch, model, shape)
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         sites = called_sites(torch, model, x, level)
         golden = a.work / f"{name}-{level}-cpu"
