@@ -14,7 +14,7 @@ Goal: the first run after installing within 1.2x a warm run. The site's
 build is removed before the first step and left as ``layerdiff kernels``
 made it at the end.
 
-    python3 bench/bench_first_run.py --site DIR --out DIR [--model resnet18] [--precision fp16]
+    python3 bench/bench_first_run.py --out DIR [--site DIR] [--model resnet18] [--precision fp16]
         [--device cuda] [--runs 3]
 
 Without torchvision ``--model tiny`` captures a small CNN (on the CPU, the
@@ -77,9 +77,22 @@ class Site:
                 "stdout_head": p.stdout.splitlines()[:1]}
 
 
+def install_checkout(work: Path) -> Path:
+    """This checkout as a user installs it: its wheel, installed into a
+    folder of its own (no dependencies: this environment has them)."""
+    root = Path(__file__).resolve().parents[1]
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work / "wheel"), str(root)],
+                   check=True, capture_output=True)
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(work / "site"),
+                    *map(str, (work / "wheel").glob("layerdiff-*.whl"))], check=True, capture_output=True)
+    return work / "site"
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--site", required=True, type=Path, help="where the wheel is installed (pip install --target)")
+    p.add_argument("--site", type=Path, help="where the wheel is installed (pip install --target; default: this "
+                                             "checkout's wheel built and installed into a temporary folder)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--model", default="resnet18")
     p.add_argument("--precision", default="fp16")
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="layerdiff-first-run-"))
     try:
-        site = Site(a.site.resolve(), work)
+        site = Site((a.site or install_checkout(work)).resolve(), work)
         model, shape = build_model(torch, a.model)
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         golden, device = work / "golden", work / "device"
