@@ -190,6 +190,8 @@ def test_a_portable_build_is_used_on_every_cpu_of_its_level_and_no_other(monkeyp
         short = " ".join(sorted(compiled._PORTABLE_FLAGS - {missing}))
         monkeypatch.setattr(compiled, "_cpu_fields", lambda short=short: {"model name": "older", "flags": short})
         assert compiled._ahead_of_time() is None, missing
+    from layerdiff.client.cli import build_parser
+    assert compiled.PORTABLE_CPU in build_parser()._subparsers._group_actions[0].choices["kernels"].format_help()
     key.write_text(compiled.build_key("x86-64-v4") + "\n")      # a level this program does not build for
     monkeypatch.setattr(compiled, "_cpu_fields", lambda: {"model name": "a newer CPU", "flags": level})
     assert compiled._ahead_of_time() is None

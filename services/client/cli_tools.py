@@ -219,6 +219,7 @@ def add_kernels(sub) -> None:
                                    "Where no build can be made (no C compiler or Python headers), numba compiles "
                                    "them into its cache instead. Exit status 0 when the next command finds them "
                                    "ready, 1 when neither way worked.")
+    # x86-64-v3 is compiled.PORTABLE_CPU, spelt out: building the parser imports nothing of the analyzer
     p.add_argument("--portable", action="store_true",
                    help="build for any x86-64-v3 CPU (AVX2, FMA: Intel since Haswell, AMD since Excavator) instead "
                         "of this one, as an image built here and run on other machines needs")
