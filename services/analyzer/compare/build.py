@@ -57,8 +57,8 @@ def _build_here(target: str) -> Path:
         raise RuntimeError("this CPU's model and features cannot be read (/proc/cpuinfo): "
                            "the kernels will be compiled just in time")
     if not os.access(compiled.HERE, os.W_OK):
-        raise PermissionError(f"{compiled.HERE} cannot be written by this user (run it as the user that "
-                              "installed layerdiff)")
+        raise PermissionError(f"{compiled.HERE} cannot be written here (run it as the user that installed "
+                              "layerdiff, where its files are writable)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")         # numba.pycc's pending deprecation
         import numba.pycc.compiler as pycc_compiler
