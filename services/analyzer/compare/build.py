@@ -40,7 +40,8 @@ def build(target: str = "") -> Path:
     and kernel.py, which shapes its code by the features numba targets (16
     lanes where AVX-512 is there, 8 elsewhere) when it is imported, is
     imported there told the level it is built for."""
-    env = dict(os.environ)
+    # a build for this CPU is shaped by its own features, whatever numba was told here
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
     if target:
         env.update(NUMBA_CPU_NAME=target, NUMBA_CPU_FEATURES=compiled.PORTABLE_FEATURES)
     done = subprocess.run([sys.executable, "-m", __spec__.name, target], env=env, capture_output=True, text=True)
@@ -127,8 +128,7 @@ def run(portable: bool = False, fallback: bool = True) -> int:
             compiled.warmup(just_in_time=True)
     except Exception as e:
         print(f"layerdiff: the metric kernels were not built ahead of time ({why}), nor compiled into numba's "
-              f"cache ({type(e).__name__}: {e}); each command compiles them on first use".splitlines()[0],
-              file=sys.stderr)
+              f"cache ({_one_line(e)}); each command compiles them on first use", file=sys.stderr)
         return 1
     print(f"layerdiff: the metric kernels were not built ahead of time ({why}); numba compiled them for this CPU "
           f"into its cache in {time.perf_counter() - t0:.0f} s, where the next commands load them", file=sys.stderr)
