@@ -115,6 +115,17 @@ ALLOWED_DTYPES = frozenset({
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
     "float16", "float32", "float64",
 })
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, remembered: numpy works it out in Python each time
+    it is asked (twice a tensor, thousands of tensors a job)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+        return name
 
 DEFAULT_MAX_TENSOR_BYTES = 8 * 1024**3
 

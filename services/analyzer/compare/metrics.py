@@ -279,9 +279,12 @@ class Accumulator:
 
     @classmethod
     def _from_arrays(cls, iv, fv, atol, rtol) -> Accumulator:
-        kw: dict[str, Any] = {k: int(v) for k, v in zip(_INT_FIELDS, iv.tolist())}
-        kw.update({k: float(v) for k, v in zip(_FLOAT_FIELDS, fv.tolist())})
-        return cls(atol=float(atol), rtol=float(rtol), **kw)
+        # tolist() gives Python ints and floats already
+        return cls(float(atol), float(rtol), *iv.tolist(), *fv.tolist())
+
+
+# _from_arrays hands the kernel's state over by position
+assert [f.name for f in fields(Accumulator)] == ["atol", "rtol", *_INT_FIELDS, *_FLOAT_FIELDS]
 
 
 # ---------------------------------------------------------------------------
@@ -312,11 +315,13 @@ def merge(accs: Iterable[Accumulator]) -> Accumulator:
 
 
 def _unravel(off: int, shape: tuple) -> tuple:
-    if off < 0:
+    if off < 0 or not shape:
         return ()
-    if len(shape) == 0:
-        return ()
-    return tuple(int(i) for i in np.unravel_index(off, shape))
+    index = []
+    for s in reversed(shape):       # np.unravel_index's answer, without its array round trip
+        off, i = divmod(off, s)
+        index.append(i)
+    return tuple(reversed(index))
 
 
 def _ratio(a: float, b: float) -> float:
@@ -363,7 +368,7 @@ def finalize(acc: Accumulator, shape=None, ref_at=None, dev_at=None) -> NodeMetr
     if shape is None:
         shape = (n,)
     shape = tuple(int(s) for s in shape)
-    if int(np.prod(shape, dtype=np.int64)) != n:
+    if math.prod(shape) != n:
         raise ValueError(f"shape {shape} does not hold {n} elements")
     nan = math.nan
     errors = int(acc.errors)

@@ -13,6 +13,8 @@ takes it; a square that is not finite counts as zero; the sums are float64.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from layerdiff.analyzer.compare.compiled import as_stored, kernels
@@ -23,7 +25,7 @@ def _contiguous(x: np.ndarray) -> np.ndarray:
 
 
 def _split(shape: tuple, first: int, last: int) -> tuple[int, tuple, tuple]:
-    return int(np.prod(shape[:first], dtype=np.int64)), shape[first:last + 1], shape[last + 1:]
+    return math.prod(shape[:first]), shape[first:last + 1], shape[last + 1:]
 
 
 def takes_pair(ref_dtype, dev_dtype) -> bool:
@@ -47,7 +49,7 @@ def pair_square_sums(ref: np.ndarray, dev: np.ndarray, first: int,
     if ref.dtype == np.float16:
         ref = ref.astype(np.float32)
     p, kept, after = _split(ref.shape, first, last)
-    k, q = int(np.prod(kept, dtype=np.int64)), int(np.prod(after, dtype=np.int64))
+    k, q = math.prod(kept), math.prod(after)
     ek, rk, eq, rq = np.zeros(k), np.zeros(k), np.zeros(q), np.zeros(q)
     if ref.size:
         r = _contiguous(ref)
@@ -71,8 +73,8 @@ def square_sums(x: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.nd
     those axes."""
     shape = x.shape
     kept, after = shape[first:last + 1], shape[last + 1:]
-    by_k = np.zeros(int(np.prod(kept, dtype=np.int64)), np.float64)
-    by_q = np.zeros(int(np.prod(after, dtype=np.int64)), np.float64)
+    by_k = np.zeros(math.prod(kept), np.float64)
+    by_q = np.zeros(math.prod(after), np.float64)
     if x.size:
-        kernels()._square_sums(_flat(x), int(np.prod(shape[:first], dtype=np.int64)), by_k.size, by_q.size, by_k, by_q)
+        kernels()._square_sums(_flat(x), math.prod(shape[:first]), by_k.size, by_q.size, by_k, by_q)
     return by_k.reshape(kept), by_q.reshape(after)

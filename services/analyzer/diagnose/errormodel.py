@@ -530,8 +530,8 @@ def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
         if i < 0:
             return None
         rel, den, se_w, sr_w = (float(v) for v in got)
-        rows_w, cols_w = grid[0] - (size[0] if se.ndim == 2 else 1) + 1, grid[1] - size[-1] + 1
-        at = tuple(int(a) for a in np.unravel_index(i, (rows_w, cols_w)))[2 - se.ndim:]
+        cols_w = grid[1] - size[-1] + 1      # windows along a row
+        at = divmod(int(i), cols_w)[2 - se.ndim:]      # (row, column) of the window; (column,) in one dimension
         return Block(label(at), rel, n / elements, math.sqrt(den),
                      _rest_rel(e_tot - se_w, r_tot - sr_w, size_all - n, fl), *(span(at) if span else ("", 0, 0)))
 

@@ -41,7 +41,7 @@ from layerdiff.analyzer.report.details import DetailFiles
 from layerdiff.analyzer.report.drawer import PlotDrawer
 from layerdiff.analyzer.report.files import JobReport, Row
 from layerdiff.common.onnxgraph import TensorSite
-from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, BufferLease, NodeRecord, original_op
+from layerdiff.common.schema import ROLE_INPUT, STATUS_OK, BufferLease, NodeRecord, dtype_name, original_op
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +446,7 @@ class StreamConsumer:
             passed = True
         else:
             row = Row(site, rec.name, outcome, role=rec.role, overflow=rec.overflow,
-                      device_dtype=rec.source_dtype or dev.dtype.name,
+                      device_dtype=rec.source_dtype or dtype_name(dev.dtype),
                       constants_read=p.reference.constants_read(site.node),
                       reads=tuple(t for t in p.reference.node_inputs.get(site.node, [])
                                   if t and t not in p.feeds))   # model inputs are exact on both sides

@@ -34,7 +34,14 @@ from typing import Any, cast
 import numpy as np
 
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.schema import ALLOWED_DTYPES, DEFAULT_MAX_TENSOR_BYTES, ROLE_INPUT, ROLE_OUTPUT, span_bytes
+from layerdiff.common.schema import (
+    ALLOWED_DTYPES,
+    DEFAULT_MAX_TENSOR_BYTES,
+    ROLE_INPUT,
+    ROLE_OUTPUT,
+    dtype_name,
+    span_bytes,
+)
 
 
 class FinalLink(LayerdiffError):
@@ -94,7 +101,7 @@ def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | 
         raise
     except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, TokenError...
         raise LayerdiffError(f"corrupt .npy header ({type(e).__name__}: {e})", file=shown) from e
-    if dtype.hasobject or dtype.name not in ALLOWED_DTYPES:
+    if dtype.hasobject or dtype_name(dtype) not in ALLOWED_DTYPES:
         raise LayerdiffError(f"dtype {dtype} is not a plain numeric type", file=shown, field="dtype")
     count = 1
     for s in shape:
