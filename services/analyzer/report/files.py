@@ -16,8 +16,9 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -405,11 +406,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         written = [aside.submit(write_tables, out, rows, detail_files, aligned, weights)]
         if details is None:
             written.append(aside.submit(DetailFiles(out).place, rows, detail_files))
-        with open(out / "cpu_vs_npu.csv", "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(SEED_COLUMNS + EXTRA_COLUMNS)
-            for i, r in enumerate(rows):
-                w.writerow(_seed_cells(r) + _extra_cells(i, r))
+        _write_csv(out / "cpu_vs_npu.csv", SEED_COLUMNS + EXTRA_COLUMNS,
+                   (_seed_cells(r) + _extra_cells(i, r) for i, r in enumerate(rows)))
         _write_log(out / "compare_skip.log", rep.skipped +
                    [(s.tensor, f"fused into device node {dev!r}: its output is compared instead")
                     for s, dev in rep.fused] +
@@ -429,14 +427,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
             _write_log(out / "min_max_skip.log", rep.range_skips)
         (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
                                                       encoding="utf-8")
-        with open(out / "op_config.csv", "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(["op_name", "atol", "rtol"])
-            seen = set()
-            for s in all_sites:
-                if s.node not in seen:
-                    seen.add(s.node)
-                    w.writerow([s.node, "NA", "NA"])
+        _write_csv(out / "op_config.csv", ["op_name", "atol", "rtol"],
+                   ([node, "NA", "NA"] for node in dict.fromkeys(s.node for s in all_sites)))
         (out / "node_runtime.json").write_text(json_text(node_runtime), encoding="utf-8")
         (out / "consumer_map.json").write_text(json_text(consumers), encoding="utf-8")
 
@@ -583,18 +575,28 @@ def alignment_rows(rep: JobReport, aligner, sites: list[TensorSite]) -> list[tup
 
 def write_alignment(path: Path, rows: list[tuple[str, str, str, float | None, str]]) -> None:
     """alignment.csv from alignment_rows (names and notes on one line each)."""
+    _write_csv(path, ALIGNMENT_COLUMNS,
+               ([_one_line(ref), _one_line(dev), method, "" if conf is None else f"{conf:.3g}", _one_line(note)]
+                for ref, dev, method, conf, note in rows))
+
+
+def _write_csv(path: Path, header: list[str], rows: Iterable[list[str]]) -> None:
+    """A CSV file made in memory and written at once: written row by row,
+    each 8 KiB flushed lets the interpreter go and waits to take it back
+    from the threads writing the tables beside it (0.1 s for the 330 KB
+    of a detector's cpu_vs_npu.csv, against 0.02 s alone)."""
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(header)
+    w.writerows(rows)
     with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(ALIGNMENT_COLUMNS)
-        w.writerows([_one_line(ref), _one_line(dev), method, "" if conf is None else f"{conf:.3g}", _one_line(note)]
-                    for ref, dev, method, conf, note in rows)
+        f.write(buf.getvalue())
 
 
 def _write_log(path: Path, items: list[tuple[str, str]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for name, reason in items:
-            # one line per node, whatever the name holds
-            f.write(f"{_one_line(name)}: {_one_line(reason)}\n")
+    # one line per node, whatever the name holds; written at once (_write_csv)
+    path.write_text("".join(f"{_one_line(name)}: {_one_line(reason)}\n" for name, reason in items),
+                    encoding="utf-8")
 
 
 def _one_line(text: str) -> str:

@@ -130,7 +130,8 @@ def _repeated(values: list, times: np.ndarray, typ: pa.DataType) -> pa.Array:
 def _index_lists(parts: list[np.ndarray]) -> pa.Array:
     """The elements' axis indices as one list<int64> array, from the
     tensors' index matrices (no list a row: twenty thousand of them)."""
-    ranks = [p.shape[1] for p in parts for _ in range(p.shape[0])]
+    # each row's rank, repeated in numpy (a Python int a row was a fifth of the tables' time)
+    ranks = np.repeat(np.array([p.shape[1] for p in parts], np.int64), [p.shape[0] for p in parts])
     flat = np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64) if parts else np.empty(0, np.int64)
     child = pa.Array.from_buffers(pa.int64(), flat.size, [None, pa.py_buffer(flat)])
     return pa.ListArray.from_arrays(run_offsets(ranks), child)
