@@ -115,17 +115,20 @@ ALLOWED_DTYPES = frozenset({
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
     "float16", "float32", "float64",
 })
-_DTYPE_NAMES: dict = {}
+_DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
 def dtype_name(dtype: np.dtype) -> str:
-    """``dtype.name``, remembered: numpy works it out in Python each time
-    it is asked (twice a tensor, thousands of tensors a job)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        name = _DTYPE_NAMES[dtype] = dtype.name
-        return name
+    """``dtype.name``, remembered for the types a dump may hold: numpy
+    works it out in Python each time it is asked (twice a tensor,
+    thousands of tensors a job)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = dtype.name
+        if name in ALLOWED_DTYPES:      # a few dozen at most, whatever a file declares
+            _DTYPE_NAMES[dtype] = name
+    return name
+
 
 DEFAULT_MAX_TENSOR_BYTES = 8 * 1024**3
 
