@@ -23,6 +23,7 @@ take exactly the signatures in ``ENTRIES``, so every call here hands them
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import logging
@@ -86,8 +87,10 @@ PORTABLE_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+
                      "+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave")
 
 
+@functools.cache
 def _cpu_fields() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo ({} where they cannot be read)."""
+    """The first processor's fields in /proc/cpuinfo ({} where they cannot
+    be read); read once: which build may load asks it three times."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:

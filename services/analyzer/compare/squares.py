@@ -71,10 +71,9 @@ def square_sums(x: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.nd
     axes ``first``..``last`` (over all the others), and for every index of
     the axes after ``last`` (over all the others), in one pass; shaped as
     those axes."""
-    shape = x.shape
-    kept, after = shape[first:last + 1], shape[last + 1:]
+    p, kept, after = _split(x.shape, first, last)
     by_k = np.zeros(math.prod(kept), np.float64)
     by_q = np.zeros(math.prod(after), np.float64)
     if x.size:
-        kernels()._square_sums(_flat(x), math.prod(shape[:first]), by_k.size, by_q.size, by_k, by_q)
+        kernels()._square_sums(_flat(x), p, by_k.size, by_q.size, by_k, by_q)
     return by_k.reshape(kept), by_q.reshape(after)
