@@ -447,3 +447,39 @@ def test_the_median_scale_of_mask_values_is_numpys_to_the_bit(dtype):
             assert median(v) == float(np.median(v)), (n, scale)
     top = np.array([65504, 65504, 1, 60000], np.float64).astype(dtype)
     assert median(top) == float(np.median(top))
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_the_figures_told_the_comparison_are_those_looked_for_value_by_value(layout):
+    """The error model's figures of a pair given its comparison's metrics
+    (which spare the look for the largest value where the sums of squares
+    rule out a mask) are those it finds without them: attention masks of
+    -1e4 and of finfo.min, one outlier past 1000 times the median and one
+    just under it, half zeros (a median of 0), NaN, a row of features."""
+    from layerdiff.analyzer.compare.node import compare_node
+    from layerdiff.analyzer.compare.tolerances import Tolerance
+    from layerdiff.analyzer.diagnose.examiner import error_stats
+
+    rng = np.random.default_rng(11)
+    plain = rng.standard_normal((1, 16, 24, 24)).astype(np.float32)
+    mask = plain.copy()
+    mask[..., ::5] = -1e4
+    sentinel = plain.copy()
+    sentinel[0, 3, 4, 5] = np.finfo(np.float32).min
+    med = float(np.median(np.abs(plain)))
+    outlier, under = plain.copy(), plain.copy()
+    outlier[0, 2, 2, 2] = 1e3 * med * 1.5
+    under[0, 2, 2, 2] = 1e3 * med * 0.9
+    relu = np.maximum(plain, 0)
+    nan = plain.copy()
+    nan[0, 0, 0, 0] = np.nan
+    rows = rng.standard_normal((4, 96, 64)).astype(np.float32)
+    looked = 0
+    for ref in (plain, mask, sentinel, outlier, under, relu, nan, rows):
+        with np.errstate(all="ignore"):
+            dev = (ref * (1 + 1e-3 * rng.standard_normal(ref.shape))).astype(np.float16)
+        metrics = compare_node(ref, dev, Tolerance(0.005, 0.2), 128).metrics
+        told, alone = error_stats(ref, dev, False, metrics, layout=layout), error_stats(ref, dev, False, layout=layout)
+        assert told == alone
+        looked += bool(alone.masked)
+    assert looked == 3      # the two masks and the outlier, each found either way

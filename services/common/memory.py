@@ -22,7 +22,6 @@ long as it is, and is left out of its passes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 
 _M_TOP_PAD = -2
@@ -40,7 +39,9 @@ def release_freed_tensors_to_system() -> bool:
     if _done:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # the C library this process runs on, as loaded: find_library would
+        # run ldconfig (a fork of the whole process) to name it
+        libc = ctypes.CDLL(None)
         _done = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) \
             and bool(libc.mallopt(_M_TOP_PAD, TOP_PAD_BYTES))
     except (OSError, AttributeError):

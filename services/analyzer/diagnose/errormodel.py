@@ -446,8 +446,21 @@ class Block:
         return self.rel / self.rest if self.rest > 0 else (math.inf if self.rel > 0 else 0.0)
 
 
+def first_cut(shape: tuple, layout: str = "NCHW") -> tuple[int, int]:
+    """The axes (first, last) whose squares' sums ``worst_blocks`` takes
+    first (``square_sums``' kept axes): the channels of an image tensor
+    (its rows and columns for NHWC), else the rows (the last axis before the
+    features longer than 1), else the features."""
+    nd = len(shape)
+    if nd == 4:
+        return (1, 2) if layout == "NHWC" else (1, 1)
+    rows = next((ax for ax in range(nd - 2, -1, -1) if shape[ax] > 1), None)
+    return (nd - 1, nd - 1) if rows is None else (rows, rows)
+
+
 def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
-                 min_elements: int = 8, dev: np.ndarray | None = None) -> tuple[Block | None, Block | None]:
+                 min_elements: int = 8, dev: np.ndarray | None = None,
+                 first_sums=None) -> tuple[Block | None, Block | None]:
     """The block of a tensor whose relative RMS error is the largest: a
     sixteenth of the channels or a tile of a quarter of the rows by a quarter
     of the columns of an image tensor (NCHW, or NHWC for TensorFlow), a
@@ -463,7 +476,8 @@ def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
     cut (under 4 blocks' worth). ``err`` None, ``dev`` given: the error is
     ``dev - ref`` (float32, or float64 for a float64 reference), its sums
     taken from the two tensors without it made whole where their types
-    allow."""
+    allow. ``first_sums``: what ``pair_square_sums(ref, dev, *first_cut(...))``
+    gave, already made by the caller (not taken again)."""
     r = np.asarray(ref)
     d = None if dev is None else np.asarray(dev)
     if err is None and d is not None and not takes_pair(r.dtype, d.dtype):
@@ -476,6 +490,8 @@ def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
     def both(first: int, last: int, region: tuple | None = None):
         """((error², reference²) for each index of axes first..last,
         (error², reference²) for each index of the axes after them)."""
+        if region is None and first_sums is not None and e is None and (first, last) == cut:
+            return first_sums
         rr = r if region is None else r[region]
         if e is None:
             assert d is not None      # no error given: the device tensor was (checked above)
@@ -487,6 +503,7 @@ def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
         return (se_k, sr_k), (se_q, sr_q)
 
     shape, elements, nd = r.shape, r.size, r.ndim
+    cut = first_cut(shape, layout)
     sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}     # axis -> (error², reference²) per index
 
     # The squares' sums (error², reference²) for each index of the mixed

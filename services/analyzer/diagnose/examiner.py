@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from layerdiff.analyzer.compare.squares import pair_square_sums
 from layerdiff.analyzer.diagnose import errormodel as EM
 from layerdiff.analyzer.diagnose.evidence import (
     core_mask,
@@ -190,10 +191,11 @@ class NodeExaminer:
                 self._unit_done(row.site)
         self.settle(key)
 
-    def stats_for(self, site, is_input: bool) -> Callable[[np.ndarray, np.ndarray, bool], ErrorStats]:
+    def stats_for(self, site, is_input: bool) -> Callable[..., ErrorStats]:
         """The error model's figures of a compared tensor (a node's output,
         or with ``is_input`` what it read), as a function of the two tensors
-        alone: made beside the comparison, on another thread."""
+        alone (and, where it was made first, their comparison's metrics):
+        made beside the comparison, on another thread."""
         return partial(error_stats, layout=self.policy.layout,
                        norm_by=EM.row_norm(site.op_type) if is_input and site.output_index == 0 else "",
                        grid=self.policy.quantized and not site.is_constant)
@@ -203,7 +205,7 @@ class NodeExaminer:
         """The error model's view of a compared tensor (``stats``: made
         already, beside its comparison) on the row."""
         if stats is None:
-            stats = self.stats_for(row.site, row.is_input)(ref, dev, force_compare)
+            stats = self.stats_for(row.site, row.is_input)(ref, dev, force_compare, row.outcome.metrics)
         stats.apply(row)
         if row.quant_step and self.injected is not None and not row.is_input and stats.device is not None \
                 and stats.device.shape == ref.shape:
@@ -622,8 +624,8 @@ class ErrorStats:
 MEDIAN_SAMPLE = 4096
 
 
-def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout: str = "NCHW", norm_by: str = "",
-                grid: bool = False) -> ErrorStats:
+def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, metrics: M.NodeMetrics | None = None, *,
+                layout: str = "NCHW", norm_by: str = "", grid: bool = False) -> ErrorStats:
     """The error model's view of a compared tensor: the part of it with
     the largest relative error (a group of channels, a tile), and where
     the reference holds mask-like values (|x| above 1000 times the
@@ -632,7 +634,9 @@ def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout
     without them: a mask clamped or saturated says nothing of how the
     rest was computed. ``norm_by``: the normalization the node applies to
     what it reads (EM.normalized_read); ``grid``: look for the INT8 grid
-    the device values lie on. A function of the two tensors alone."""
+    the device values lie on. A function of the two tensors alone;
+    ``metrics``, their comparison where it was made first, spares a look
+    for mask values when it says there can be none."""
     from layerdiff.analyzer.compare.node import SkipNode, reconcile
 
     out = ErrorStats()
@@ -655,11 +659,15 @@ def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout
         sample = np.abs(ref.reshape(-1)[::step] if ref.flags.c_contiguous else ref.flat[::step])
         sample = sample[np.isfinite(sample)]
         med = median(sample) if sample.size else 0.0
-        # the largest finite magnitude: two passes and no copy where
-        # every value is finite, the usual case
-        hi, lo = float(np.max(ref)), float(np.min(ref))
-        top = max(hi, -lo) if math.isfinite(hi) and math.isfinite(lo) else \
-            float(np.max(np.where(np.isfinite(ref), np.abs(ref), 0)))
+        unmasked, first = _without_masks(ref, d, layout, med, metrics) if err is None else (False, None)
+        if unmasked:
+            top = 0.0       # nothing to mask
+        else:
+            # the largest finite magnitude: two passes and no copy where
+            # every value is finite, the usual case
+            hi, lo = float(np.max(ref)), float(np.min(ref))
+            top = max(hi, -lo) if math.isfinite(hi) and math.isfinite(lo) else \
+                float(np.max(np.where(np.isfinite(ref), np.abs(ref), 0)))
         r = ref
         # sentinels: the -3.4e38 (finfo.min) of a mask, whatever the median
         # (a mask tensor is zeros and sentinels); a device saturates them
@@ -677,7 +685,8 @@ def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout
             out.err_rms = float(np.sqrt(np.sum(np.square(err, dtype=np.float64)) / max(n, 1)))
     if ref.size >= 64:
         out.block, out.axis_block = EM.worst_blocks(err, r, layout if ref.ndim == 4 else "",
-                                                    dev=d if err is None else None)
+                                                    dev=d if err is None else None,
+                                                    first_sums=first)
     if norm_by:
         assert err is not None      # made above for a read the node normalizes
         out.norm_read = EM.normalized_read(err, r, norm_by)
@@ -688,6 +697,30 @@ def error_stats(ref: np.ndarray, dev: np.ndarray, force_compare: bool, *, layout
             out.clipped = _clipped(ref, d, out.quant_step)
             out.device = d
     return out
+
+
+def _without_masks(ref: np.ndarray, dev: np.ndarray, layout: str, med: float,
+                   metrics: M.NodeMetrics | None) -> tuple[bool, tuple | None]:
+    """Whether the reference holds no mask value (none beyond 1000 times
+    the median magnitude ``med``, none reaching 1e30), told without a look
+    at every value for the largest where the comparison ``metrics`` shows
+    them all finite and within FP16's range (the usual case): a sum of
+    squares is at least each of its squares, and the error model's first
+    sums (worst_blocks' first cut) hold two sets of them, the smaller of
+    whose largest bounds max |x|^2. (True, those sums or None where none
+    were needed), or (False, None) where it cannot be told so."""
+    if metrics is None or metrics.ref_nan or metrics.ref_inf or metrics.fp16_overflow:
+        return False, None
+    if not med > 0:
+        return True, None       # no value reaches 1e30, the only mark of a mask then
+    if ref.size < 64 or dev.shape != ref.shape:
+        return False, None
+    got = pair_square_sums(ref, dev, *EM.first_cut(ref.shape, layout if ref.ndim == 4 else ""))
+    if got is None or not got[0][1].size or not got[1][1].size:
+        return False, None
+    bound = min(float(got[0][1].max()), float(got[1][1].max()))
+    # the squares were taken in float32 (a relative 2**-24 each): a margin well past it
+    return (True, got) if bound <= (1e3 * med) ** 2 * (1 - 1e-5) else (False, None)
 
 
 def _own_rel(m: M.NodeMetrics, iso: np.ndarray, dev: np.ndarray) -> float:

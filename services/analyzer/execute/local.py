@@ -36,6 +36,10 @@ def _fill(fut: Future, call: Callable, *args) -> Future:
     return fut
 
 
+def _metrics_of(compared: Future):
+    return None if compared.exception() is not None else compared.result().metrics
+
+
 class LocalPool:
     def __init__(self, max_cores: int | None = None, inline_elements: int | None = None) -> None:
         self.max_cores = max(1, max_cores or default_cores())
@@ -51,22 +55,25 @@ class LocalPool:
 
     def submit_with(self, ref, dev, tol, diff_cnt, force_compare,
                     after: Callable) -> tuple[Future[NodeOutcome], Future]:
-        """The comparison, and ``after(ref, dev, force_compare)`` (the error
-        model's figures of the pair) run next on the same core, while the
+        """The comparison, and ``after(ref, dev, force_compare, metrics)``
+        (the error model's figures of the pair, told the comparison's
+        metrics, None where it failed) run next on the same core, while the
         pair is still in its caches: one hand-off a tensor, not two. The
         second future holds what ``after`` gave or raised; it is never
         set where the comparison is cancelled before it starts. A small
         tensor: both made here, before this returns."""
         if ref.size <= self.inline_elements:
-            return (_fill(Future(), compare_node, ref, dev, tol, diff_cnt, force_compare),
-                    _fill(Future(), after, ref, dev, force_compare))
+            compared = _fill(Future(), compare_node, ref, dev, tol, diff_cnt, force_compare)
+            return compared, _fill(Future(), after, ref, dev, force_compare, _metrics_of(compared))
         then: Future = Future()
 
         def both() -> NodeOutcome:
+            outcome = None
             try:
-                return compare_node(ref, dev, tol, diff_cnt, force_compare)
+                outcome = compare_node(ref, dev, tol, diff_cnt, force_compare)
+                return outcome
             finally:
-                _fill(then, after, ref, dev, force_compare)
+                _fill(then, after, ref, dev, force_compare, outcome.metrics if outcome is not None else None)
 
         return self._ex.submit(both), then
 

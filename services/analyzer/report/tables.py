@@ -160,5 +160,5 @@ def write_tables(out: Path, rows: list, detail_files: dict[str, str], aligned: l
         tables["weights"] = _table([{**w, "elements": w["elements"] if isinstance(w["elements"], int) else None,
                                      "max_abs_diff": float(w["max_abs_diff"])} for w in weights], WEIGHTS_SCHEMA)
     for name, table in tables.items():
-        pq.write_table(table, out / REPORT_TABLES[name][0], compression="zstd")
+        pq.write_table(table, out / REPORT_TABLES[name][0], compression="zstd", memory_pool=pa.system_memory_pool())
 
