@@ -1002,6 +1002,24 @@ def test_a_block_whose_worst_barely_beats_the_kept_rows_is_read():
     assert 50 * 2048 + 7 in [row[0] for row in rows] and 55 * 2048 + 3 not in [row[0] for row in rows]
 
 
+def test_a_tie_with_the_least_kept_row_in_an_earlier_block_is_kept():
+    """The worst rows lie late in the tensor and are found first; an
+    earlier block whose worst only ties the 128th of them still holds a
+    row that a sort puts before it (equal errors go by index), and so does
+    a block of a NaN, whose mark is the worst of all."""
+    n = 60 * 2048
+    r = np.zeros(n, np.float32)
+    d = np.full(n, 2.0 ** -10, np.float32)
+    d[40 * 2048:40 * 2048 + 200] = 1 - np.arange(200, dtype=np.float32) * 2.0 ** -20    # the worst, late
+    d[30 * 2048 + 1] = np.nan                  # first of the 128 rows
+    d[3 * 2048 + 11] = d[40 * 2048 + 126]      # ties the 128th, earlier: it goes before it
+    rows = M.worst_elements(r, d, count=128)
+    assert [row[0] for row in rows] == worst_by_sort(r, d)[:128]
+    kept = [row[0] for row in rows]
+    assert kept[0] == 30 * 2048 + 1 and kept[-1] == 3 * 2048 + 11
+    assert 40 * 2048 + 125 in kept and 40 * 2048 + 126 not in kept
+
+
 def test_compared_nodes_worst_rows_do_not_depend_on_the_marks(monkeypatch):
     """compare_node, whole or in chunks, gives the worst rows of a plain
     search."""

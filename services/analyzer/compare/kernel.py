@@ -1442,20 +1442,28 @@ def _worst(r, d, atol, rtol, base, k, hidx, hdiff, hcls):
 def _worst_marked(r, d, atol, rtol, marks, base, k, hidx, hdiff, hcls):
     """``_worst`` of float32 arrays and float16 bit views whose metric
     pass (``_acc_fast``) left its marks: only the blocks whose mismatches
-    could enter the heap are read (none but a failing tensor's few, once
-    it is full), and no screening pass over the rest."""
+    could enter the heap are read, and no screening pass over the rest.
+    They are read worst mark first (blocks with a non-finite pair, +Inf,
+    in their order, as those pairs go by index): the heap fills with the
+    worst at once, and the first block whose mark is below what the heap
+    keeps ends the search (read in their order, a failing FP16 tensor's
+    blocks were nearly all read before the heap's least kept rose)."""
     n = r.size
     if hidx.size == 0:
         return k
-    for b in range(marks.size):
+    # -1 (nothing mismatches there) sorts after every mark; a stable sort
+    # keeps equal marks in block order
+    order = np.argsort(-marks, kind="mergesort")
+    for t in range(order.size):
+        b = order[t]
         mark = marks[b]
-        if not mark >= 0.0:         # nothing mismatches there
-            continue
+        if not mark >= 0.0:         # nothing mismatches here, nor in any block after it
+            break
         if k == hidx.size:
-            if hcls[0] == 0:
+            if hcls[0] == 0:        # all kept are non-finite pairs of earlier blocks
                 return k
-            if mark <= hdiff[0]:    # its worst would not enter (a tie comes later: it does not either)
-                continue
+            if mark < hdiff[0]:     # neither its worst nor any later block's would enter
+                break
         b0 = b * _BLOCK
         k = _worst_scan(r, d, b0, min(b0 + _BLOCK, n), atol, rtol, base, k, hidx, hdiff, hcls)
     return k
