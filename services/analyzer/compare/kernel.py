@@ -1597,10 +1597,12 @@ def _abs_profiles(r, d, outer, inner, by_row, by_col):
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
-def _window_pass(x, wh, ww):
-    # the sums of x (float64, 2-D) over every wh x ww window, as numpy's
-    # running sums give them (cumsum along axis 0, then along axis 1, each
-    # window the difference of two: the same operations in the same order)
+def _window_rows(x, wh):
+    # the running sums along rows of x (float64, 2-D) over every wh rows,
+    # then along each row of those: numpy's cumsum along axis 0, each
+    # window of rows the difference of two, then cumsum along axis 1 (the
+    # same operations in the same order); a window of wh x ww entries at
+    # (i, j) is then c2[i, j + ww - 1] - c2[i, j - 1] (c2[i, ww - 1] at j 0)
     h, w = x.shape
     c = np.empty((h, w))
     for j in range(w):
@@ -1608,24 +1610,15 @@ def _window_pass(x, wh, ww):
     for i in range(1, h):
         for j in range(w):
             c[i, j] = c[i - 1, j] + x[i, j]
-    a = np.empty((h - wh + 1, w))
-    for j in range(w):
-        a[0, j] = c[wh - 1, j]
-    for i in range(1, h - wh + 1):
-        for j in range(w):
-            a[i, j] = c[i + wh - 1, j] - c[i - 1, j]
     hh = h - wh + 1
     c2 = np.empty((hh, w))
     for i in range(hh):
-        c2[i, 0] = a[i, 0]
+        s = c[wh - 1, 0] if i == 0 else c[i + wh - 1, 0] - c[i - 1, 0]
+        c2[i, 0] = s
         for j in range(1, w):
-            c2[i, j] = c2[i, j - 1] + a[i, j]
-    out = np.empty((hh, w - ww + 1))
-    for i in range(hh):
-        out[i, 0] = c2[i, ww - 1]
-        for j in range(1, w - ww + 1):
-            out[i, j] = c2[i, j + ww - 1] - c2[i, j - 1]
-    return out
+            s = s + (c[wh - 1, j] if i == 0 else c[i + wh - 1, j] - c[i - 1, j])
+            c2[i, j] = s
+    return c2
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
@@ -1635,22 +1628,26 @@ def _best_window(se, sr, wh, ww, n, floor, out):
     (as np.argmax finds it: the first largest, a NaN first): its flat
     index, with out = (its relative error, the RMS it is taken relative to
     squared, its error sum, its reference sum); -1 where no window fits or
-    none has a reference to be relative to."""
+    none has a reference to be relative to. Each window's sums are the
+    running sums' differences numpy's cumsum gives, made as they are read
+    (no table of the windows' sums of its own)."""
     h, w = se.shape
     if wh > h or ww > w:
         return -1
-    es = _window_pass(se, wh, ww)
-    rs = _window_pass(sr, wh, ww)
+    ce = _window_rows(se, wh)
+    cr = _window_rows(sr, wh)
     best = -1
     best_rel = 0.0
     k = 0
-    for i in range(es.shape[0]):
-        for j in range(es.shape[1]):
-            den = max(rs[i, j] / n, floor) if rs[i, j] / n == rs[i, j] / n else rs[i, j] / n
-            rel = math.sqrt(es[i, j] / n / den) if den > 0 else -1.0
+    for i in range(ce.shape[0]):
+        for j in range(w - ww + 1):
+            e = ce[i, ww - 1] if j == 0 else ce[i, j + ww - 1] - ce[i, j - 1]
+            r = cr[i, ww - 1] if j == 0 else cr[i, j + ww - 1] - cr[i, j - 1]
+            den = max(r / n, floor) if r / n == r / n else r / n
+            rel = math.sqrt(e / n / den) if den > 0 else -1.0
             if best < 0 or (best_rel == best_rel and (rel != rel or rel > best_rel)):
                 best, best_rel = k, rel
-                out[0], out[1], out[2], out[3] = rel, den, es[i, j], rs[i, j]
+                out[0], out[1], out[2], out[3] = rel, den, e, r
             k += 1
     if best >= 0 and best_rel < 0:
         return -1
