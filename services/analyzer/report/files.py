@@ -243,6 +243,8 @@ def _json_num(v):
 def summary_number(v: object) -> float:
     """A number of summary.json read back (null is NaN, "inf"/"-inf" the
     infinities, anything else that is not a number NaN)."""
+    if type(v) is float:        # most of them: a page reads tens of thousands
+        return v
     if v is None or isinstance(v, bool):
         return math.nan
     if isinstance(v, str):

@@ -86,6 +86,8 @@ def fmt(v: object) -> str:
 
 def _num_cell(v: object) -> tuple[str, str]:
     """(fmt(v), _sort_value(v)), the number read once: the cells of a node table."""
+    if type(v) is float and v - v == 0.0:       # finite: most cells
+        return f"{v:.6g}", repr(v)
     f = num(v)
     if math.isnan(f):
         return ("nan" if v is not None else "—"), ""
