@@ -164,17 +164,31 @@ def monitored(url: str):
     a marker and reading up to it (a huge command, echoed whole, leaves the monitor seconds behind)."""
     seen: list[str] = []
     marker = f"monitored-until-{uuid.uuid4().hex}"
+    # the block starts once the monitor has reported a probe run after it
+    # was asked for: a fixed wait let a loaded machine start the block (and
+    # run its commands) before MONITOR was on
+    probe = f"monitored-from-{uuid.uuid4().hex}"
+    on = threading.Event()
 
     def watch():
         with redis.Redis.from_url(url).monitor() as m:
             for cmd in m.listen():
+                if not on.is_set():
+                    if probe in cmd["command"]:
+                        on.set()
+                    continue
                 if marker in cmd["command"]:
                     return
                 seen.append(cmd["command"])
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
-    time.sleep(0.3)
+    with redis.Redis.from_url(url) as c:
+        for _ in range(600):        # 30 s at most
+            c.echo(probe)
+            if on.wait(0.05):
+                break
+        assert on.is_set(), "the monitor did not start within 30 s"
     try:
         yield seen
     finally:
