@@ -45,7 +45,12 @@ class LocalPool:
         self.max_cores = max(1, max_cores or default_cores())
         self.inline_elements = env_limit("LAYERDIFF_INLINE_ELEMENTS", INLINE_ELEMENTS) \
             if inline_elements is None else inline_elements
-        self.max_in_flight = 2 * self.max_cores   # each in-flight node holds its tensors
+        # each in-flight node holds its tensors; comparisons are recorded in
+        # the order they came, so a large one at the head holds up the stream:
+        # four a core let the stream read on (and compare its small tensors)
+        # while both cores compare large ones (two a core: 4 % slower on a
+        # two-dump job, the analyzer's peak the same)
+        self.max_in_flight = 4 * self.max_cores
         self._ex = ThreadPoolExecutor(max_workers=self.max_cores, thread_name_prefix="layerdiff-compare")
 
     def submit(self, ref, dev, tol, diff_cnt, force_compare) -> Future[NodeOutcome]:
