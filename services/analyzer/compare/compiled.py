@@ -153,20 +153,24 @@ class _Typed:
     def __init__(self, module, name: str, keys: list[tuple[str, ...]]) -> None:
         self.name = name
         self.by_key = {k: getattr(module, exported_name(name, k)) for k in keys}
+        self.typed = len(keys[0])       # the leading arguments whose types pick the export
 
     def __call__(self, *args):
-        key = tuple(_array_kind(a, self.name) for a in args[:len(next(iter(self.by_key)))])
+        key = tuple(_array_kind(a, self.name) for a in args[:self.typed])
         fn = self.by_key.get(key)
         if fn is None:
             raise TypeError(f"{self.name} is not built for arrays of {key}")
         return fn(*args)
 
 
+_KINDS = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "f16", np.dtype(np.float64): "f64",
+          np.dtype(np.int64): "i64"}
+
+
 def _array_kind(a, name: str) -> str:
     if not isinstance(a, np.ndarray) or a.ndim != 1 or not a.flags.c_contiguous:
         raise TypeError(f"{name} takes 1-D C-ordered arrays")
-    kind = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "f16", np.dtype(np.float64): "f64",
-            np.dtype(np.int64): "i64"}.get(a.dtype)
+    kind = _KINDS.get(a.dtype)
     if kind is None:
         raise TypeError(f"{name} is not built for {a.dtype} arrays")
     return kind
