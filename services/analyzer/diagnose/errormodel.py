@@ -490,8 +490,6 @@ def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
     def both(first: int, last: int, region: tuple | None = None):
         """((error², reference²) for each index of axes first..last,
         (error², reference²) for each index of the axes after them)."""
-        if region is None and first_sums is not None and e is None and (first, last) == cut:
-            return first_sums
         rr = r if region is None else r[region]
         if e is None:
             assert d is not None      # no error given: the device tensor was (checked above)
@@ -503,27 +501,25 @@ def worst_blocks(err: np.ndarray | None, ref: np.ndarray, layout: str = "NCHW",
         return (se_k, sr_k), (se_q, sr_q)
 
     shape, elements, nd = r.shape, r.size, r.ndim
-    cut = first_cut(shape, layout)
     sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}     # axis -> (error², reference²) per index
 
     # The squares' sums (error², reference²) for each index of the mixed
     # axis (channels, features) and of the other cut (the image's rows and
     # columns, or the rows), both from one pass over each tensor.
+    cut = first_cut(shape, layout)
+    kept, after = first_sums if first_sums is not None and e is None else both(*cut)
     rows = None
     if nd == 4:
         c_axis, (h_axis, w_axis) = (3, (1, 2)) if layout == "NHWC" else (1, (2, 3))
         mix_axis, mix_key = c_axis, "channels"
-        if layout == "NHWC":
-            (se_o, sr_o), (se_m, sr_m) = both(1, 2)
-        else:
-            (se_m, sr_m), (se_o, sr_o) = both(1, 1)
+        (se_o, sr_o), (se_m, sr_m) = (kept, after) if layout == "NHWC" else (after, kept)
     else:
         mix_axis, mix_key = nd - 1, "features" if nd > 1 else "elements"
-        rows = next((ax for ax in range(nd - 2, -1, -1) if shape[ax] > 1), None)
-        if rows is None:
-            (se_m, sr_m), (se_o, sr_o) = both(nd - 1, nd - 1)
-        else:     # the axes between the rows and the features are 1s
-            (se_o, sr_o), (se_m, sr_m) = both(rows, rows)
+        if cut[0] == nd - 1:        # no rows: the features alone
+            (se_m, sr_m), (se_o, sr_o) = kept, after
+        else:     # the rows; the axes between them and the features are 1s
+            rows = cut[0]
+            (se_o, sr_o), (se_m, sr_m) = kept, after
             se_m, sr_m = se_m.reshape(-1), sr_m.reshape(-1)
     by_mix = (se_m, sr_m, elements // shape[mix_axis])
     e_all, r_all = float(se_m.sum()), float(sr_m.sum())
