@@ -393,3 +393,33 @@ def test_the_runtimes_original_op_pairs_before_names_and_after_a_users_map(cnn_s
                 '{"original_op": {"name": "x", "output_index": -1}}', '{"original_op": {"name": "' + "x" * 2000 + '"}}',
                 '{"original_op": {"name": "x", "output_index": true}}', '["original_op"]'):
         assert original_op(bad) is None, bad
+
+
+_NAME_CHARS = st.sampled_from(list("abcdeconvrelu_.0123456789/:"))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(word=st.text(_NAME_CHARS, min_size=0, max_size=30), n=st.integers(1, 6),
+       cutoff=st.sampled_from([0.0, 0.3, 0.6, 0.8]))
+def test_close_matches_are_difflibs(detector_sites, word, n, cutoff):
+    """The "did you mean" names: difflib's best matches, the same names in
+    the same order, whatever the name (ties, names shorter or longer)."""
+    import difflib
+
+    from layerdiff.analyzer.align.names import close_matches
+
+    names = sorted({s.tensor for s in detector_sites} | {s.node for s in detector_sites})
+    assert close_matches(word, names, n=n, cutoff=cutoff) == difflib.get_close_matches(word, names, n=n,
+                                                                                       cutoff=cutoff)
+
+
+def test_closest_asked_again_answers_the_same(detector_sites):
+    """Each report asks for an unmatched name's closest names (n 1 and 3):
+    the answers agree, the shorter the head of the longer."""
+    al = Aligner(detector_sites)
+    for name in ("conv2d_45.tmp_0x", "graph_input_cast_0", "batch_norm_0.w_2_cast"):
+        assert al.match(name).site is None
+        three = al.closest(name)
+        assert al.closest(name, 1) == three[:1]
+        assert al.closest(name) == three
+        assert al.closest(name, 5)[:3] == three

@@ -276,6 +276,9 @@ class Aligner:
         self._pending: Counter = Counter()   # unknown suffix -> names it would have paired
         self._hint: tuple[TensorSite, str] | None = None   # the last _relax's near miss
         self._rows: dict[str, dict] = {}     # device name -> its alignment row, in decision order
+        # closest's answers since the last match (the reports ask for each
+        # unmatched name two or three times, each a look through every name)
+        self._closest: dict[str, tuple[int, list[str]]] = {}
 
     # ----------------------------------------------------------------- index
 
@@ -371,6 +374,7 @@ class Aligner:
         ``tensor`` False: ``device_name`` names a node (the one whose input a
         record is, the one a performance record times): a lookup of the
         reference node, not a device tensor of its own"""
+        self._closest.clear()
         d = self._decide(device_name, device_node, slot, tensor, original)
         names = [device_name] + ([d.site.node, d.site.tensor] if d.site else [])
         reason = self._skipped(names)
@@ -657,6 +661,15 @@ class Aligner:
         none, for a "did you mean": the candidates a relaxed match found
         ambiguous, reference names inside the device name (a converter's
         affixes around them), then names that look alike."""
+        # the first n of a longer answer, whatever n: each step adds its
+        # names best first, and the names alike come difflib's best first
+        kept = self._closest.get(device_name)
+        if kept is None or kept[0] < n:
+            kept = self._closest[device_name] = (max(n, CLOSEST_KEPT), self._find_closest(device_name,
+                                                                                      max(n, CLOSEST_KEPT)))
+        return kept[1][:n]
+
+    def _find_closest(self, device_name: str, n: int) -> list[str]:
         out: list[str] = []
 
         def add(name: str) -> None:
@@ -677,7 +690,38 @@ class Aligner:
         inside = {base[i:j] for i in starts for j in ends if j - i >= 3 and (i, j) != (0, len(base))}
         for k in sorted((k for k in inside if k in self._relaxed.shown and _LETTER.search(k)), key=len, reverse=True):
             add(self._relaxed.shown[k])
-        for k in difflib.get_close_matches(base, list(self._relaxed.shown), n=n, cutoff=0.6):
+        for k in close_matches(base, self._relaxed.shown, n=n, cutoff=0.6):
             add(self._relaxed.shown[k])
         return out[:n]
+
+
+CLOSEST_KEPT = 3
+
+
+def close_matches(word: str, possibilities, n: int = 3, cutoff: float = 0.6) -> list[str]:
+    """difflib.get_close_matches's answer (the same names in the same order),
+    the full ratio taken only where quick_ratio, its upper bound, leaves a
+    name a place among the best n so far: best bound first, a few hundred
+    names of a model's alike, most of them never matched out in full."""
+    s = difflib.SequenceMatcher()
+    s.set_seq2(word)
+    bounded = []
+    for x in possibilities:
+        s.set_seq1(x)
+        if s.real_quick_ratio() >= cutoff:
+            q = s.quick_ratio()
+            if q >= cutoff:
+                bounded.append((q, x))
+    bounded.sort(key=lambda t: t[0], reverse=True)
+    best: list[tuple[float, str]] = []
+    for q, x in bounded:
+        if len(best) >= n and q < best[-1][0]:
+            break       # no ratio past its bound: neither this one's nor the rest's
+        s.set_seq1(x)
+        r = s.ratio()
+        if r >= cutoff:
+            best.append((r, x))
+            best.sort(reverse=True)
+            del best[n:]
+    return [x for _, x in best]
 

@@ -319,28 +319,42 @@ class ValueMatcher:
         self.cap = cap_bytes
         self.refs: dict[str, Fingerprint] | None = None
         self._by_size: dict[int, list[_Group]] = {}
+        # element counts fingerprinted so far (None: every one): a device
+        # tensor's candidates are the reference tensors of its count alone
+        self._sizes: set[int] | None = set()
         self.held: list[_Held] = []
         self.held_bytes = 0
         self._decided: set[str] = set()   # reference tensors paired before settle (the cap)
 
     # ----------------------------------------------------------- reference
 
-    def _load(self) -> None:
-        if self.refs is not None:
+    def _load(self, sizes: set[int] | None = None) -> None:
+        """Fingerprint the reference tensors of these element counts (None:
+        of every count) not fingerprinted yet. At the end of the stream only
+        the held tensors' counts are wanted (a user's dump with a few device
+        names of its own: a few candidates, not every reference tensor read
+        again); decided earlier, at the cap, every count is, so that later
+        ones need no second pass over the reference."""
+        done = self._sizes
+        if done is None or (sizes is not None and sizes <= done):
             return
         wanted = {s.tensor for s in self.sites}
-        refs: dict[str, Fingerprint] = {}
+        refs: dict[str, Fingerprint] = dict(self.refs or {})
         for values in self._reference():
             for t, v in values.items():
-                if t in wanted and t not in refs and v is not None and np.asarray(v).dtype.kind in "biuf":
-                    refs[t] = fingerprint(np.asarray(v))
+                if t in wanted and t not in refs and v is not None:
+                    a = np.asarray(v)
+                    if a.dtype.kind in "biuf" and (sizes is None or a.size in sizes):
+                        refs[t] = fingerprint(a)
             del values
         self.refs = refs
+        self._sizes = None if sizes is None else done | sizes
         by_shape: dict[tuple, list[str]] = {}
         for s in self.sites:       # execution order
             fp = refs.get(s.tensor)
             if fp is not None and fp.size and s.tensor not in by_shape.get(fp.shape, []):
                 by_shape.setdefault(fp.shape, []).append(s.tensor)
+        self._by_size = {}
         for shape, tensors in by_shape.items():
             g = _Group(shape, tensors, [refs[t] for t in tensors])
             self._by_size.setdefault(refs[tensors[0]].size, []).append(g)
@@ -361,7 +375,7 @@ class ValueMatcher:
 
     def scores(self, arr: np.ndarray) -> list[Score]:
         """One score per candidate reference tensor (the best of its layouts)."""
-        self._load()
+        self._load({int(arr.size)})
         dev = stats(arr)
         if not dev.size:
             return []
@@ -389,6 +403,8 @@ class ValueMatcher:
         if arr.size == 0:
             return [(keep, Verdict("unmatched", note="an empty tensor: no values to match by"), None)]
         out = []
+        if (self.held and self.held_bytes + arr.nbytes > self.cap) or arr.nbytes > self.cap:
+            self._load()    # decided before the stream ends: more counts may follow
         while self.held and self.held_bytes + arr.nbytes > self.cap:
             h = self.held.pop(0)
             self.held_bytes -= h.arr.nbytes
@@ -423,6 +439,7 @@ class ValueMatcher:
         lease) in the order held; the caller releases each lease."""
         claimed = set(claimed) | self._decided
         held = self.held
+        self._load({int(h.arr.size) for h in held})     # nothing is offered after this
         scores = [self.scores(h.arr) for h in held]
         verdicts: dict[int, Verdict] = {}
         wins: dict[str, list[tuple[int, Verdict]]] = {}

@@ -18,6 +18,7 @@ checked against the header and the file before anything is mapped.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import time
@@ -217,6 +218,22 @@ def read_dump_file(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, shown:
     return header, out
 
 
+def _regular(e: os.DirEntry[str]) -> bool:
+    """A file, not a link to one."""
+    try:
+        return e.is_file(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _directory(e: os.DirEntry[str]) -> bool:
+    """A directory, not a link to one."""
+    try:
+        return e.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
 def dump_files(root: Path, max_depth: int = 6) -> list[Path]:
     """Every vendor dump file under root ({time}/{device_id}/{model_id}/{data_index}
     or any part of it), leaf directories in sorted order, files in execution
@@ -229,17 +246,21 @@ def dump_files(root: Path, max_depth: int = 6) -> list[Path]:
         return n.timestamp, n.task_id, p.name
 
     def walk(d: Path, depth: int) -> None:
+        # the directory's own listing says what each entry is (no look at
+        # each file: a user's dump of a thousand .npy files is listed here
+        # too, before it is known not to be the runtime's)
         try:
-            children = sorted(d.iterdir())
+            with os.scandir(d) as it:
+                children = sorted(it, key=lambda e: e.name)
         except OSError:
             return
-        files = [c for c in children if c.is_file() and not c.is_symlink() and parse_name(c.name)]
+        files = [d / c.name for c in children if parse_name(c.name) and _regular(c)]
         files.sort(key=execution_order)
         found.extend(files)
         if depth < max_depth:
             for c in children:
-                if c.is_dir() and not c.is_symlink():
-                    walk(c, depth + 1)
+                if _directory(c):
+                    walk(d / c.name, depth + 1)
 
     walk(root, 0)
     return found

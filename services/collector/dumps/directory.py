@@ -90,7 +90,22 @@ UNORDERED = {ORDER_UNKNOWN: "its files carry equal modification times and no seq
                          "the order they were written in"}
 
 
-def execution_order(files: list[Path]) -> tuple[list[str], str]:
+def _files(root: Path) -> list[os.DirEntry[str]]:
+    """The files (or links to files) directly in ``root``, as its listing
+    gives them: what each is, and its times once asked, come with the entry
+    (one look a file, not three)."""
+    out = []
+    with os.scandir(root) as it:
+        for e in it:
+            try:
+                if e.is_file():
+                    out.append(e)
+            except OSError:
+                continue
+    return out
+
+
+def execution_order(files: list[os.DirEntry[str]]) -> tuple[list[str], str]:
     """The names of a manifest-less dump's files in execution order, and
     what the order came from: the files' modification times (nanoseconds)
     where no two are equal (a script writes its tensors one after the
@@ -103,7 +118,7 @@ def execution_order(files: list[Path]) -> tuple[list[str], str]:
             return [p.name for _, p in sorted(zip(times, files))], ORDER_TIMES
     seqs = []
     for p in files:
-        m = _SEQ.search(p.stem)
+        m = _SEQ.search(os.path.splitext(p.name)[0])
         seqs.append(int(m.group(1) or m.group(2)) if m else None)
     if files and all(q is not None for q in seqs) and len(set(seqs)) == len(seqs):
         return [p.name for _, p in sorted(zip(seqs, files))], ORDER_SEQUENCE
@@ -168,24 +183,24 @@ class DumpDirectory:
 
     def _entries(self) -> list[dict]:
         mpath = self.root / MANIFEST
-        if not mpath.exists() and self.fmt in ("", "ascend"):
+        listed = None if mpath.exists() else _files(self.root)
+        if listed is not None and self.fmt in ("", "ascend"):
             # Vendor runtime dumps: {op_type}.{op_name}.{task_id}.{stream_id}.{timestamp}
             # files, possibly under {time}/{device_id}/{model_id}/{data_index}.
             from layerdiff.collector.dumps import ascend
 
-            files = ascend.dump_files(self.root)
+            found = ascend.dump_files(self.root)
             # files named as the runtime names its dumps, and nothing else
             # layerdiff reads: read as such, so that an unreadable one is said
-            others = any(_EXTENSIONS.get(p.suffix.lower()) in _SELF_DESCRIBING
-                         for p in self.root.iterdir() if p.is_file())
-            if self.fmt == "ascend" or any(ascend.looks_like_dump(p) for p in files[:8]) or (files and not others):
-                self.ascend_files = files
+            others = any(_EXTENSIONS.get(os.path.splitext(e.name)[1].lower()) in _SELF_DESCRIBING for e in listed)
+            if self.fmt == "ascend" or any(ascend.looks_like_dump(p) for p in found[:8]) or (found and not others):
+                self.ascend_files = found
                 self.order_from = ORDER_RUNTIME
                 return []
-        if not mpath.exists():
-            files = [p for p in self.root.iterdir() if p.is_file() and p.name != MANIFEST and
-                     (_EXTENSIONS.get(p.suffix.lower()) == self.fmt if self.fmt else
-                      _EXTENSIONS.get(p.suffix.lower()) in _SELF_DESCRIBING)]
+        if listed is not None:
+            files = [e for e in listed if e.name != MANIFEST and
+                     (_EXTENSIONS.get(os.path.splitext(e.name)[1].lower()) == self.fmt if self.fmt else
+                      _EXTENSIONS.get(os.path.splitext(e.name)[1].lower()) in _SELF_DESCRIBING)]
             names, self.order_from = execution_order(files)
             # a number leading every name is the script's count, not the
             # tensor's name, whatever gave the order (two builds number
