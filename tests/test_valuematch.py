@@ -254,3 +254,20 @@ def test_opaque_dump_of_the_detector(services, tmp_path):
     res, rows, truth, invalid = _job(services, tmp_path, model, feeds, recs, "det")
     assert len(rows) >= 0.7 * len(recs)
     assert "ambiguous by value" in invalid
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_narrow_tensor_fingerprints_as_its_widened_values(dtype):
+    """A float32 or float16 tensor is looked at in its own type: its
+    fingerprint is the one its float64 copy has (NaN, Inf, zeros, extremes
+    and sums alike), across the pieces it is read in."""
+    from layerdiff.analyzer.align.values import _CHUNK, stats
+
+    x = (np.random.default_rng(7).standard_normal(2 * _CHUNK + 77) * 300).astype(dtype)
+    x[[3, _CHUNK + 1]] = np.nan
+    x[[5, 2 * _CHUNK + 9]] = [np.inf, -np.inf]
+    x[100:140] = 0
+    narrow, wide = stats(x), stats(x.astype(np.float64))
+    assert (narrow.mean, narrow.std, narrow.lo, narrow.hi, narrow.zeros, narrow.nonfinite) == \
+        (wide.mean, wide.std, wide.lo, wide.hi, wide.zeros, wide.nonfinite)
+    assert narrow.nonfinite == 4 / x.size and narrow.zeros > 0 and narrow.lo < 0 < narrow.hi

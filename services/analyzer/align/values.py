@@ -147,8 +147,14 @@ def stats(arr: np.ndarray) -> Fingerprint:
     s = ss = 0.0
     lo, hi = math.inf, -math.inf
     zeros = bad = fin_n = 0
+    # float32 and float16 are looked at as they are (widening is exact: the
+    # same finite values, zeros and extremes at a half or a quarter of the
+    # bytes); only the sums are taken in float64
+    narrow = arr.dtype == np.float32 or arr.dtype == np.float16
     for a in range(0, n, _CHUNK):
-        x = flat[a:a + _CHUNK].astype(np.float64)
+        x = flat[a:a + _CHUNK]
+        if not narrow:
+            x = x.astype(np.float64)
         ok = np.isfinite(x)
         if not ok.all():
             bad += int(x.size - ok.sum())
@@ -156,9 +162,11 @@ def stats(arr: np.ndarray) -> Fingerprint:
         zeros += int(np.count_nonzero(x == 0))
         if x.size:
             fin_n += x.size
+            lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+            if narrow:
+                x = x.astype(np.float64)
             s += float(x.sum())
             ss += float(np.einsum("i,i->", x, x))     # not BLAS (see diagnose.evidence)
-            lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
     if fin_n:
         fp.mean = s / fin_n
         fp.std = math.sqrt(max(ss / fin_n - fp.mean * fp.mean, 0.0))
