@@ -327,36 +327,42 @@ class ValueMatcher:
         self.cap = cap_bytes
         self.refs: dict[str, Fingerprint] | None = None
         self._by_size: dict[int, list[_Group]] = {}
-        # element counts fingerprinted so far (None: every one): a device
-        # tensor's candidates are the reference tensors of its count alone
-        self._sizes: set[int] | None = set()
+        # the device shapes whose candidates are fingerprinted (None: every
+        # reference tensor is): a device tensor's candidates are the
+        # reference tensors of its element count and a shape it can be seen in
+        self._shapes: set[tuple] | None = set()
         self.held: list[_Held] = []
         self.held_bytes = 0
         self._decided: set[str] = set()   # reference tensors paired before settle (the cap)
 
     # ----------------------------------------------------------- reference
 
-    def _load(self, sizes: set[int] | None = None) -> None:
-        """Fingerprint the reference tensors of these element counts (None:
-        of every count) not fingerprinted yet. At the end of the stream only
-        the held tensors' counts are wanted (a user's dump with a few device
-        names of its own: a few candidates, not every reference tensor read
-        again); decided earlier, at the cap, every count is, so that later
-        ones need no second pass over the reference."""
-        done = self._sizes
-        if done is None or (sizes is not None and sizes <= done):
+    def _load(self, shapes: set[tuple] | None = None) -> None:
+        """Fingerprint the reference tensors a device tensor of one of these
+        shapes can pair with (None: every reference tensor) not fingerprinted
+        yet. At the end of the stream only the held tensors' candidates are
+        wanted (a user's dump with a few device names of its own: a few
+        candidates, not every reference tensor read again); decided earlier,
+        at the cap, every one is, so that later ones need no second pass
+        over the reference."""
+        done = self._shapes
+        if done is None or (shapes is not None and shapes <= done):
             return
+        by_count: dict[int, list[tuple]] = {}
+        for shape in shapes or ():
+            by_count.setdefault(math.prod(shape), []).append(shape)
         wanted = {s.tensor for s in self.sites}
         refs: dict[str, Fingerprint] = dict(self.refs or {})
         for values in self._reference():
             for t, v in values.items():
                 if t in wanted and t not in refs and v is not None:
                     a = np.asarray(v)
-                    if a.dtype.kind in "biuf" and (sizes is None or a.size in sizes):
+                    if a.dtype.kind in "biuf" and (shapes is None or any(
+                            self._perms(a.shape, shape) for shape in by_count.get(a.size, ()))):
                         refs[t] = fingerprint(a)
             del values
         self.refs = refs
-        self._sizes = None if sizes is None else done | sizes
+        self._shapes = None if shapes is None else done | shapes
         by_shape: dict[tuple, list[str]] = {}
         for s in self.sites:       # execution order
             fp = refs.get(s.tensor)
@@ -383,7 +389,7 @@ class ValueMatcher:
 
     def scores(self, arr: np.ndarray) -> list[Score]:
         """One score per candidate reference tensor (the best of its layouts)."""
-        self._load({int(arr.size)})
+        self._load({tuple(arr.shape)})
         dev = stats(arr)
         if not dev.size:
             return []
@@ -412,7 +418,7 @@ class ValueMatcher:
             return [(keep, Verdict("unmatched", note="an empty tensor: no values to match by"), None)]
         out = []
         if (self.held and self.held_bytes + arr.nbytes > self.cap) or arr.nbytes > self.cap:
-            self._load()    # decided before the stream ends: more counts may follow
+            self._load()    # decided before the stream ends: other shapes may follow
         while self.held and self.held_bytes + arr.nbytes > self.cap:
             h = self.held.pop(0)
             self.held_bytes -= h.arr.nbytes
@@ -447,7 +453,7 @@ class ValueMatcher:
         lease) in the order held; the caller releases each lease."""
         claimed = set(claimed) | self._decided
         held = self.held
-        self._load({int(h.arr.size) for h in held})     # nothing is offered after this
+        self._load({tuple(h.arr.shape) for h in held})     # nothing is offered after this
         scores = [self.scores(h.arr) for h in held]
         verdicts: dict[int, Verdict] = {}
         wins: dict[str, list[tuple[int, Verdict]]] = {}
