@@ -21,6 +21,13 @@ measured in the same run, warm (files in the page cache) and cold.
   into the spill directory, device dump streamed and compared, reports,
   fetch).
 
+- user (``--formats npy,user``): the same two runs dumped as a user's own
+  script writes them (a plain onnxruntime session with every node output
+  made a graph output, ``{i:04d}_{name}.npy`` in its output order, no
+  manifest; the FP16 build from onnxruntime's convert_float_to_float16,
+  whose casts add device tensors of its own and shift the numbers): the
+  order, the names and the extra tensors are found by the reader, not
+  told by a manifest;
 - msprobe (``--msprobe``): the peer tool's ``msprobe compare`` on the same
   tensors, measured in the same run, in turn with the job (msprobe, job,
   msprobe, job, ...; one warm-up pair not counted), wall time and peak RSS
@@ -33,7 +40,7 @@ measured in the same run, warm (files in the page cache) and cold.
   than msprobe, at no more than its peak memory.
 
 Usage: python bench/bench_compare.py [--side N] [--target-mb 770]
-       [--runs 3] [--formats npy[,h5]] [--no-cold] [--cold-method auto|drop_caches|fadvise]
+       [--runs 3] [--formats npy[,h5][,user]] [--no-cold] [--cold-method auto|drop_caches|fadvise]
        [--keep DIR] [--msprobe] [--msprobe-venv DIR]
 """
 from __future__ import annotations
@@ -135,6 +142,44 @@ def make_dumps(root: Path, side: int, fmt: str) -> dict:
         out[name] = {"path": str(d), "tensors": len(recs), "tensor_bytes": sum(r.array.nbytes for r in recs),
                      "file_bytes": _dir_bytes(d), "dtypes": sorted({r.array.dtype.name for r in recs})}
         del recs
+    return out
+
+
+def make_user_dumps(root: Path, side: int) -> dict:
+    """The same two runs as a user's script dumps them: every node output of
+    a plain onnxruntime session (graph optimizations off, each output made a
+    graph output, the model's own output first), one ``{i:04d}_{name}.npy``
+    a tensor in the session's output order, no manifest; the device run is
+    the FP16 build ``convert_float_to_float16(keep_io_types=True)`` makes
+    (its casts are device tensors of its own, and shift the numbers)."""
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from layerdiff.client.demo import det_input, packaged_model
+
+    x = det_input(side, side)
+    out = {}
+    for name, fp16 in (("golden", False), ("device", True)):
+        model = onnx.load(str(packaged_model()))
+        if fp16:
+            model = convert_float_to_float16(model, keep_io_types=True)
+        have = {o.name for o in model.graph.output}
+        for t in [o for n in model.graph.node for o in n.output if o and o not in have]:
+            model.graph.output.append(onnx.ValueInfoProto(name=t))
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs()]
+        d = root / f"{name}-user"
+        subprocess.run(["rm", "-rf", str(d)], check=True)
+        d.mkdir(parents=True)
+        arrays = sess.run(names, {sess.get_inputs()[0].name: x})
+        for i, (t, a) in enumerate(zip(names, arrays)):
+            np.save(d / f"{i:04d}_{t.replace('/', '_')}.npy", a)
+        out[name] = {"path": str(d), "tensors": len(arrays), "tensor_bytes": sum(a.nbytes for a in arrays),
+                     "file_bytes": _dir_bytes(d), "dtypes": sorted({a.dtype.name for a in arrays})}
+        del arrays, sess
     return out
 
 
@@ -280,7 +325,8 @@ src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 data = {}
 for p in sorted(src.glob("*.npy")):
     t = torch.from_numpy(np.ascontiguousarray(np.load(p)))
-    api = "Functional." + re.sub(r"[^A-Za-z0-9_]", "_", p.stem) + ".0.forward"
+    stem = re.sub(r"^\d+_", "", p.stem)     # a user's script's count: the two builds number apart
+    api = "Functional." + re.sub(r"[^A-Za-z0-9_]", "_", stem) + ".0.forward"
     name = api + ".output.0.pt"
     torch.save(t, dst / "dump_tensor_data" / name)
     f = t.double()
@@ -355,7 +401,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--side", type=int, default=0, help="input side (default: picked for --target-mb)")
     ap.add_argument("--target-mb", type=float, default=770, help="both dumps together, MB (1e6 bytes)")
     ap.add_argument("--runs", type=int, default=3, help="counted pairs (read, job) per cache state")
-    ap.add_argument("--formats", default="npy", help="dump formats, comma-separated: npy, h5")
+    ap.add_argument("--formats", default="npy", help="dump formats, comma-separated: npy, h5, and user (the "
+                    "npy files a user's script writes: numbered, no manifest, the FP16 build's casts)")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--cold-method", choices=("auto", "drop_caches", "fadvise"), default="auto")
     ap.add_argument("--keep", help="write the dumps here and keep them (default: a temporary directory)")
@@ -380,7 +427,7 @@ def main(argv=None) -> dict:
     try:
         for fmt in [f.strip() for f in a.formats.split(",") if f.strip()]:
             t = time.perf_counter()
-            dumps = make_dumps(root, side, fmt)
+            dumps = make_user_dumps(root, side) if fmt == "user" else make_dumps(root, side, fmt)
             g, d = dumps["golden"], dumps["device"]
             total = g["file_bytes"] + d["file_bytes"]
             res = {"dumps": dumps, "total_bytes": total, "fp32_share": g["file_bytes"] / total,
@@ -401,7 +448,7 @@ def main(argv=None) -> dict:
                     f"{k} {v:.2f} s" for k, v in ph["spans_s"].items()))
             w = res["warm"]
             print(f"    {w['compared']} tensors compared, {w['failed']} failing (exit {w['exit']})")
-            if a.msprobe and fmt == "npy":
+            if a.msprobe and fmt in ("npy", "user"):
                 res["msprobe"] = v = vs_msprobe(dumps, work, a.runs, Path(a.msprobe_venv))
                 print(f"    msprobe {v['msprobe_version']} compare {v['msprobe_wall_s']:.2f} s "
                       f"{v['msprobe_peak_rss_MiB']:.0f} MiB ({v['msprobe_rows']} rows), layerdiff compare "

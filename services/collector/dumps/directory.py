@@ -105,6 +105,11 @@ def _files(root: Path) -> list[os.DirEntry[str]]:
     return out
 
 
+def _format_of(name: str) -> str | None:
+    """The dump format a file's extension names (None: none)."""
+    return _EXTENSIONS.get(os.path.splitext(name)[1].lower())
+
+
 def execution_order(files: list[os.DirEntry[str]]) -> tuple[list[str], str]:
     """The names of a manifest-less dump's files in execution order, and
     what the order came from: the files' modification times (nanoseconds)
@@ -192,15 +197,14 @@ class DumpDirectory:
             found = ascend.dump_files(self.root)
             # files named as the runtime names its dumps, and nothing else
             # layerdiff reads: read as such, so that an unreadable one is said
-            others = any(_EXTENSIONS.get(os.path.splitext(e.name)[1].lower()) in _SELF_DESCRIBING for e in listed)
+            others = any(_format_of(e.name) in _SELF_DESCRIBING for e in listed)
             if self.fmt == "ascend" or any(ascend.looks_like_dump(p) for p in found[:8]) or (found and not others):
                 self.ascend_files = found
                 self.order_from = ORDER_RUNTIME
                 return []
         if listed is not None:
             files = [e for e in listed if e.name != MANIFEST and
-                     (_EXTENSIONS.get(os.path.splitext(e.name)[1].lower()) == self.fmt if self.fmt else
-                      _EXTENSIONS.get(os.path.splitext(e.name)[1].lower()) in _SELF_DESCRIBING)]
+                     (_format_of(e.name) == self.fmt if self.fmt else _format_of(e.name) in _SELF_DESCRIBING)]
             names, self.order_from = execution_order(files)
             # a number leading every name is the script's count, not the
             # tensor's name, whatever gave the order (two builds number
