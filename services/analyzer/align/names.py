@@ -665,8 +665,8 @@ class Aligner:
         # names best first, and the names alike come difflib's best first
         kept = self._closest.get(device_name)
         if kept is None or kept[0] < n:
-            kept = self._closest[device_name] = (max(n, CLOSEST_KEPT), self._find_closest(device_name,
-                                                                                      max(n, CLOSEST_KEPT)))
+            many = max(n, CLOSEST_KEPT)
+            kept = self._closest[device_name] = (many, self._find_closest(device_name, many))
         return kept[1][:n]
 
     def _find_closest(self, device_name: str, n: int) -> list[str]:

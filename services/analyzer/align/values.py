@@ -348,8 +348,8 @@ class ValueMatcher:
         done = self._shapes
         if done is None or (shapes is not None and shapes <= done):
             return
-        by_count: dict[int, list[tuple]] = {}
-        for shape in shapes or ():
+        by_count: dict[int, list[tuple]] = {}     # the shapes not looked for yet, by element count
+        for shape in (shapes - done) if shapes is not None else ():
             by_count.setdefault(math.prod(shape), []).append(shape)
         wanted = {s.tensor for s in self.sites}
         refs: dict[str, Fingerprint] = dict(self.refs or {})
