@@ -345,3 +345,38 @@ def test_numbered_files_written_in_turn_pair_by_name_across_builds(services, tmp
     with open(tmp_path / "out" / "alignment.csv", newline="", encoding="utf-8") as f:
         methods = {r["reference_tensor"]: r["method"] for r in csv.DictReader(f) if r["reference_tensor"]}
     assert set(methods.values()) == {"name"}, methods
+
+
+def test_a_tensor_renamed_by_the_build_pairs_by_value_reading_only_its_candidates(tmp_path, monkeypatch):
+    """A user's device build renames a tensor of its own (a converter's
+    cast, a fused node's output): at the end of the stream it pairs by its
+    values, and of the golden dump only the files of the tensors it can be
+    (its element count) are read again, not the whole dump."""
+    from layerdiff.analyzer.reference import dump
+
+    model = exported(small_cnn())
+    gold = tensors(model, X)
+    bug = tensors(fp16_build(exported(small_cnn(bug_in="conv2"))), X.astype(np.float16))
+    renamed = "/blk.0/relu1/Relu_output_0"
+    user_script(tmp_path / "gold", gold, "plain")
+    user_script(tmp_path / "dev", [("converted_7" if t == renamed else t, n, op, v) for t, n, op, v in bug], "plain")
+    read = []
+    real = dump.read_npy
+
+    def counted(path, *a, **kw):
+        read.append(Path(path).stem)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(dump, "read_npy", counted)
+    r = compare(str(tmp_path / "gold"), str(tmp_path / "dev"), out=tmp_path / "out", progress=False,
+                precision="fp16", timeout=CALL_TIMEOUT)
+    import csv
+
+    with open(tmp_path / "out" / "alignment.csv", newline="", encoding="utf-8") as f:
+        paired = {row["device_tensor"]: row for row in csv.DictReader(f)}
+    assert paired["converted_7"]["reference_tensor"] == sanitized(renamed), paired["converted_7"]
+    assert paired["converted_7"]["method"].startswith("value"), paired["converted_7"]
+    size = next(v.size for t, _, _, v in gold if t == renamed)
+    alike = {sanitized(t) for t, _, _, v in gold if v.size == size}
+    assert read and set(read) <= alike and len(alike) < len(gold), (read, alike)
+    assert is_bug(r.summary["first_computation_error"]["node"]), headline(r.summary)

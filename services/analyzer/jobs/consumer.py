@@ -226,8 +226,10 @@ class StreamConsumer:
             # fingerprinted one segment at a time, then let go
             segments = refs.replay
             # reference tensors map_node_dict (or a graph) decides are no candidates
+            # a golden dump's values are files, each read alone
+            catalog = self.p.reference if hasattr(self.p.reference, "shape_of") else None
             self.values = ValueMatcher(self.p.reference.sites, segments, layout=self.layout,
-                                       exclude=self.p.aligner.claimed)
+                                       exclude=self.p.aligner.claimed, catalog=catalog)
         return self.values
 
     def _take_by_value(self, rec: NodeRecord) -> None:

@@ -87,6 +87,7 @@ class DumpReference:
         # came (mapped, only its header touched; or read whole, a small one):
         # handed over at its first reading, read again for any later one
         self._as_read: dict[Path, np.ndarray] = {}
+        self._layouts: dict[Path, tuple[tuple, str]] = {}     # file -> (shape, dtype kind), as received
         self._unavailable: dict[str, str] = {}  # site tensor -> why the golden dump has no value for it
         self._constants: dict = {}
         self._model_nodes: set[str] = set()     # the model's own nodes (re-run alone), with a model
@@ -157,6 +158,7 @@ class DumpReference:
         else:
             self._as_read[path] = arr
         self._spilled[key] = path
+        self._layouts[path] = (tuple(arr.shape), arr.dtype.kind)
         self.bytes += arr.nbytes
 
     @property
@@ -321,6 +323,12 @@ class DumpReference:
         # pages a comparison touches go with the reader that drops them.
         kept = self._as_read.pop(path, None)
         return kept if kept is not None else read_npy(path, sys.maxsize)
+
+    def shape_of(self, tensor: str) -> tuple[tuple, str] | None:
+        """(shape, dtype kind) of a golden value, as it was received, without
+        reading it again (None if not dumped)."""
+        path = self._files.get(tensor)
+        return None if path is None else self._layouts.get(path)
 
     def missing_reason(self, tensor: str) -> str:
         return self._unavailable.get(tensor, "")
