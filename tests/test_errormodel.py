@@ -363,6 +363,31 @@ def test_square_sums_are_numpys_squares_summed_along_the_kept_axes(dtype):
     np.testing.assert_allclose(square_sums(view, 1, 1)[0], square_sums(view.copy(), 1, 1)[0], rtol=0)
 
 
+@pytest.mark.parametrize("dev_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("row", [1, 100, 256, 700, 2500])
+def test_pair_square_sums_are_numpys_for_rows_short_and_long(dev_dtype, row):
+    """The error's and the reference's sums of squares taken from the two
+    tensors in one pass (a long row read a piece at a time, its memory
+    asked for ahead) are numpy's: the error made in float32, each square in
+    float32, one that is not finite counted as zero, summed in float64."""
+    from layerdiff.analyzer.compare.squares import pair_square_sums
+
+    rng = np.random.default_rng(5)
+    ref = (rng.standard_normal((2, 3, row)) * 40).astype(np.float32)
+    dev = (ref + rng.standard_normal(ref.shape) * 0.5).astype(dev_dtype)
+    ref.flat[3], dev.flat[-2] = np.nan, np.inf
+    ref.flat[-1] = 3e20         # its square overflows float32
+    with np.errstate(all="ignore"):
+        err = np.subtract(dev, ref, dtype=np.float32)
+        e2, r2 = np.square(err), np.square(ref)
+    e2, r2 = (np.where(np.isfinite(x), x, 0).astype(np.float64) for x in (e2, r2))
+    (ek, rk), (eq, rq) = pair_square_sums(ref, dev, 1, 1)
+    np.testing.assert_allclose(ek, e2.sum(axis=(0, 2)), rtol=1e-12)
+    np.testing.assert_allclose(rk, r2.sum(axis=(0, 2)), rtol=1e-12)
+    np.testing.assert_allclose(eq, e2.sum(axis=(0, 1)), rtol=1e-12)
+    np.testing.assert_allclose(rq, r2.sum(axis=(0, 1)), rtol=1e-12)
+
+
 @pytest.mark.parametrize("ref_dtype,dev_dtype", [(np.float32, np.float32), (np.float32, np.float16),
                                                  (np.float16, np.float32), (np.float64, np.float64),
                                                  (np.float32, np.float64)])

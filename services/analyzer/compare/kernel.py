@@ -1536,27 +1536,81 @@ def _ov_dev(d, i):
     return lambda d, i: d[i]
 
 
+@intrinsic
+def _prefetch(typingctx, a, i):
+    """A hint to load the cache line of ``a[i]`` (never faults, also past
+    the end of ``a``)."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and isinstance(i, types.Integer)):
+        return None
+    sig = types.none(a, i)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        fnty = ir.FunctionType(ir.VoidType(), [_PTR, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.gep(ary.data, [args[1]]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                          ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# _pair_sums reads a long row a piece at a time, the memory a piece ahead
+# asked for first: read as one stream, a float16 device tensor and its
+# float32 reference came at half the rate the metric pass reads them (the
+# widening between the loads leaves too few of them under way). Rows shorter
+# than a piece are read whole (a piece's bookkeeping would cost more).
+_PAIR_PIECE = 256
+_PAIR_AHEAD = 1024
+
+
+@njit(inline="always", error_model="numpy", fastmath={"reassoc"})
+def _pair_row(rr, dd, ee, er):
+    # one row: its error and reference squares added into ee, er (indexed
+    # from 0: vectorized, see _may_enter), and their sums
+    se = 0.0
+    sr = 0.0
+    for m in range(rr.size):
+        rv = rr[m]
+        ev = _dev(dd, m) - rv
+        e2 = ev * ev
+        r2 = rv * rv
+        te = e2 if e2 - e2 == 0.0 else 0.0
+        tr = r2 if r2 - r2 == 0.0 else 0.0
+        se += te
+        sr += tr
+        ee[m] += te
+        er[m] += tr
+    return se, sr
+
+
 @njit(error_model="numpy", nogil=True, cache=True, fastmath={"reassoc"})
 def _pair_sums(r, d, p, k, q, ek, rk, eq, rq):
     # as _square_sums, for the error d - r (in their type) and for r at once
     i = 0
+    if q < _PAIR_PIECE:
+        for _ in range(p):
+            for j in range(k):
+                se, sr = _pair_row(r[i:i + q], d[i:i + q], eq, rq)
+                ek[j] += se
+                rk[j] += sr
+                i += q
+        return
+    asked = 0       # the elements up to here were asked for (a cache line of float32s at a time)
     for _ in range(p):
         for j in range(k):
-            rr = r[i:i + q]         # indexed from 0: vectorized (see _may_enter)
-            dd = d[i:i + q]
             se = 0.0
             sr = 0.0
-            for m in range(q):
-                rv = rr[m]
-                ev = _dev(dd, m) - rv
-                e2 = ev * ev
-                r2 = rv * rv
-                te = e2 if e2 - e2 == 0.0 else 0.0
-                tr = r2 if r2 - r2 == 0.0 else 0.0
-                se += te
-                sr += tr
-                eq[m] += te
-                rq[m] += tr
+            for c0 in range(0, q, _PAIR_PIECE):
+                c1 = min(q, c0 + _PAIR_PIECE)
+                while asked < i + c1 + _PAIR_AHEAD:
+                    _prefetch(r, asked)
+                    if asked % 32 == 0:     # a line of float16s (as their bits), or two of float32s
+                        _prefetch(d, asked)
+                    asked += 16
+                a, b = _pair_row(r[i + c0:i + c1], d[i + c0:i + c1], eq[c0:c1], rq[c0:c1])
+                se += a
+                sr += b
             ek[j] += se
             rk[j] += sr
             i += q
