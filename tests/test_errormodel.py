@@ -424,12 +424,13 @@ def test_the_worst_window_is_the_one_numpy_finds():
     numpy's running sums and argmax pick (the first of equal ones, one whose
     reference is zero taken relative to the floor), with the same figures,
     for one axis and for tiles, sums with a negative rounding residue (a
-    part taken out) and a NaN among them."""
+    part taken out) and a NaN among them, squares whose roots round equal."""
     from layerdiff.analyzer.compare.compiled import kernels
 
     rng = np.random.default_rng(21)
     cases = []
-    for shape, size in (((1, 64), (1, 4)), ((17, 23), (4, 6)), ((8, 8), (2, 2)), ((1, 5), (1, 5))):
+    for shape, size in (((1, 64), (1, 4)), ((17, 23), (4, 6)), ((8, 8), (2, 2)), ((1, 5), (1, 5)),
+                        ((40, 9), (1, 3)), ((31, 31), (8, 8))):
         se, sr = rng.random(shape) * 4, rng.random(shape)
         cases.append((se, sr, size))
         ties = np.ones(shape)
@@ -443,6 +444,8 @@ def test_the_worst_window_is_the_one_numpy_finds():
         nan = se.copy()
         nan.flat[rng.integers(0, nan.size)] = np.nan
         cases.append((nan, sr, size))
+    # squares a rounding apart whose roots are equal: the first window stays
+    cases.append((np.array([[0.5, 1.0, np.nextafter(1.0, 2.0), 0.25]]) * 3, np.ones((1, 4)), (1, 1)))
     for se, sr, (wh, ww) in cases:
         n, floor = float(wh * ww * 3), float(sr.sum() / sr.size / 16)
         se_w, sr_w = EM._window_sums(se, (wh, ww)), EM._window_sums(sr, (wh, ww))

@@ -1650,29 +1650,33 @@ def _abs_profiles(r, d, outer, inner, by_row, by_col):
 # ---------------------------------------------------------------------------
 
 
-@njit(error_model="numpy", nogil=True, cache=True)
-def _window_rows(x, wh):
-    # the running sums along rows of x (float64, 2-D) over every wh rows,
-    # then along each row of those: numpy's cumsum along axis 0, each
-    # window of rows the difference of two, then cumsum along axis 1 (the
-    # same operations in the same order); a window of wh x ww entries at
-    # (i, j) is then c2[i, j + ww - 1] - c2[i, j - 1] (c2[i, ww - 1] at j 0)
-    h, w = x.shape
-    c = np.empty((h, w))
-    for j in range(w):
-        c[0, j] = x[0, j]
-    for i in range(1, h):
+@njit(inline="always", error_model="numpy")
+def _running_row(x, c, i, ring):
+    # row i of numpy's cumsum of x along axis 0, into its slot of the ring
+    # c (the rows kept: a window of rows and the one before it)
+    w = x.shape[1]
+    at = i % ring
+    if i == 0:
         for j in range(w):
-            c[i, j] = c[i - 1, j] + x[i, j]
-    hh = h - wh + 1
-    c2 = np.empty((hh, w))
-    for i in range(hh):
-        s = c[wh - 1, 0] if i == 0 else c[i + wh - 1, 0] - c[i - 1, 0]
-        c2[i, 0] = s
-        for j in range(1, w):
-            s = s + (c[wh - 1, j] if i == 0 else c[i + wh - 1, j] - c[i - 1, j])
-            c2[i, j] = s
-    return c2
+            c[at, j] = x[0, j]
+    else:
+        was = (i - 1) % ring
+        for j in range(w):
+            c[at, j] = c[was, j] + x[i, j]
+
+
+@njit(inline="always", error_model="numpy")
+def _window_row(c, i, wh, ring, out):
+    # row i of the running sums along each row of the wh-row windows'
+    # sums, as numpy's cumsum along axis 1 of (cumsum[i + wh - 1] -
+    # cumsum[i - 1]) gives them (cumsum[wh - 1] at i 0), into out
+    top = (i + wh - 1) % ring
+    before = (i - 1) % ring
+    s = c[top, 0] if i == 0 else c[top, 0] - c[before, 0]
+    out[0] = s
+    for j in range(1, c.shape[1]):
+        s = s + (c[top, j] if i == 0 else c[top, j] - c[before, j])
+        out[j] = s
 
 
 @njit(error_model="numpy", nogil=True, cache=True)
@@ -1683,25 +1687,47 @@ def _best_window(se, sr, wh, ww, n, floor, out):
     index, with out = (its relative error, the RMS it is taken relative to
     squared, its error sum, its reference sum); -1 where no window fits or
     none has a reference to be relative to. Each window's sums are the
-    running sums' differences numpy's cumsum gives, made as they are read
-    (no table of the windows' sums of its own)."""
+    running sums' differences numpy's cumsum gives (along the rows, then
+    along each row of the windows of rows), made as they are read: only a
+    window of rows of the running sums is kept (a whole table of them, for
+    a 272 x 272 tile grid, outgrew the cache and took 9 ns a cell)."""
     h, w = se.shape
     if wh > h or ww > w:
         return -1
-    ce = _window_rows(se, wh)
-    cr = _window_rows(sr, wh)
+    ring = wh + 1
+    ce = np.empty((ring, w))
+    cr = np.empty((ring, w))
+    re = np.empty(w)
+    rr = np.empty(w)
+    made = 0            # the rows of the running sums made so far
     best = -1
     best_rel = 0.0
+    best_sq = -1.0      # the best's relative error squared (a root is taken only past it)
     k = 0
-    for i in range(ce.shape[0]):
+    for i in range(h - wh + 1):
+        while made < i + wh:
+            _running_row(se, ce, made, ring)
+            _running_row(sr, cr, made, ring)
+            made += 1
+        _window_row(ce, i, wh, ring, re)
+        _window_row(cr, i, wh, ring, rr)
         for j in range(w - ww + 1):
-            e = ce[i, ww - 1] if j == 0 else ce[i, j + ww - 1] - ce[i, j - 1]
-            r = cr[i, ww - 1] if j == 0 else cr[i, j + ww - 1] - cr[i, j - 1]
+            e = re[ww - 1] if j == 0 else re[j + ww - 1] - re[j - 1]
+            r = rr[ww - 1] if j == 0 else rr[j + ww - 1] - rr[j - 1]
             den = max(r / n, floor) if r / n == r / n else r / n
-            rel = math.sqrt(e / n / den) if den > 0 else -1.0
-            if best < 0 or (best_rel == best_rel and (rel != rel or rel > best_rel)):
-                best, best_rel = k, rel
-                out[0], out[1], out[2], out[3] = rel, den, e, r
+            if den > 0:
+                sq = e / n / den
+                # the root of a square in [0, the best's] is no larger than
+                # the best's: taken only for a larger square, or a NaN one
+                # (a NaN or negative square: a sum's difference below zero)
+                if best < 0 or (best_rel == best_rel and not (0.0 <= sq <= best_sq)):
+                    rel = math.sqrt(sq)
+                    if best < 0 or rel != rel or rel > best_rel:
+                        best, best_rel, best_sq = k, rel, sq
+                        out[0], out[1], out[2], out[3] = rel, den, e, r
+            elif best < 0:      # no reference to be relative to: -1, which no later window is below
+                best, best_rel, best_sq = k, -1.0, -1.0
+                out[0], out[1], out[2], out[3] = -1.0, den, e, r
             k += 1
     if best >= 0 and best_rel < 0:
         return -1
