@@ -339,3 +339,20 @@ def test_listing_in_the_debug_script_layout(report):
     evil = listing.format_listing({"nodes": [{"node": "a\x1b[31mb\nc", "op_type": "Relu", "order": 0,
                                               "mse": None, "cosine": "inf", "rmse": 1.0, "passed": True}]})
     assert "\x1b" not in evil and "\n" not in evil and "MSE:nan" in evil and "COS:inf" in evil
+
+
+def test_escaping_is_the_standard_librarys():
+    """Every name and text the page shows is escaped as html.escape escapes
+    it (an element's text and an attribute's value alike): the markup's
+    characters, both quotes, and nothing else."""
+    import html
+    import random
+
+    from layerdiff.analyzer.report.html import esc
+
+    rnd = random.Random(5)
+    alphabet = "&<>\"'ab/.:0é\u2028\x00 ;#"
+    for _ in range(2000):
+        s = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 24)))
+        assert esc(s) == html.escape(s, quote=True), s
+    assert esc(None) == "" and esc(1.5) == "1.5"
