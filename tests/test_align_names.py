@@ -413,6 +413,22 @@ def test_close_matches_are_difflibs(detector_sites, word, n, cutoff):
                                                                                        cutoff=cutoff)
 
 
+@settings(max_examples=400, deadline=None)
+@given(a=st.text(st.sampled_from(list("ab_.0/:éᐁ")), max_size=40), b=st.text(st.sampled_from(list("ab_.0/:éᐁ")),
+                                                                             max_size=40))
+def test_the_compiled_match_is_difflibs(a, b):
+    """The compiled matcher behind the "did you mean" names shares as many
+    characters as difflib's matching blocks (its ratio's numerator), for
+    repeats, ties and characters past ASCII alike."""
+    import difflib
+
+    from layerdiff.analyzer.align.names import _codes
+    from layerdiff.analyzer.compare.compiled import kernels
+
+    want = sum(m.size for m in difflib.SequenceMatcher(None, a, b).get_matching_blocks())
+    assert kernels()._matched(_codes(a), _codes(b)) == want
+
+
 def test_closest_asked_again_answers_the_same(detector_sites):
     """Each report asks for an unmatched name's closest names (n 1, 3, 5),
     answered from one longer answer kept: each is what a look for exactly

@@ -69,6 +69,11 @@ def _calls(name: str, kinds: tuple[str, ...], rng) -> list[tuple]:
         for p, k, q in ((1, 5000, 1), (10, 50, 10), (2, 1, 2500)):
             out.append((_values(rng, n, kinds[0]), p, k, q, np.zeros(k), np.zeros(q)))
         return out
+    if name == "_matched":
+        codes = np.frombuffer("conv2d_4.tmp_0/Conv_output_0:ébè".encode("utf-32-le"), np.int32)
+        for la, lb in ((0, 0), (5, 0), (14, 30), (30, 14), (30, 30)):
+            out.append((rng.choice(codes[:8], la).astype(np.int32), rng.choice(codes, lb).astype(np.int32)))
+        return out
     if name == "_best_window":
         for h, w, wh, ww in ((1, 300, 1, 19), (40, 30, 10, 8), (5, 5, 5, 5), (3, 4, 4, 1)):
             se, sr = rng.random((h, w)) * 3, rng.random((h, w))

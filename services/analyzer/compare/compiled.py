@@ -63,6 +63,7 @@ ENTRIES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                    "float64[::1])", [("f32", "f32"), ("f32", "f16"), ("f64", "f64")]),
     "_abs_profiles": ("float64({r}, {d}, int64, int64, float64[::1], float64[::1])", [("f64", "f64"), *_NARROW]),
     "_best_window": ("int64(float64[:, ::1], float64[:, ::1], int64, int64, float64, float64, float64[::1])", [()]),
+    "_matched": ("int64(int32[::1], int32[::1])", [()]),
 }
 
 

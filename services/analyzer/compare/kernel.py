@@ -1734,4 +1734,55 @@ def _best_window(se, sr, wh, ww, n, floor, out):
     return best
 
 
+# ---------------------------------------------------------------------------
+# How much two names share (align.names.close_matches' "did you mean")
+# ---------------------------------------------------------------------------
+
+
+@njit(error_model="numpy", nogil=True, cache=True)
+def _matched(a, b):
+    """The total size of the matching blocks difflib.SequenceMatcher(None,
+    a, b) finds (its ratio is twice this over the two lengths), for code
+    points ``a`` and ``b`` and no junk (difflib's autojunk starts at 200
+    elements of b: the caller asks difflib itself there). Each block is the
+    longest common run of its ranges, the first in a then in b of equal
+    ones (difflib's find_longest_match), then the ranges left and right of
+    it are matched the same way."""
+    la, lb = a.size, b.size
+    prev = np.zeros(lb + 1, np.int64)     # prev[j + 1]: the common run ending at a[i - 1], b[j]
+    cur = np.zeros(lb + 1, np.int64)
+    ranges = np.empty((min(la, lb) + 2, 4), np.int64)
+    ranges[0, 0], ranges[0, 1], ranges[0, 2], ranges[0, 3] = 0, la, 0, lb
+    top = 1
+    total = 0
+    while top > 0:
+        top -= 1
+        alo, ahi, blo, bhi = ranges[top, 0], ranges[top, 1], ranges[top, 2], ranges[top, 3]
+        besti, bestj, bestk = alo, blo, 0
+        for j in range(blo, bhi + 1):
+            prev[j] = 0
+        for i in range(alo, ahi):
+            cur[blo] = 0
+            ai = a[i]
+            for j in range(blo, bhi):
+                if ai == b[j]:
+                    k = prev[j] + 1
+                    cur[j + 1] = k
+                    if k > bestk:
+                        besti, bestj, bestk = i - k + 1, j - k + 1, k
+                else:
+                    cur[j + 1] = 0
+            prev, cur = cur, prev
+        if bestk:
+            total += bestk
+            if alo < besti and blo < bestj:
+                ranges[top, 0], ranges[top, 1], ranges[top, 2], ranges[top, 3] = alo, besti, blo, bestj
+                top += 1
+            if besti + bestk < ahi and bestj + bestk < bhi:
+                ranges[top, 0], ranges[top, 1] = besti + bestk, ahi
+                ranges[top, 2], ranges[top, 3] = bestj + bestk, bhi
+                top += 1
+    return total
+
+
 _nb_config.CACHE_DIR = _CACHE_DIR_BEFORE  # type: ignore[attr-defined]
