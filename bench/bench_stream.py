@@ -27,8 +27,8 @@ import pyarrow.flight as flight
 
 from layerdiff.collector.dumps.directory import write_dump
 from layerdiff.collector.service import CollectorClient
-from layerdiff.common.net import DEFAULT_CHUNK_BYTES
 from layerdiff.common.schema import BufferPool, NodeRecord, TensorAssembler
+from layerdiff.common.sizes import DEFAULT_CHUNK_BYTES
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 

@@ -14,8 +14,9 @@ from layerdiff.analyzer.jobs.runner import JobRunner
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, abort_with
 from layerdiff.common.memory import leave_loaded_out_of_collection, release_freed_tensors_to_system
-from layerdiff.common.net import DEFAULT_CHUNK_BYTES, bind, make_server, serve_health
+from layerdiff.common.net import bind, make_server, serve_health
 from layerdiff.common.security import ServerSecurity, grpc_identity, grpc_interceptors
+from layerdiff.common.sizes import DEFAULT_CHUNK_BYTES
 from layerdiff.v1 import layerdiff_pb2 as pb
 from layerdiff.v1 import layerdiff_pb2_grpc as pbg
 

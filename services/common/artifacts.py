@@ -28,7 +28,7 @@ from typing import Protocol
 
 from layerdiff.common.errors import LayerdiffError, LimitError, NotFoundError
 from layerdiff.common.localfile import FileStamp, LocalFile
-from layerdiff.common.net import DEFAULT_CHUNK_BYTES
+from layerdiff.common.sizes import DEFAULT_CHUNK_BYTES
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 DEFAULT_MAX_ARTIFACT_BYTES = 8 * 1024**3

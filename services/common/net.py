@@ -29,10 +29,7 @@ from concurrent import futures
 
 import grpc
 
-# Payload per message of a stream. 1-4 MiB messages stream faster than larger
-# ones (fewer fresh allocations); the hard limit below leaves headroom.
-DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+from layerdiff.common.sizes import MAX_MESSAGE_BYTES
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

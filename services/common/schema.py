@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from layerdiff.common.errors import LayerdiffError, LimitError
-from layerdiff.common.net import DEFAULT_CHUNK_BYTES
+from layerdiff.common.sizes import DEFAULT_CHUNK_BYTES
 
 TENSOR_SCHEMA = pa.schema([
     pa.field("name", pa.string()),          # tensor name as the device knows it

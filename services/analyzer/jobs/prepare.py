@@ -9,6 +9,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 from layerdiff.analyzer.align.names import Aligner
 from layerdiff.analyzer.compare.tolerances import Tolerances
@@ -18,7 +19,6 @@ from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.tf import TFReference, open_reference
 from layerdiff.analyzer.report.perf.table import PerfSettings, check_perf_options
-from layerdiff.collector.service import CollectorClient
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import load_inputs
@@ -27,6 +27,10 @@ from layerdiff.common.precision import parse as parse_precision
 from layerdiff.common.schema import check_dump_mode
 from layerdiff.common.security import check_collector_allowed
 from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    from layerdiff.collector.core import Collector
+    from layerdiff.collector.service import CollectorClient
 
 log = logging.getLogger(__name__)
 DIFF_CNT_DEFAULT = 128
@@ -239,7 +243,7 @@ def fp16_build_weights(spec: pb.JobSpec, reference) -> list | None:
         return None
 
 
-def dump_graph_alignment(spec: pb.JobSpec, reference, collector: CollectorClient):
+def dump_graph_alignment(spec: pb.JobSpec, reference, collector: CollectorClient | Collector):
     """A dump whose manifest describes its graph (op types and inputs) pairs
     with an ONNX reference by structure, as a device model does; None where
     it describes none (names decide)."""

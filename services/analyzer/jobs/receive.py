@@ -18,13 +18,18 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.flight as flight
 
-from layerdiff.collector.service import CollectorClient, CollectorFlight, flight_message
 from layerdiff.common.errors import LayerdiffError, PermissionDenied, Unauthenticated, UnavailableError
 from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    import pyarrow.flight as flight
+
+    from layerdiff.collector.core import Collector
+    from layerdiff.collector.service import CollectorClient
 
 # Silence after which a collector is declared unreachable; the collector is
 # asked for a heartbeat four times as often.
@@ -102,6 +107,8 @@ class CollectorStream:
                     if "reader" in box:
                         box["reader"].cancel()
                 if self._cancelled:
+                    import pyarrow.flight as flight  # loaded by the client that opened it
+
                     raise flight.FlightCancelledError("cancelled before the stream started")
                 self.expired = True
                 raise self.unreachable("no answer to the capture call") from None
@@ -170,6 +177,10 @@ def collector_error(address: str, e: BaseException) -> LayerdiffError:
     input), or the collector unreachable, gone or silent (a component)."""
     if isinstance(e, LayerdiffError):
         return e
+    import pyarrow.flight as flight  # a call over the network: the client made it
+
+    from layerdiff.collector.service import flight_message
+
     text = f"collector {address}: {flight_message(e)}"
     if isinstance(e, (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightCancelledError)):
         return UnavailableError(text, field="collector")
@@ -188,13 +199,13 @@ class InProcessStream:
     mapped where they lie). Iterate ``records()``; ``cancel()`` may be
     called from any thread and ends the iteration at the next record."""
 
-    def __init__(self, source: CollectorFlight, request: pb.CaptureRequest) -> None:
+    def __init__(self, source: Collector, request: pb.CaptureRequest) -> None:
         self.source = source
         self.request = request
         self._cancelled = threading.Event()
 
     @staticmethod
-    def serves(source: CollectorFlight | None, request: pb.CaptureRequest) -> bool:
+    def serves(source: Collector | None, request: pb.CaptureRequest) -> bool:
         """Does the in-process collector ``source`` serve this request so (a
         dump's tensors, not its performance records, nor a dump watched as
         it is written: that stream's close ends its wait on a cancel)?"""

@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -47,12 +48,15 @@ from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
 from layerdiff.analyzer.report.details import DetailFiles
 from layerdiff.analyzer.report.files import JobReport, write_report
-from layerdiff.collector.service import CollectorClient, CollectorFlight, in_process
+from layerdiff.collector.core import Collector, in_process
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import EXIT_NO_ANSWER, LayerdiffError, LimitError, NotFoundError
 from layerdiff.common.schema import BufferPool, TensorAssembler, check_dump_mode
 from layerdiff.common.settings import env_limit
 from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    from layerdiff.collector.service import CollectorClient
 
 log = logging.getLogger(__name__)
 # Finished jobs that keep their whole event history in memory; older ones keep
@@ -356,7 +360,7 @@ class JobRunner:
 
         # the kept values are released however the job ends (one may hold its receive buffer)
         try:
-            def on_ready(collector: CollectorClient | CollectorFlight) -> None:
+            def on_ready(collector: CollectorClient | Collector) -> None:
                 if p.golden and isinstance(p.reference, DumpReference) and p.reference.model is None:
                     return      # the golden dump's names and values pair the device's
                 graph = dump_graph_alignment(spec, p.reference, collector)
@@ -494,6 +498,8 @@ class JobRunner:
                     job.call = None
                     inner.close()
                 return
+        from layerdiff.collector.service import CollectorClient  # a collector over the network
+
         collector = CollectorClient(address)
         stream = None
         try:
@@ -537,7 +543,7 @@ class JobRunner:
         golden.start(self.workdir / SPILL_DIR / job.id)
         limit = env_limit("LAYERDIFF_REFERENCE_DUMP_BYTES", REFERENCE_DUMP_BYTES_DEFAULT, size=True)
         assembler = TensorAssembler(pool=BufferPool())
-        def read_order(collector: CollectorClient | CollectorFlight) -> None:
+        def read_order(collector: CollectorClient | Collector) -> None:
             if spec.reference_dump.dump.watch:
                 return      # read as the runtime writes it: no order to ask for yet
             try:

@@ -27,8 +27,8 @@ import numpy as np
 from layerdiff.collector.dumps.directory import DumpDirectory
 from layerdiff.collector.dumps.manifest import MANIFEST, check_node_name, resolve_inside
 from layerdiff.common.errors import LayerdiffError
-from layerdiff.common.net import MAX_MESSAGE_BYTES
 from layerdiff.common.schema import ROLE_INPUT
+from layerdiff.common.sizes import MAX_MESSAGE_BYTES
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 log = logging.getLogger(__name__)
