@@ -302,6 +302,37 @@ def test_ctrl_c_with_the_embedded_services_is_immediate(det_files, tmp_path):
     assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("layerdiff-")]
 
 
+def test_ctrl_c_while_two_dumps_are_compared_in_the_command_itself(tmp_path):
+    """Two dumps compared with no services given run in the command's own
+    process, with no server: Ctrl-C still cancels the job in one line, at
+    once, and leaves no work directory (layerdiff-*) behind."""
+    rng = np.random.default_rng(5)
+    for side in ("gold", "dev"):
+        (tmp_path / side).mkdir()
+    for i in range(4000):      # thousands of tensors: seconds of records, each read, paired and compared
+        v = rng.standard_normal(64).astype(np.float32)
+        np.save(tmp_path / "gold" / f"t{i:04d}.npy", v)
+        np.save(tmp_path / "dev" / f"t{i:04d}.npy", v * np.float32(1.0001))
+    (tmp_path / "tmp").mkdir()
+    proc = start_cli("compare", tmp_path / "gold", tmp_path / "dev", "--out", tmp_path / "out", "--no-progress",
+                     env={"TMPDIR": str(tmp_path / "tmp")})
+    try:
+        got = []
+        reader = threading.Thread(target=lambda: got.append(proc.stderr.readline()), daemon=True)
+        reader.start()
+        reader.join(60)
+        m = re.fullmatch(r"layerdiff: job ([0-9a-f]+)\n", got[0] if got else "")     # no analyzer to reattach to
+        assert m, got
+        started = time.monotonic()
+        out, err = _interrupt(proc)
+        elapsed = time.monotonic() - started
+    finally:
+        proc.kill()
+    assert err.splitlines() == [f"layerdiff: interrupted; job {m.group(1)} cancelled"], err
+    assert elapsed < 3, elapsed
+    assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("layerdiff-")]
+
+
 def _files(root):
     from pathlib import Path
 

@@ -698,7 +698,8 @@ def test_two_dumps_compared_without_a_model_never_load_onnx_or_onnxruntime(tmp_p
     """A tenth of a second of every command's start: a comparison of two
     dumps without a model runs no model, so neither onnx nor onnxruntime
     is loaded (the embedded services check the runtime only when asked);
-    the element types written down for that are onnx's own."""
+    the element types written down for that are onnx's own. Nor is gRPC or
+    Flight: both dumps are read in this process, and nothing is served."""
     import onnx as onnx_module
 
     from layerdiff.common import onnxgraph
@@ -712,8 +713,33 @@ def test_two_dumps_compared_without_a_model_never_load_onnx_or_onnxruntime(tmp_p
 import sys
 from layerdiff.client.api import compare
 r = compare({str(golden)!r}, {str(dev)!r}, out={str(tmp_path / 'out')!r}, progress=False)
-print(r.summary["counts"]["compared"], [m for m in ("onnx", "onnxruntime") if m in sys.modules])
+print(r.summary["counts"]["compared"], [m for m in ("onnx", "onnxruntime", "grpc", "pyarrow.flight", "asyncio")
+                                        if m in sys.modules])
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=CALL_TIMEOUT)
     assert out.returncode in (0, 1), out.stderr
     assert out.stdout.split("\n")[-2] == "9 []", out.stdout
+
+
+def test_two_dumps_compared_in_this_process_fail_as_through_served_services(tmp_path, npy_pair, services):
+    """The analyzer in the command's own process (no server) answers bad
+    input and a job past its timeout with the one-line errors and exit
+    statuses of the served one."""
+    base, golden, device = npy_pair
+    dev = write_dump(tmp_path / "device", device, "npy")
+    collector, analyzer = services
+    missing = tmp_path / "nowhere"
+    answers = []
+    for addresses in ({}, {"collector": collector.address, "analyzer": analyzer.address}):
+        with pytest.raises(JobFailed) as bad:
+            compare(str(golden), str(missing), out=tmp_path / "bad", progress=False, timeout=CALL_TIMEOUT,
+                    **addresses)
+        answers.append((bad.value.exit_status, str(bad.value).replace(str(missing), "PATH")))
+    here, there = answers
+    said = "field 'dump_path': dump file or directory 'PATH' does not exist on the collector host"
+    assert here[0] == there[0] == 2 and here[1].endswith(said) and there[1].endswith(said), answers
+    with pytest.raises(JobFailed) as late:
+        compare(str(golden), str(dev), out=tmp_path / "late", progress=False, timeout=1e-9)
+    assert late.value.exit_status == 3 and "did not end within" in str(late.value), late.value
+    r = compare(str(golden), str(dev), out=tmp_path / "fine", progress=False)
+    assert r.exit_status == 1 and r.summary["answer"]["node"] == "conv2", r.summary["answer"]

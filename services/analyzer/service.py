@@ -10,9 +10,9 @@ from pathlib import Path
 
 from layerdiff import __version__
 from layerdiff.analyzer.jobs.job import EventCursor
-from layerdiff.analyzer.jobs.runner import JobRunner
+from layerdiff.analyzer.jobs.runner import JobRunner, reports_gone
 from layerdiff.common.artifacts import ArtifactStore
-from layerdiff.common.errors import LayerdiffError, NotFoundError, PermissionDenied, abort_with
+from layerdiff.common.errors import LayerdiffError, PermissionDenied, abort_with
 from layerdiff.common.memory import leave_loaded_out_of_collection, release_freed_tensors_to_system
 from layerdiff.common.net import bind, make_server, serve_health
 from layerdiff.common.security import ServerSecurity, grpc_identity, grpc_interceptors
@@ -78,14 +78,9 @@ class AnalyzerService(pbg.AnalyzerServicer):
         """(path in the report, file) of every file of a DONE job's report
         (``context``: the caller's, whose token must have submitted it; None
         in this process: the embedded client's own job)."""
-        job = self._job(job_id, context) if context is not None else self.runner.get(job_id)
-        if job.state != pb.DONE:
-            raise LayerdiffError(f"job is {pb.JobState.Name(job.state)}, reports exist once it is DONE"
-                                 + (f" ({job.error})" if job.error else ""), field="job_id")
-        root = job.report_dir
-        if not (root / "summary.json").is_file():
-            raise _gone(job_id, root)
-        return report_listing(root)
+        if context is not None:
+            self._job(job_id, context)
+        return self.runner.report_files(job_id)
 
     def FetchReport(self, request, context):
         try:
@@ -96,7 +91,7 @@ class AnalyzerService(pbg.AnalyzerServicer):
             try:
                 f = open(path, "rb")
             except FileNotFoundError:   # deleted under retention while being fetched
-                abort_with(context, _gone(request.job_id, path.parent))
+                abort_with(context, reports_gone(request.job_id, path.parent))
             with f:
                 offset = 0
                 while True:
@@ -211,22 +206,3 @@ class AnalyzerServer:
 
     def __exit__(self, *exc):
         self.stop()
-
-
-def _gone(job_id: str, root: Path) -> NotFoundError:
-    return NotFoundError(f"the reports of job {job_id!r} are no longer on the analyzer ({root})", field="job_id")
-
-
-def report_listing(root: Path) -> list[tuple[str, Path]]:
-    """(path in the report, file) of every regular file under ``root``, in
-    path order (one scandir a directory: a report holds hundreds of files)."""
-    found: list[tuple[tuple[str, ...], Path]] = []
-    for top, _, files in os.walk(root):
-        rel = os.path.relpath(top, root)
-        parts = () if rel == "." else tuple(Path(rel).parts)
-        for name in files:
-            path = os.path.join(top, name)
-            if os.path.isfile(path):
-                found.append(((*parts, name), Path(path)))
-    found.sort(key=lambda item: item[0])
-    return [("/".join(key), path) for key, path in found]

@@ -1,24 +1,29 @@
 """The analyzer's gRPC calls as the client makes them (``AnalyzerClient``):
 uploads (handed over in memory to an analyzer in this process), Submit,
-Watch, FetchReport, Cancel; and what a failed call or a Ctrl-C becomes
-(``rpc_failure``, ``Interrupted``).
+Watch, FetchReport, Cancel (what a failed call or a Ctrl-C becomes is
+``calls``).
 """
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 
+from layerdiff.client.calls import (
+    Interrupted,
+    by_ctrl_c,
+    call_details,
+    call_failure,
+    report_target,
+    sigint_held,
+    take_report,
+)
 from layerdiff.common.artifacts import chunks_of
-from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
+from layerdiff.common.errors import EXIT_NO_ANSWER, JobFailed, LayerdiffError
 from layerdiff.common.localfile import LocalFile
 from layerdiff.common.net import channel, connect_timeout, wait_ready
 from layerdiff.common.security import ClientSecurity, with_token
@@ -36,76 +41,6 @@ CANCEL_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 2.0
 # fetch of a job that is not DONE: how long its events are read to learn its state.
 STATE_TIMEOUT = 5.0
-
-
-def rpc_failure(what: str, e: grpc.RpcError) -> LayerdiffError:
-    """A failed call to a service: its refusal of bad input (exit status 2),
-    or the service gone or unreachable (3)."""
-    code = e.code() if hasattr(e, "code") else None
-    details = (e.details() if hasattr(e, "details") else "") or str(code)
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS):
-        return JobFailed(details, EXIT_BAD_INPUT)
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):   # usage: the wrong token
-        return JobFailed(f"{what}: {details}", EXIT_BAD_INPUT)
-    return JobFailed(f"{what}: {details}", EXIT_NO_ANSWER)
-
-
-def rpc_details(e: grpc.RpcError) -> str:
-    """One line saying why a call failed."""
-    code = e.code() if hasattr(e, "code") else None
-    details = (e.details() if hasattr(e, "details") else "") or ""
-    name = code.name if isinstance(code, grpc.StatusCode) else "error"
-    return " ".join(f"{name}: {details}".split()) if details else name
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a job. ``message`` says what became of the job: cancelled
-    on the analyzer, already ended, or why it could not be cancelled. It is a
-    KeyboardInterrupt, so a script stops as it would anyway."""
-
-    def __init__(self, message: str, job_id: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.job_id = job_id
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def by_ctrl_c(e: BaseException) -> bool:
-    """Is ``e`` Ctrl-C, or what it broke on its way out? Raised into a
-    library in the middle of a statement (gRPC's stream waiting on a
-    condition, its lock released and not yet taken back), it can come back
-    as another exception ('cannot release un-acquired lock') whose context
-    is the KeyboardInterrupt."""
-    seen: set[int] = set()
-    at: BaseException | None = e
-    while at is not None and id(at) not in seen:
-        if isinstance(at, KeyboardInterrupt):
-            return True
-        seen.add(id(at))
-        at = at.__context__
-    return False
-
-
-@contextmanager
-def _sigint_held():
-    """Hold off Ctrl-C while a job is being cancelled: a second press must not
-    break off the cancel (it is bounded by CANCEL_TIMEOUT anyway)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    try:
-        previous = signal.signal(signal.SIGINT, lambda *_: None)
-    except (ValueError, OSError):
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-
 
 
 @dataclass(frozen=True)
@@ -156,7 +91,7 @@ class AnalyzerClient:
         try:
             return call.result().id
         except grpc.RpcError as e:
-            raise rpc_failure(f"analyzer {self.address}, upload of {name}", e) from None
+            raise call_failure(f"analyzer {self.address}, upload of {name}", e) from None
         except BaseException:
             call.cancel()
             raise
@@ -170,7 +105,7 @@ class AnalyzerClient:
         except BaseException as e:
             if not by_ctrl_c(e):
                 raise
-            with _sigint_held():
+            with sigint_held():
                 try:
                     job_id = call.result(timeout=CANCEL_TIMEOUT).job_id
                 except Exception:
@@ -210,13 +145,13 @@ class AnalyzerClient:
                                  field="out") from None
         root = out.resolve()
         if self.local is not None:
-            return _take_report(self.local.reports(job_id), out, root)
+            return take_report(self.local.reports(job_id), out, root)
         written: list[Path] = []
         handle = None
         stream = self.stub.FetchReport(pb.ReportRequest(job_id=job_id), timeout=CALL_TIMEOUT)
         try:
             for chunk in stream:
-                target = _report_target(out, root, chunk.path)
+                target = report_target(out, root, chunk.path)
                 try:
                     if chunk.offset == 0:
                         if handle:
@@ -244,12 +179,12 @@ class AnalyzerClient:
     def interrupted(self, job_id: str) -> Interrupted:
         """Ctrl-C during job ``job_id``: cancel it (bounded, a second Ctrl-C
         held off) and say what became of it."""
-        with _sigint_held():
+        with sigint_held():
             try:
                 ev = self.cancel(job_id, timeout=CANCEL_TIMEOUT)
             except grpc.RpcError as e:
                 return Interrupted(f"interrupted; job {job_id} could not be cancelled on analyzer {self.address} "
-                                   f"({rpc_details(e)}), it may still be running", job_id)
+                                   f"({call_details(e)}), it may still be running", job_id)
         if ev.state in (pb.DONE, pb.FAILED):
             return Interrupted(f"interrupted; job {job_id} had already ended ({pb.JobState.Name(ev.state)})",
                                job_id)
@@ -259,42 +194,3 @@ class AnalyzerClient:
         closing = threading.Thread(target=self.channel.close, name="channel-close", daemon=True)
         closing.start()
         closing.join(CLOSE_TIMEOUT)
-
-
-def _report_target(out: Path, root: Path, rel: str) -> Path:
-    """Where a report file named ``rel`` goes in ``out`` (``root``: out
-    resolved); a name that would leave it is refused."""
-    target = (out / rel).resolve()
-    if root not in target.parents:
-        raise LayerdiffError(f"report file {rel!r} would land outside {out}", field="path")
-    return target
-
-
-def _take_report(files: list[tuple[str, Path]], out: Path, root: Path) -> list[Path]:
-    """An embedded analyzer's report files into ``out``: hard links where
-    both lie on one file system (its directory goes with the process, the
-    links stay), copies elsewhere."""
-    written = []
-    made: dict[str, Path] = {}      # each directory of the report checked and made once, not once a file
-    for rel, src in files:
-        folder, _, name = rel.rpartition("/")
-        if name in ("", ".", ".."):
-            raise LayerdiffError(f"report file {rel!r} would land outside {out}", field="path")
-        where = made.get(folder)
-        target = (where or root) / name
-        try:
-            if where is None:
-                where = _report_target(out, root, folder) if folder else root
-                where.mkdir(parents=True, exist_ok=True)
-                made[folder] = where
-                target = where / name
-            # a link (or anything) already at the name is replaced, never written through
-            target.unlink(missing_ok=True)
-            try:
-                os.link(src, target)
-            except OSError:
-                shutil.copyfile(src, target)
-        except OSError as e:
-            raise LayerdiffError(f"cannot write a report: {e.strerror}", file=str(target), field="out") from None
-        written.append(target)
-    return written

@@ -5,7 +5,9 @@
     print(result.first_failing_node)
 
 Without ``analyzer=``/``collector=`` addresses both services start in this
-process on free loopback ports (the embedded default) and stop afterwards.
+process on free loopback ports (the embedded default) and stop afterwards;
+``compare`` of two dumps then serves nothing: both run in this process
+without a server (``analyzer.local``, ``client.local_client``).
 
 A job on a running analyzer outlives the client that submitted it:
 ``watch(job_id, analyzer=...)`` follows it again to its end and fetches its
@@ -26,17 +28,25 @@ import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 
 from layerdiff.client import prefetch
-from layerdiff.client.analyzer_client import AnalyzerClient, Embedded, Interrupted, by_ctrl_c, rpc_failure
+from layerdiff.client.calls import Interrupted, by_ctrl_c, call_errors, call_failure
 from layerdiff.client.follow import RunResult, fetch_result, follow
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.localfile import FileStamp, LocalFile
 from layerdiff.common.npz import write_npz
 from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from layerdiff.client.analyzer_client import AnalyzerClient
+    from layerdiff.client.local_client import LocalClient
+
+    Client: TypeAlias = AnalyzerClient | LocalClient
 
 
 def read_artifact(path_or_bytes, field: str) -> tuple[bytes, str]:
@@ -190,7 +200,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
                               max_bins=max_bins, min_bins=min_bins, min_max=min_max, min_coverage=min_coverage,
                               node_precision=node_precision, max_plots=max_plots)
 
-    def spec(client: AnalyzerClient, collector: str) -> pb.JobSpec:
+    def spec(client: Client, collector: str) -> pb.JobSpec:
         device_file = held.pop("device_model", None)
         return pb.JobSpec(
             model_artifact=client.upload(*held.pop("model")),
@@ -242,37 +252,38 @@ def parse_node_precision(value) -> dict[str, str]:
     return out
 
 
-def _run_job(make_spec: Callable[[AnalyzerClient, str], pb.JobSpec], *, analyzer: str | None,
+def _run_job(make_spec: Callable[[Client, str], pb.JobSpec], *, analyzer: str | None,
              collector: str | None, out, progress, timeout: float | None,
-             on_job: Callable[[str], None] | None) -> RunResult:
+             on_job: Callable[[str], None] | None, in_process: bool = False) -> RunResult:
     """Start what is not running (an embedded collector, analyzer), submit
     the job ``make_spec(client, collector address)`` describes, follow it
-    and fetch its reports. Ctrl-C cancels the job and raises Interrupted."""
-    from layerdiff.analyzer.service import AnalyzerServer
-    from layerdiff.collector.service import CollectorServer
-
+    and fetch its reports. ``in_process``: a job whose records a collector
+    in this process hands over (two dumps): with neither service given,
+    both run here without a server. Ctrl-C cancels the job and raises
+    Interrupted."""
     out = Path(out)
     # the job outlives this process only when neither service runs inside it
     reattachable = analyzer is not None and collector is not None
     with ExitStack() as stack:
         job_id = None
-        client = None
+        client: Client | None = None
         try:
-            local = collector_store = None
-            if collector is None:
-                embedded = stack.enter_context(CollectorServer(check_runtime=False))
-                collector, collector_store = embedded.address, embedded.flight.store
-            if analyzer is None:
-                embedded = stack.enter_context(AnalyzerServer(readiness=False))
-                analyzer = embedded.address
-                local = Embedded(embedded.service.store, collector_store, embedded.service.report_files)
-            client = AnalyzerClient(analyzer, local=local)
-            stack.callback(client.close)
+            if in_process and analyzer is None and collector is None and not os.environ.get("LAYERDIFF_BROKER_URL"):
+                # nothing to serve: no socket, and neither gRPC nor Flight loaded
+                from layerdiff.analyzer.local import LocalAnalyzer
+                from layerdiff.client.local_client import LocalClient
+                from layerdiff.collector.core import InProcessCollector
+
+                reader = stack.enter_context(InProcessCollector())
+                client = LocalClient(stack.enter_context(LocalAnalyzer()), beside=reader)
+                collector = reader.address
+            else:
+                client, collector = _served(stack, analyzer, collector)
             spec = make_spec(client, collector)
             try:
                 job_id = client.submit(spec)
-            except grpc.RpcError as e:
-                raise rpc_failure(f"analyzer {analyzer}", e) from None
+            except call_errors() as e:
+                raise call_failure(f"analyzer {client.address}", e) from None
             if on_job is not None:
                 on_job(job_id)
             return follow(client, job_id, out, progress=progress, timeout=timeout, reattachable=reattachable)
@@ -284,6 +295,27 @@ def _run_job(make_spec: Callable[[AnalyzerClient, str], pb.JobSpec], *, analyzer
             if job_id is None or client is None:
                 raise Interrupted("interrupted; no job was started") from None
             raise client.interrupted(job_id) from None
+
+
+def _served(stack: ExitStack, analyzer: str | None, collector: str | None) -> tuple[AnalyzerClient, str]:
+    """A client of the analyzer at ``analyzer``, and the collector's address,
+    each started in this process on a free loopback port where not given
+    (they stop with ``stack``)."""
+    from layerdiff.analyzer.service import AnalyzerServer
+    from layerdiff.client.analyzer_client import AnalyzerClient, Embedded
+    from layerdiff.collector.service import CollectorServer
+
+    local = collector_store = None
+    if collector is None:
+        embedded = stack.enter_context(CollectorServer(check_runtime=False))
+        collector, collector_store = embedded.address, embedded.flight.store
+    if analyzer is None:
+        served = stack.enter_context(AnalyzerServer(readiness=False))
+        analyzer = served.address
+        local = Embedded(served.service.store, collector_store, served.service.report_files)
+    client = AnalyzerClient(analyzer, local=local)
+    stack.callback(client.close)
+    return client, collector
 
 
 def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model=None,
@@ -315,7 +347,7 @@ def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model
         options["map_node_dict"] = {gold.stem: dev.stem}
     opts = compare_options(**options)
 
-    def spec(client: AnalyzerClient, device_collector: str) -> pb.JobSpec:
+    def spec(client: Client, device_collector: str) -> pb.JobSpec:
         golden = pb.ReferenceDump(collector=reference_collector or device_collector, dump=pb.DumpSource(
             path=str(reference_dump), format=reference_format or "", default_concat_dim=default_concat_dim))
         return pb.JobSpec(
@@ -325,8 +357,9 @@ def compare(reference_dump: str, device_dump: str, *, out="layerdiff-out", model
             watch=watch, dump_mode=dump_mode or "output", options=opts, reference_dump=golden,
             model_name=model_name if model_bytes is not None else "")
 
+    # a dump watched as it is written streams from a served collector
     return _run_job(spec, analyzer=analyzer, collector=collector, out=out, progress=progress, timeout=timeout,
-                    on_job=on_job)
+                    on_job=on_job, in_process=reference_collector is None and not watch)
 
 
 
@@ -336,6 +369,8 @@ def watch(job_id: str, *, analyzer: str, out="layerdiff-out", progress: bool | C
     it runs or has ended) to its end, fetch its reports into ``out`` and
     return the same RunResult as ``run``. Ctrl-C cancels the job and raises
     ``Interrupted``; failures raise JobFailed as ``run`` does."""
+    from layerdiff.client.analyzer_client import AnalyzerClient
+
     client = AnalyzerClient(analyzer)
     try:
         return follow(client, job_id, out, progress=progress, timeout=timeout, reattachable=True)
@@ -354,6 +389,8 @@ def fetch(job_id: str, *, analyzer: str, out="layerdiff-out") -> RunResult:
     as the RunResult ``run`` returned. A job that is not DONE raises
     JobFailed: FAILED with its exit status, CANCELLED or still running with
     3, an unknown id with 2. Ctrl-C leaves the job as it is."""
+    from layerdiff.client.analyzer_client import AnalyzerClient
+
     client = AnalyzerClient(analyzer)
     try:
         return fetch_result(client, job_id, out, reattachable=True)

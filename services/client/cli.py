@@ -436,21 +436,19 @@ def _main(argv: list[str] | None) -> int:
             print(f"layerdiff: error: {e}", file=sys.stderr)
             return 2
     except KeyboardInterrupt as e:
-        # layerdiff.client.analyzer_client.Interrupted says what became of the job
+        # layerdiff.client.calls.Interrupted says what became of the job
         print(f"layerdiff: {getattr(e, 'message', None) or 'interrupted'}", file=sys.stderr)
         return 130
     except Exception as e:
-        import grpc
-
-        from layerdiff.client.analyzer_client import by_ctrl_c
+        from layerdiff.client.calls import by_ctrl_c, call_errors
 
         if by_ctrl_c(e):       # what a Ctrl-C broke on its way out
             print("layerdiff: interrupted", file=sys.stderr)
             return 130
-        if not isinstance(e, (grpc.RpcError, OSError)):
+        if not isinstance(e, (*call_errors(), OSError)):
             raise
         # a service or the system failed where no message was prepared: still one line
-        where = "a service call failed" if isinstance(e, grpc.RpcError) else "system error"
+        where = "a service call failed" if isinstance(e, call_errors()) else "system error"
         print(f"layerdiff: error: {where}: {_rpc_text(e)}", file=sys.stderr)
         if verbose:
             import traceback

@@ -11,12 +11,19 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
-
-from layerdiff.client.analyzer_client import AnalyzerClient, rpc_details
+from layerdiff.client.calls import call_details, call_errors, code_name
 from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed
 from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from layerdiff.client.analyzer_client import AnalyzerClient
+    from layerdiff.client.local_client import LocalClient
+
+    Client: TypeAlias = AnalyzerClient | LocalClient
 
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 # how often the progress bar (or a job followed without one) is sent node progress (s)
@@ -112,7 +119,7 @@ def _progress_bar(enabled):
     return tqdm(total=0, unit="node", desc="comparing", file=sys.stderr, disable=None, dynamic_ncols=True)
 
 
-def follow(client: AnalyzerClient, job_id: str, out, *, progress: bool | Callable[[pb.JobEvent], None] = True,
+def follow(client: Client, job_id: str, out, *, progress: bool | Callable[[pb.JobEvent], None] = True,
            timeout: float | None = None, reattachable: bool = True) -> RunResult:
     """What ``run``, ``watch`` and ``fetch`` share once a job exists: follow
     its events to its end (a progress bar, or ``progress`` called with each
@@ -125,16 +132,15 @@ def follow(client: AnalyzerClient, job_id: str, out, *, progress: bool | Callabl
     return fetch_result(client, job_id, out, reattachable=reattachable)
 
 
-def fetch_result(client: AnalyzerClient, job_id: str, out, *, reattachable: bool = True) -> RunResult:
+def fetch_result(client: Client, job_id: str, out, *, reattachable: bool = True) -> RunResult:
     """The reports of a finished job into ``out``, and its summary."""
     out = Path(out)
     not_done = False
     try:
         client.fetch(job_id, out)
-    except grpc.RpcError as e:
-        code = e.code() if hasattr(e, "code") else None
+    except call_errors() as e:
         # the analyzer has the job, not (yet) its reports: below, say in what state it is
-        not_done = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        not_done = code_name(e) in ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
         if not not_done:
             raise _job_failure(client.address, job_id, e, "while sending the reports of", reattachable,
                                retry=f"layerdiff fetch {job_id} --analyzer {client.address}") from None
@@ -149,7 +155,7 @@ def fetch_result(client: AnalyzerClient, job_id: str, out, *, reattachable: bool
     return RunResult(job_id, out, summary)
 
 
-def _follow_events(client: AnalyzerClient, job_id: str, progress, timeout, reattachable) -> pb.JobEvent | None:
+def _follow_events(client: Client, job_id: str, progress, timeout, reattachable) -> pb.JobEvent | None:
     bar = _progress_bar(progress is True)
     last = None
     # a callable is given every event (each failing node's); a bar, or
@@ -166,8 +172,8 @@ def _follow_events(client: AnalyzerClient, job_id: str, progress, timeout, reatt
                 bar.set_description(pb.JobState.Name(ev.state).lower())
                 bar.n = ev.nodes_done
                 bar.refresh()
-    except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+    except call_errors() as e:
+        if code_name(e) == "DEADLINE_EXCEEDED" and timeout is not None:
             hint = f" (follow it: {reattach_command(job_id, client.address)})" if reattachable else ""
             raise JobFailed(f"job {job_id} did not end within {timeout:g} s; it goes on on analyzer "
                             f"{client.address}{hint}", EXIT_NO_ANSWER) from None
@@ -179,18 +185,18 @@ def _follow_events(client: AnalyzerClient, job_id: str, progress, timeout, reatt
     return last
 
 
-def _job_failure(analyzer: str, job_id: str, e: grpc.RpcError, when: str, reattachable: bool,
+def _job_failure(analyzer: str, job_id: str, e: BaseException, when: str, reattachable: bool,
                  retry: str | None = None) -> JobFailed:
     """A call about a job that failed: the analyzer does not know the job
     (exit status 2), or it stopped answering (3)."""
-    code = e.code() if hasattr(e, "code") else None
-    if code == grpc.StatusCode.NOT_FOUND:
-        return JobFailed(f"analyzer {analyzer}: {e.details() or 'no job ' + repr(job_id)}", EXIT_BAD_INPUT)
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return JobFailed(f"analyzer {analyzer}: {e.details()}", EXIT_BAD_INPUT)
+    code = code_name(e)
+    details = e.details() if hasattr(e, "details") else ""
+    if code == "NOT_FOUND":
+        return JobFailed(f"analyzer {analyzer}: {details or 'no job ' + repr(job_id)}", EXIT_BAD_INPUT)
+    if code in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return JobFailed(f"analyzer {analyzer}: {details}", EXIT_BAD_INPUT)
     hint = f" (reattach: {retry or reattach_command(job_id, analyzer)})" if reattachable else ""
-    return JobFailed(f"analyzer {analyzer} stopped answering {when} job {job_id}: {rpc_details(e)}{hint}",
+    return JobFailed(f"analyzer {analyzer} stopped answering {when} job {job_id}: {call_details(e)}{hint}",
                      EXIT_NO_ANSWER)
 
 
@@ -209,11 +215,11 @@ def _check_ended(job_id: str, last: pb.JobEvent | None, analyzer: str, reattacha
     raise JobFailed(f"job {job_id} {pb.JobState.Name(last.state)}: {last.message or 'no reason given'}", status)
 
 
-def _raise_not_done(client: AnalyzerClient, job_id: str, reattachable: bool) -> None:
+def _raise_not_done(client: Client, job_id: str, reattachable: bool) -> None:
     """A job without reports: one line with its state and reason."""
     try:
         last, ended = client.state(job_id)
-    except grpc.RpcError as e:
+    except call_errors() as e:
         raise _job_failure(client.address, job_id, e, "about", reattachable) from None
     if ended:
         _check_ended(job_id, last, client.address, reattachable)

@@ -74,13 +74,13 @@ def format_summary(summary: dict, out: Path | str, top: int = 10, width: int | N
         lines.append("NO FAILING NODE: every compared node is within atol/rtol")
     golden = summary.get("reference_dump")
     if golden:
-        lines.append(f"reference: dump {golden.get('dump_path')} on collector {golden.get('collector')} "
+        lines.append(f"reference: dump {golden.get('dump_path')} {_read_by(golden.get('collector'))} "
                      f"({golden.get('tensors')} tensors, {golden.get('bytes')} bytes"
                      + (f", graph from {golden.get('model')}" if golden.get("model") else "")
                      + (f", no execution order: {order['why_unknown']}" if unordered else
                         f", order from {order['from']}" if order.get("from") else "")
                      + "); device: dump "
-                     f"{summary.get('dump_path')} on collector {summary.get('collector')}")
+                     f"{summary.get('dump_path')} {_read_by(summary.get('collector'))}")
     what = f"device dump {summary.get('dump_path')}" if golden else \
         f"{shown_model(summary.get('model'))} on {summary.get('device')} ({summary.get('source')})"
     unknown = ""
@@ -214,3 +214,9 @@ def _f(v) -> str:
     if isinstance(v, str):
         return v
     return f"{v:.6g}"
+
+
+def _read_by(collector: str | None) -> str:
+    """Where a dump was read: on a collector (its address), or by this
+    command itself (``collector.core.InProcessCollector``'s address)."""
+    return "read here" if str(collector or "").startswith("in-process:") else f"on collector {collector}"

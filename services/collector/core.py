@@ -7,7 +7,9 @@ socket (``in_process``).
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,3 +193,29 @@ def serve_in_process(address: str, collector: Collector | None) -> None:
             _IN_PROCESS.pop(address, None)
         else:
             _IN_PROCESS[address] = collector
+
+
+_SERIAL = itertools.count(1)
+
+
+class InProcessCollector(Collector):
+    """A collector that only this process reads, through ``in_process``
+    (no server: a command comparing two dumps, whose records it hands over),
+    in a work directory of its own; its address names it there alone.
+    Registered from its start to ``stop``; use as a context manager."""
+
+    def __init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-collector-", ignore_cleanup_errors=True)
+        super().__init__(Path(self._tmp.name), DumpRoots(None, local=True), check_runtime=False)
+        self.address = f"in-process:{next(_SERIAL)}"
+        serve_in_process(self.address, self)
+
+    def stop(self) -> None:
+        serve_in_process(self.address, None)
+        self._tmp.cleanup()
+
+    def __enter__(self) -> InProcessCollector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

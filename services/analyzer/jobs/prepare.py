@@ -19,6 +19,7 @@ from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.tf import TFReference, open_reference
 from layerdiff.analyzer.report.perf.table import PerfSettings, check_perf_options
+from layerdiff.collector.core import in_process
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError
 from layerdiff.common.onnxgraph import load_inputs
@@ -84,13 +85,20 @@ class Prepared:
                            layout=getattr(self.reference, "layout", "NCHW"))
 
 
+def _check_collector(address: str) -> None:
+    """The analyzer may connect to this collector (one serving in this
+    process is not connected to: nothing to allow)."""
+    if in_process(address) is None:
+        check_collector_allowed(address)
+
+
 def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     MemoryBudget.from_env()     # a malformed LAYERDIFF_MEMORY_BUDGET fails the Submit, naming it
     if spec.HasField("reference_dump"):
         return _prepare_dump_reference(spec, store)
     if not spec.collector:
         raise LayerdiffError("no collector address given", field="collector")
-    check_collector_allowed(spec.collector)
+    _check_collector(spec.collector)
     declared = parse_precision(spec.precision)
     model_name = spec.model_name or store.name(spec.model_artifact)
     reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature,
@@ -178,7 +186,7 @@ def _prepare_dump_reference(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
         raise LayerdiffError("two dumps are compared without running a device model", field="device_model_artifact")
     declared = parse_precision(spec.precision)
     for address in (golden.collector, spec.collector):
-        check_collector_allowed(address)
+        _check_collector(address)
     model = None
     if spec.model_artifact:
         from layerdiff.common.onnxgraph import load_model

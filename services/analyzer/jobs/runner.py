@@ -12,6 +12,7 @@ before the job starts is ``prepare.py``.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -230,6 +231,17 @@ class JobRunner:
                 if part is not None:
                     part.cancel()
         return job
+
+    def report_files(self, job_id: str) -> list[tuple[str, Path]]:
+        """(path in the report, file) of every file of a DONE job's report."""
+        job = self.get(job_id)
+        if job.state != pb.DONE:
+            raise LayerdiffError(f"job is {pb.JobState.Name(job.state)}, reports exist once it is DONE"
+                                 + (f" ({job.error})" if job.error else ""), field="job_id")
+        root = job.report_dir
+        if not (root / "summary.json").is_file():
+            raise reports_gone(job_id, root)
+        return report_listing(root)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Cancel every job under way and wait, ``timeout`` at most, for
@@ -656,3 +668,22 @@ def _about_golden(e: LayerdiffError, where: str) -> LayerdiffError:
     out = LayerdiffError.__new__(type(e))
     LayerdiffError.__init__(out, f"{where}: {text}", field="reference_dump")
     return out
+
+
+def reports_gone(job_id: str, root: Path) -> NotFoundError:
+    return NotFoundError(f"the reports of job {job_id!r} are no longer on the analyzer ({root})", field="job_id")
+
+
+def report_listing(root: Path) -> list[tuple[str, Path]]:
+    """(path in the report, file) of every regular file under ``root``, in
+    path order (one scandir a directory: a report holds hundreds of files)."""
+    found: list[tuple[tuple[str, ...], Path]] = []
+    for top, _, files in os.walk(root):
+        rel = os.path.relpath(top, root)
+        parts = () if rel == "." else tuple(Path(rel).parts)
+        for name in files:
+            path = os.path.join(top, name)
+            if os.path.isfile(path):
+                found.append(((*parts, name), Path(path)))
+    found.sort(key=lambda item: item[0])
+    return [("/".join(key), path) for key, path in found]
