@@ -41,6 +41,7 @@ from layerdiff.collector.dumps.manifest import (
     place,
     placement,
     resolve_inside,
+    simple_inside,
 )
 from layerdiff.collector.dumps.readers import (
     FinalLink,
@@ -307,14 +308,14 @@ class DumpDirectory:
                                        array=value),
                             placed if isinstance(placed, dict) else {}, role, slot, node)
 
-    def _npy(self, path: Path, entry: dict, name: str, shown: str, no_link: bool) -> np.ndarray:
+    def _npy(self, path: Path | str, entry: dict, name: str, shown: str, no_link: bool) -> np.ndarray:
         try:
             return read_npy(path, self.max_tensor_bytes, name=shown, no_link=no_link)
         except FinalLink:
             raise
         except LayerdiffError:
             # asked only then: a stat a file less for the thousands that are there
-            if not path.exists():
+            if not os.path.exists(path):
                 raise _missing(entry, name) from None
             raise
 
@@ -338,27 +339,32 @@ class DumpDirectory:
                 return place(NodeRecord(name=name, op_type=op_type, order=order, array=arr), entry, role, slot,
                              node)
             fmt = self._format(entry)
-            # an .npy file is opened without following a link: a file of the
-            # dump's own directory needs no look of its own first (one system
-            # call less a file, a thousand a dump); a link there is checked
-            path = resolve_inside(self.root, entry.get("file"), name, opened_without_following=fmt == "npy")
-            if fmt != "npy" and not path.exists():
-                raise _missing(entry, name)
             shown = str(entry.get("file"))
             if fmt == "npy":
+                # opened without following a link: a file of the dump's own
+                # directory needs no look of its own first (one system call,
+                # and no Path made, less a file: a thousand a dump); a link
+                # there is checked
+                simple = simple_inside(self.root, entry.get("file"), name)
                 try:
-                    arr = self._npy(path, entry, name, shown, no_link=True)
+                    arr = self._npy(simple if simple is not None else resolve_inside(
+                        self.root, entry.get("file"), name, opened_without_following=True),
+                        entry, name, shown, no_link=True)
                 except FinalLink:      # a link: where it leads must lie inside the dump too
-                    path = resolve_inside(self.root, entry.get("file"), name)
-                    arr = self._npy(path, entry, name, shown, no_link=False)
-            elif fmt == "onnx":
-                _, arr = read_tensor_proto(path, self.max_tensor_bytes, name=shown)
-            elif fmt == "bin":
-                arr = read_raw(path, entry.get("dtype"), entry.get("shape"), entry.get("offset", 0),
-                               self.max_tensor_bytes, name=shown)
+                    arr = self._npy(resolve_inside(self.root, entry.get("file"), name), entry, name, shown,
+                                    no_link=False)
             else:
-                raise LayerdiffError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})", node=name,
-                                     field="format")
+                path = resolve_inside(self.root, entry.get("file"), name)
+                if not path.exists():
+                    raise _missing(entry, name)
+                if fmt == "onnx":
+                    _, arr = read_tensor_proto(path, self.max_tensor_bytes, name=shown)
+                elif fmt == "bin":
+                    arr = read_raw(path, entry.get("dtype"), entry.get("shape"), entry.get("offset", 0),
+                                   self.max_tensor_bytes, name=shown)
+                else:
+                    raise LayerdiffError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})", node=name,
+                                         field="format")
         except LayerdiffError as e:
             shown = raw_name if isinstance(raw_name, str) and raw_name else f"<entry {i}>"
             return NodeRecord.error(shown.replace("\x00", "\\0"), str(e), op_type, order,

@@ -31,17 +31,34 @@ def resolve_inside(root: Path, rel: object, node: str, *, opened_without_followi
     ``opened_without_following``: the caller opens the file itself with
     O_NOFOLLOW (a link there fails the open, and the caller asks again
     without this): a file directly in ``root`` is then not looked at here."""
-    if not isinstance(rel, str) or not rel:
-        raise LayerdiffError("manifest entry has no file", node=node, field="file")
-    if "\x00" in rel or os.path.isabs(rel) or any(p == ".." for p in rel.replace("\\", "/").split("/")):
-        raise LayerdiffError(f"file {rel!r} is outside the dump directory", node=node, field="file")
-    if (opened_without_following and "/" not in rel) or not _through_link(root, rel):
+    simple = simple_inside(root, rel, node) if opened_without_following else None
+    if simple is not None:
+        return Path(simple)
+    rel = _check_relative(rel, node)
+    if not _through_link(root, rel):
         # no '..', not absolute, no link on the way: inside, as written
         return Path(os.path.abspath(os.path.join(root, rel)))
     p = (root / rel).resolve()
     if root.resolve() not in p.parents:
         raise LayerdiffError(f"file {rel!r} is outside the dump directory", node=node, field="file")
     return p
+
+
+def simple_inside(root: Path | str, rel: object, node: str) -> str | None:
+    """``resolve_inside`` of a file named directly in ``root`` that the
+    caller opens with O_NOFOLLOW, as a string (no Path made: a thousand a
+    dump); None for any other name (it goes through ``resolve_inside``)."""
+    rel = _check_relative(rel, node)
+    return None if "/" in rel else os.path.abspath(os.path.join(root, rel))
+
+
+def _check_relative(rel: object, node: str) -> str:
+    """A manifest's file name: never absolute, never through '..'."""
+    if not isinstance(rel, str) or not rel:
+        raise LayerdiffError("manifest entry has no file", node=node, field="file")
+    if "\x00" in rel or os.path.isabs(rel) or any(p == ".." for p in rel.replace("\\", "/").split("/")):
+        raise LayerdiffError(f"file {rel!r} is outside the dump directory", node=node, field="file")
+    return rel
 
 
 def _through_link(root: Path, rel: str) -> bool:

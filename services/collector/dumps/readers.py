@@ -48,7 +48,7 @@ class FinalLink(LayerdiffError):
     """read_npy was told not to follow a link, and the file is one."""
 
 
-def read_npy(path: Path, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | None = None, *,
+def read_npy(path: Path | str, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: str | None = None, *,
              no_link: bool = False) -> np.ndarray:
     """Map a .npy file after checking its header against its size: corrupt,
     truncated or object-typed files are refused before any allocation.
