@@ -284,6 +284,16 @@ def test_ctrl_c_with_the_embedded_services_is_immediate(det_files, tmp_path):
     (tmp_path / "tmp").mkdir()
     proc = start_cli("run", model, "--inputs", inputs, "--precision", "fp16", "--out", tmp_path / "out",
                      "--no-progress", env={"TMPDIR": str(tmp_path / "tmp")})
+    err, elapsed, job_id = _interrupt_embedded(proc, settle_s=0.5)       # the device run under way
+    assert err.splitlines() == [f"layerdiff: interrupted; job {job_id} cancelled"], err
+    assert elapsed < 3, elapsed          # (held by the Flight server: the rest of the capture, 6 s and more)
+    assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("layerdiff-")]
+
+
+def _interrupt_embedded(proc, settle_s: float = 0.0) -> tuple[str, float, str]:
+    """Ctrl-C ``settle_s`` after a command with its services in its own
+    process printed its job (no analyzer to reattach to): its stderr, how
+    long it took to end, and the job id."""
     try:
         got = []
         reader = threading.Thread(target=lambda: got.append(proc.stderr.readline()), daemon=True)
@@ -291,15 +301,12 @@ def test_ctrl_c_with_the_embedded_services_is_immediate(det_files, tmp_path):
         reader.join(60)
         m = re.fullmatch(r"layerdiff: job ([0-9a-f]+)\n", got[0] if got else "")
         assert m, got
-        time.sleep(0.5)                      # the device run under way
+        time.sleep(settle_s)
         started = time.monotonic()
         out, err = _interrupt(proc)
-        elapsed = time.monotonic() - started
+        return err, time.monotonic() - started, m.group(1)
     finally:
         proc.kill()
-    assert err.splitlines() == [f"layerdiff: interrupted; job {m.group(1)} cancelled"], err
-    assert elapsed < 3, elapsed          # (held by the Flight server: the rest of the capture, 6 s and more)
-    assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("layerdiff-")]
 
 
 def test_ctrl_c_while_two_dumps_are_compared_in_the_command_itself(tmp_path):
@@ -316,19 +323,8 @@ def test_ctrl_c_while_two_dumps_are_compared_in_the_command_itself(tmp_path):
     (tmp_path / "tmp").mkdir()
     proc = start_cli("compare", tmp_path / "gold", tmp_path / "dev", "--out", tmp_path / "out", "--no-progress",
                      env={"TMPDIR": str(tmp_path / "tmp")})
-    try:
-        got = []
-        reader = threading.Thread(target=lambda: got.append(proc.stderr.readline()), daemon=True)
-        reader.start()
-        reader.join(60)
-        m = re.fullmatch(r"layerdiff: job ([0-9a-f]+)\n", got[0] if got else "")     # no analyzer to reattach to
-        assert m, got
-        started = time.monotonic()
-        out, err = _interrupt(proc)
-        elapsed = time.monotonic() - started
-    finally:
-        proc.kill()
-    assert err.splitlines() == [f"layerdiff: interrupted; job {m.group(1)} cancelled"], err
+    err, elapsed, job_id = _interrupt_embedded(proc)
+    assert err.splitlines() == [f"layerdiff: interrupted; job {job_id} cancelled"], err
     assert elapsed < 3, elapsed
     assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("layerdiff-")]
 

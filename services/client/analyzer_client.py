@@ -18,6 +18,7 @@ from layerdiff.client.calls import (
     by_ctrl_c,
     call_details,
     call_failure,
+    report_dir,
     report_target,
     sigint_held,
     take_report,
@@ -138,12 +139,7 @@ class AnalyzerClient:
 
     def fetch(self, job_id: str, out: Path) -> list[Path]:
         out = Path(out)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise LayerdiffError(f"cannot create the report directory: {e.strerror}", file=str(out),
-                                 field="out") from None
-        root = out.resolve()
+        root = report_dir(out)
         if self.local is not None:
             return take_report(self.local.reports(job_id), out, root)
         written: list[Path] = []

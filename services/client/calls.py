@@ -137,6 +137,17 @@ def sigint_held():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
+def report_dir(out: Path) -> Path:
+    """``out`` made (with its parents) to take a report, resolved."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LayerdiffError(f"cannot create the report directory: {e.strerror}", file=str(out),
+                             field="out") from None
+    return out.resolve()
+
+
 def report_target(out: Path, root: Path, rel: str) -> Path:
     """Where a report file named ``rel`` goes in ``out`` (``root``: out
     resolved); a name that would leave it is refused."""

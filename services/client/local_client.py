@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from layerdiff.analyzer.jobs.job import EventCursor
-from layerdiff.client.calls import CallError, Interrupted, by_ctrl_c, call_details, take_report
-from layerdiff.common.errors import LayerdiffError
+from layerdiff.client.calls import CallError, Interrupted, by_ctrl_c, call_details, report_dir, take_report
 from layerdiff.common.localfile import LocalFile
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -102,17 +101,12 @@ class LocalClient:
         return last, True
 
     def fetch(self, job_id: str, out: Path) -> list[Path]:
-        out = Path(out)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise LayerdiffError(f"cannot create the report directory: {e.strerror}", file=str(out),
-                                 field="out") from None
+        root = report_dir(out)
         try:
             files = self.analyzer.runner.report_files(job_id)
         except Exception as e:
             raise CallError.of(e) from None
-        return take_report(files, out, out.resolve())
+        return take_report(files, Path(out), root)
 
     def cancel(self, job_id: str, timeout: float = 30) -> pb.JobEvent:
         try:
