@@ -43,7 +43,7 @@ from layerdiff.analyzer.jobs.prepare import (
     prepare,
 )
 from layerdiff.analyzer.jobs.receive import CollectorStream, InProcessStream, upload_timeout
-from layerdiff.analyzer.jobs.records import JobRecords, Retention, drop_broker_keys, is_disk_full
+from layerdiff.analyzer.jobs.records import JobRecords, Retention, dir_bytes, drop_broker_keys, is_disk_full
 from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
 from layerdiff.analyzer.reference.segments import SegmentedReference
@@ -79,7 +79,7 @@ def _check_report_quota(report_dir: Path) -> None:
     construction (diff_cnt rows per failing node, plots for the first 40),
     and this bound is the one an operator sets."""
     quota = env_limit("LAYERDIFF_REPORT_QUOTA_BYTES", REPORT_QUOTA_BYTES_DEFAULT, size=True)
-    used = sum(f.stat().st_size for f in report_dir.rglob("*") if f.is_file())
+    used = dir_bytes(report_dir)        # os.walk: no Path made for each of a few hundred files
     if used > quota:
         raise LimitError(f"the reports take {used} bytes, over the per-job quota of {quota} "
                          "(LAYERDIFF_REPORT_QUOTA_BYTES); fewer rows per failing node (--diff-cnt) or no plots "
