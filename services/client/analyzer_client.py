@@ -15,12 +15,15 @@ import grpc
 
 from layerdiff.client.calls import (
     Interrupted,
+    after_cancel,
     by_ctrl_c,
     call_details,
     call_failure,
+    hand_over,
     report_dir,
     report_target,
     sigint_held,
+    state_of,
     take_report,
 )
 from layerdiff.common.artifacts import chunks_of
@@ -84,10 +87,7 @@ class AnalyzerClient:
         """The artifact id of ``data``; ``origin``: the file it was read from
         (the embedded analyzer takes it as it lies on disk)."""
         if self.local is not None:      # the embedded analyzer: handed over, not sent
-            artifact = self.local.store.put(data, name, origin).id
-            if self.local.beside is not None:
-                self.local.beside.link_from(self.local.store, artifact)
-            return artifact
+            return hand_over(self.local.store, self.local.beside, data, name, origin)
         call = self.stub.PutArtifact.future(chunks_of(data, name), timeout=CALL_TIMEOUT)
         try:
             return call.result().id
@@ -124,18 +124,7 @@ class AnalyzerClient:
 
     def state(self, job_id: str, timeout: float = STATE_TIMEOUT) -> tuple[pb.JobEvent | None, bool]:
         """The job's latest event, and whether the job has ended."""
-        stream = self.watch(job_id, timeout=timeout)
-        last = None
-        try:
-            for ev in stream:
-                last = ev
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise
-            return last, False
-        finally:
-            stream.cancel()
-        return last, True
+        return state_of(self.watch(job_id, timeout=timeout))
 
     def fetch(self, job_id: str, out: Path) -> list[Path]:
         out = Path(out)
@@ -181,10 +170,7 @@ class AnalyzerClient:
             except grpc.RpcError as e:
                 return Interrupted(f"interrupted; job {job_id} could not be cancelled on analyzer {self.address} "
                                    f"({call_details(e)}), it may still be running", job_id)
-        if ev.state in (pb.DONE, pb.FAILED):
-            return Interrupted(f"interrupted; job {job_id} had already ended ({pb.JobState.Name(ev.state)})",
-                               job_id)
-        return Interrupted(f"interrupted; job {job_id} cancelled", job_id)
+        return after_cancel(job_id, ev)
 
     def close(self) -> None:
         closing = threading.Thread(target=self.channel.close, name="channel-close", daemon=True)

@@ -14,8 +14,14 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from layerdiff.common.errors import EXIT_BAD_INPUT, EXIT_NO_ANSWER, JobFailed, LayerdiffError
+from layerdiff.v1 import layerdiff_pb2 as pb
+
+if TYPE_CHECKING:
+    from layerdiff.common.artifacts import ArtifactStore
+    from layerdiff.common.localfile import LocalFile
 
 # status codes of a call that refuses its input (exit status 2)
 _BAD_INPUT = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "OUT_OF_RANGE",
@@ -135,6 +141,42 @@ def sigint_held():
         yield
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+def hand_over(store: ArtifactStore, beside: ArtifactStore | None, data: bytes, name: str,
+              origin: LocalFile | None) -> str:
+    """An upload to an analyzer in this process: put into its store (taken
+    as it lies, where ``origin`` is the file it was read from) and linked
+    into the collector's beside it; the artifact id."""
+    artifact = store.put(data, name, origin).id
+    if beside is not None:
+        beside.link_from(store, artifact)
+    return artifact
+
+
+def state_of(events) -> tuple[pb.JobEvent | None, bool]:
+    """A job's latest event and whether it has ended, read from a watch of
+    its events (``events``: iterable, with ``cancel()``) that runs out of time
+    while the job goes on (DEADLINE_EXCEEDED)."""
+    last = None
+    try:
+        for ev in events:
+            last = ev
+    except call_errors() as e:
+        if code_name(e) != "DEADLINE_EXCEEDED":
+            raise
+        return last, False
+    finally:
+        events.cancel()
+    return last, True
+
+
+def after_cancel(job_id: str, ev: pb.JobEvent) -> Interrupted:
+    """Ctrl-C's answer once job ``job_id`` was asked to cancel (``ev``: what
+    the analyzer said of it then)."""
+    if ev.state in (pb.DONE, pb.FAILED):
+        return Interrupted(f"interrupted; job {job_id} had already ended ({pb.JobState.Name(ev.state)})", job_id)
+    return Interrupted(f"interrupted; job {job_id} cancelled", job_id)
 
 
 def report_dir(out: Path) -> Path:

@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from layerdiff.analyzer.jobs.job import EventCursor
-from layerdiff.client.calls import CallError, Interrupted, by_ctrl_c, call_details, report_dir, take_report
+from layerdiff.client.calls import (
+    CallError,
+    Interrupted,
+    after_cancel,
+    call_details,
+    hand_over,
+    report_dir,
+    state_of,
+    take_report,
+)
 from layerdiff.common.localfile import LocalFile
 from layerdiff.v1 import layerdiff_pb2 as pb
 
@@ -68,10 +77,8 @@ class LocalClient:
     def upload(self, data: bytes, name: str, origin: LocalFile | None = None) -> str:
         """The artifact id of ``data`` (taken as it lies, where ``origin``
         is the file it was read from)."""
-        artifact = self.analyzer.store.put(data, name, origin).id
-        if self.beside is not None:
-            self.beside.store.link_from(self.analyzer.store, artifact)
-        return artifact
+        return hand_over(self.analyzer.store, self.beside.store if self.beside is not None else None, data, name,
+                         origin)
 
     def submit(self, spec: pb.JobSpec) -> str:
         try:
@@ -90,15 +97,7 @@ class LocalClient:
 
     def state(self, job_id: str, timeout: float = 5.0) -> tuple[pb.JobEvent | None, bool]:
         """The job's latest event, and whether the job has ended."""
-        last = None
-        try:
-            for ev in self.watch(job_id, timeout=timeout):
-                last = ev
-        except CallError as e:
-            if e.code().name != "DEADLINE_EXCEEDED":
-                raise
-            return last, False
-        return last, True
+        return state_of(self.watch(job_id, timeout=timeout))
 
     def fetch(self, job_id: str, out: Path) -> list[Path]:
         root = report_dir(out)
@@ -121,13 +120,8 @@ class LocalClient:
             ev = self.cancel(job_id)
         except CallError as e:
             return Interrupted(f"interrupted; job {job_id} could not be cancelled ({call_details(e)})", job_id)
-        if ev.state in (pb.DONE, pb.FAILED):
-            return Interrupted(f"interrupted; job {job_id} had already ended ({pb.JobState.Name(ev.state)})",
-                               job_id)
-        return Interrupted(f"interrupted; job {job_id} cancelled", job_id)
+        return after_cancel(job_id, ev)
 
     def close(self) -> None:
         pass
 
-
-__all__ = ["LocalClient", "by_ctrl_c"]

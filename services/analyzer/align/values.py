@@ -367,7 +367,6 @@ class ValueMatcher:
         by_count: dict[int, list[tuple]] = {}     # the shapes not looked for yet, by element count
         for shape in (shapes - done) if shapes is not None else ():
             by_count.setdefault(math.prod(shape), []).append(shape)
-        wanted = {s.tensor for s in self.sites}
         refs: dict[str, Fingerprint] = dict(self.refs or {})
 
         def candidate(shape: tuple, kind: str) -> bool:
@@ -385,6 +384,7 @@ class ValueMatcher:
                     if v is not None:
                         refs[t] = fingerprint(np.asarray(v))
         else:
+            wanted = {s.tensor for s in self.sites}
             for values in self._reference():
                 for t, v in values.items():
                     if t in wanted and t not in refs and v is not None:

@@ -87,7 +87,7 @@ class DumpReference:
         # came (mapped, only its header touched; or read whole, a small one):
         # handed over at its first reading, read again for any later one
         self._as_read: dict[Path, np.ndarray] = {}
-        self._layouts: dict[Path, tuple[tuple, str]] = {}     # file -> (shape, dtype kind), as received
+        self._layouts: dict[Path, tuple[tuple, str]] = {}     # file -> (shape, dtype.str), as received
         self._unavailable: dict[str, str] = {}  # site tensor -> why the golden dump has no value for it
         self._constants: dict = {}
         self._model_nodes: set[str] = set()     # the model's own nodes (re-run alone), with a model
@@ -158,7 +158,7 @@ class DumpReference:
         else:
             self._as_read[path] = arr
         self._spilled[key] = path
-        self._layouts[path] = (tuple(arr.shape), arr.dtype.kind)
+        self._layouts[path] = (tuple(arr.shape), arr.dtype.str)
         self.bytes += arr.nbytes
 
     @property
@@ -300,8 +300,8 @@ class DumpReference:
         return out
 
     def _dtype_shape(self, key: str) -> tuple:
-        arr = np.load(self._spilled[key], mmap_mode="r")
-        return arr.dtype.str, arr.shape
+        shape, dtype = self._layouts[self._spilled[key]]     # as received: no file opened again
+        return dtype, shape
 
     def _digest(self, key: str) -> tuple:
         arr = np.load(self._spilled[key], mmap_mode="r")
@@ -328,7 +328,8 @@ class DumpReference:
         """(shape, dtype kind) of a golden value, as it was received, without
         reading it again (None if not dumped)."""
         path = self._files.get(tensor)
-        return None if path is None else self._layouts.get(path)
+        known = None if path is None else self._layouts.get(path)
+        return None if known is None else (known[0], np.dtype(known[1]).kind)
 
     def missing_reason(self, tensor: str) -> str:
         return self._unavailable.get(tensor, "")
