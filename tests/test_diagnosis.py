@@ -309,3 +309,58 @@ def test_the_page_of_a_real_job_in_headless_chromium(services, tmp_path):
     assert 'class="mark harmful"' in dom
     assert dom.count('<tr id="row-') == len(s["nodes"]) == 9
     assert "axes 2 and 3 swapped" in dom
+
+
+def _layout_by_definition(ref: np.ndarray, dev: np.ndarray) -> str:
+    """The first candidate layout whose mean |d - r| over the whole tensor
+    is under 1 % of the reference's RMS (every value finite)."""
+    r, d = ref.astype(np.float64), dev.astype(np.float64)
+    scale = float(np.sqrt(np.mean(r * r))) or 1.0
+    if np.mean(np.abs(d - r)) / scale < 0.01:
+        return ""
+    cands = [(f"axes {i} and {j} swapped", np.swapaxes(r, i, j)) for i in range(r.ndim)
+             for j in range(i + 1, r.ndim) if r.shape[i] == r.shape[j] and r.shape[i] > 1]
+    if r.ndim == 4:
+        n, c, h, w = r.shape
+        cands += [("NHWC data read as NCHW", r.transpose(0, 2, 3, 1)),
+                  ("NCHW data read as NHWC", r.reshape(n, h, w, c).transpose(0, 3, 1, 2))]
+    for label, view in cands:
+        if np.mean(np.abs(d - view.reshape(r.shape))) / scale < 0.01:
+            return f"layout: the device output is the expected output with {label}"
+    return ""
+
+
+def test_a_layout_is_named_as_its_definition_names_it():
+    """The layout evidence looks at a part of each candidate before the
+    whole: on smooth, sparse, random and swapped tensors (and ones a
+    swap brings within the 1 % only in part) it names what comparing every
+    value names."""
+    from layerdiff.analyzer.compare import metrics as M
+    from layerdiff.analyzer.diagnose.evidence import layout_match
+
+    rng = np.random.default_rng(7)
+    yy, xx = np.meshgrid(np.linspace(0, 1, 24), np.linspace(0, 1, 24), indexing="ij")
+    smooth = np.broadcast_to((np.sin(3 * yy) + xx)[None, None], (1, 8, 24, 24)).astype(np.float32)
+    relu = np.maximum(rng.standard_normal((1, 16, 12, 12)), 0).astype(np.float32)
+    cases = []
+    for ref in (smooth, relu, rng.standard_normal((2, 6, 6, 6)).astype(np.float32)):
+        noise = rng.standard_normal(ref.shape).astype(np.float32) * np.float32(0.008 * np.sqrt(np.mean(ref ** 2)))
+        cases += [(ref, ref + np.float32(0.5)), (ref, np.ascontiguousarray(np.swapaxes(ref, 2, 3))),
+                  (ref, np.ascontiguousarray(np.swapaxes(ref, 2, 3)) + noise)]      # a swap, rounded
+        # a swap whose first values are off by a tenth of the RMS: the part
+        # looked at first is no reason to rule it out
+        off = np.ascontiguousarray(np.swapaxes(ref, 2, 3))
+        off.reshape(-1)[:ref.size // 32] += np.float32(0.1 * np.sqrt(np.mean(ref ** 2)))
+        cases += [(ref, off),
+                  (ref, np.ascontiguousarray(ref.transpose(0, 2, 3, 1)).reshape(ref.shape))]
+        # swapped only in the tensor's last part: its first parts rule nothing out
+        part = ref.copy()
+        part[-1:] = np.swapaxes(ref, 2, 3)[-1:] if ref.shape[2] == ref.shape[3] else ref[-1:] * 3
+        cases.append((ref, part))
+    named = 0
+    for ref, dev in cases:
+        want = _layout_by_definition(ref, dev)
+        assert layout_match(ref, dev, M.compare(ref, dev)) == want
+        assert layout_match(ref, dev) == want
+        named += bool(want)
+    assert named >= 12       # the swaps and NHWC reads are named, not only the misses
