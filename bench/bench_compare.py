@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -380,11 +381,35 @@ def vs_msprobe(dumps: dict, work: Path, runs: int, venv: Path) -> dict:
             ours.append(o)
     rows = sum(1 for _ in next((work / "msprobe-out").glob("compare_result_*.csv")).open()) - 1
     med = statistics.median
+    files = {tool: sum(len(f) for _, _, f in os.walk(work / f"{tool}-out")) for tool in ("msprobe", "ours")}
     return {"msprobe_version": MSPROBE_VERSION, "msprobe_rows": rows,
+            "files_written": {"msprobe": files["msprobe"], "layerdiff": files["ours"]},
+            "file_create_us": file_create_us(work),
             "msprobe_wall_s": med(m[0] for m in theirs), "msprobe_peak_rss_MiB": med(m[1] for m in theirs) / 2**20,
             "layerdiff_wall_s": med(o[0] for o in ours), "layerdiff_peak_rss_MiB": med(o[1] for o in ours) / 2**20,
             "speedup_median": med(m[0] / o[0] for m, o in zip(theirs, ours)),
             "rss_ratio_median": med(o[1] / m[1] for m, o in zip(theirs, ours)), "goal": MSPROBE_GOAL}
+
+
+def file_create_us(where: Path, n: int = 256) -> float:
+    """Microseconds to create (and write 4 KiB to) a file in a new directory
+    under ``where``, now: what each of a report's files costs there. On a
+    file system without a journal (ext4 here) a file created where many were
+    just deleted costs ten to thirty times what it costs elsewhere (each
+    recently freed inode is looked at, and passed over): the two tools'
+    outputs are deleted between runs, and layerdiff writes a file for every
+    failing tensor, msprobe one a run."""
+    d = Path(tempfile.mkdtemp(prefix="create-", dir=where))
+    try:
+        data = b"0" * 4096
+        t = time.perf_counter()
+        for i in range(n):
+            fd = os.open(d / f"{i}.csv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, data)
+            os.close(fd)
+        return (time.perf_counter() - t) / n * 1e6
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ----------------------------------------------------------------- main
@@ -454,7 +479,9 @@ def main(argv=None) -> dict:
                       f"{v['msprobe_peak_rss_MiB']:.0f} MiB ({v['msprobe_rows']} rows), layerdiff compare "
                       f"{v['layerdiff_wall_s']:.2f} s {v['layerdiff_peak_rss_MiB']:.0f} MiB: "
                       f"{v['speedup_median']:.1f}x faster, {v['rss_ratio_median']:.2f}x its memory "
-                      f"(goal >= 10x, <= 1x)", flush=True)
+                      f"(goal >= 10x, <= 1x); files a run: {v['files_written']['layerdiff']} and "
+                      f"{v['files_written']['msprobe']}, {v['file_create_us']:.0f} us to create one in "
+                      f"{work} after the runs", flush=True)
             out[fmt] = res
     finally:
         if tmp is not None:
