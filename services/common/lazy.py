@@ -1,7 +1,9 @@
 """Modules loaded on first use. onnx and onnxruntime take a tenth of a
 second to import, and a job that compares two dumps without a model uses
-neither: the modules that need them import them from here at run time
-(the real import stays for type checkers, under TYPE_CHECKING):
+neither; pyarrow takes 40 ms, and two dumps compared in one process need it
+only for their Parquet tables: the modules that need them import them from
+here at run time (the real import stays for type checkers, under
+TYPE_CHECKING):
 
     if TYPE_CHECKING:
         import onnx
@@ -47,3 +49,4 @@ ort = lazy_module("onnxruntime")
 helper = lazy_module("onnx.helper")
 numpy_helper = lazy_module("onnx.numpy_helper")
 shape_inference = lazy_module("onnx.shape_inference")
+pa = lazy_module("pyarrow")

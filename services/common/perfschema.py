@@ -19,10 +19,17 @@ import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-
-import pyarrow as pa
+from functools import cache
+from typing import TYPE_CHECKING
 
 from layerdiff.common.schema import column
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    PERF_SCHEMA: pa.Schema
+else:
+    from layerdiff.common.lazy import pa
 
 # The per-node counters of the seed's op_perf.csv (5.8.2.3), in its order.
 COUNTER_COLUMNS = (
@@ -43,23 +50,34 @@ COUNTER_SET = frozenset(COUNTER_COLUMNS)
 # wrapped or garbage value, not a count (and would not fit the wire's int64).
 COUNTER_MAX = 2**63 - 1
 
-PERF_SCHEMA = pa.schema([
-    pa.field("name", pa.string()),            # node name as the device knows it
-    pa.field("op_type", pa.string()),
-    pa.field("order", pa.int32()),            # execution order on the device (-1 unknown)
-    pa.field("run", pa.int32()),              # which run of the node (0, 1, ...)
-    pa.field("stream", pa.string()),          # stream id or thread: one timeline track each
-    pa.field("provider", pa.string()),        # execution provider / engine ("" unknown)
-    pa.field("start_us", pa.float64()),       # start, microseconds from the capture's origin (null unknown)
-    pa.field("dur_us", pa.float64()),         # duration in microseconds (null unknown)
-    pa.field("input_shapes", pa.string()),    # JSON list of [dtype, [dims]] (empty unknown)
-    pa.field("output_shapes", pa.string()),
-    pa.field("counters", pa.map_(pa.string(), pa.int64())),   # COUNTER_COLUMNS present for this run
-    pa.field("extra", pa.map_(pa.string(), pa.string())),     # further columns, passed through
-    pa.field("status", pa.string()),          # "ok" or "error"
-    pa.field("message", pa.string()),         # why, for "error" rows
-    pa.field("source", pa.string()),          # file:line, or "onnxruntime profile"
-])
+
+@cache
+def perf_schema() -> pa.Schema:
+    """PERF_SCHEMA, made on first use (pyarrow is loaded then)."""
+    return pa.schema([
+        pa.field("name", pa.string()),            # node name as the device knows it
+        pa.field("op_type", pa.string()),
+        pa.field("order", pa.int32()),            # execution order on the device (-1 unknown)
+        pa.field("run", pa.int32()),              # which run of the node (0, 1, ...)
+        pa.field("stream", pa.string()),          # stream id or thread: one timeline track each
+        pa.field("provider", pa.string()),        # execution provider / engine ("" unknown)
+        pa.field("start_us", pa.float64()),       # start, microseconds from the capture's origin (null unknown)
+        pa.field("dur_us", pa.float64()),         # duration in microseconds (null unknown)
+        pa.field("input_shapes", pa.string()),    # JSON list of [dtype, [dims]] (empty unknown)
+        pa.field("output_shapes", pa.string()),
+        pa.field("counters", pa.map_(pa.string(), pa.int64())),   # COUNTER_COLUMNS present for this run
+        pa.field("extra", pa.map_(pa.string(), pa.string())),     # further columns, passed through
+        pa.field("status", pa.string()),          # "ok" or "error"
+        pa.field("message", pa.string()),         # why, for "error" rows
+        pa.field("source", pa.string()),          # file:line, or "onnxruntime profile"
+    ])
+
+
+def __getattr__(name: str) -> object:
+    if name == "PERF_SCHEMA":
+        return perf_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
@@ -109,10 +127,10 @@ def _batch(recs: list[PerfRecord]) -> pa.RecordBatch:
         col("name", pa.string()), col("op_type", pa.string()), col("order", pa.int32()), col("run", pa.int32()),
         col("stream", pa.string()), col("provider", pa.string()), col("start_us", pa.float64()),
         col("dur_us", pa.float64()), col("input_shapes", pa.string()), col("output_shapes", pa.string()),
-        column([r.counters for r in recs], PERF_SCHEMA.field("counters").type),
-        column([r.extra for r in recs], PERF_SCHEMA.field("extra").type),
+        column([r.counters for r in recs], perf_schema().field("counters").type),
+        column([r.extra for r in recs], perf_schema().field("extra").type),
         col("status", pa.string()), col("message", pa.string()), col("source", pa.string()),
-    ], schema=PERF_SCHEMA)
+    ], schema=perf_schema())
 
 
 class PerfEncoder:
@@ -162,10 +180,10 @@ def decode_perf(batch: pa.RecordBatch) -> list[PerfRecord]:
     """Records of one batch, each checked again on this side: a row whose
     counters or times are out of range becomes an error record naming the
     node and the field, whatever the sender did."""
-    if not batch.schema.equals(PERF_SCHEMA):
+    if not batch.schema.equals(perf_schema()):
         raise ValueError("batch is not of PERF_SCHEMA")
     out: list[PerfRecord] = []
-    cols = {f.name: batch.column(i) for i, f in enumerate(PERF_SCHEMA)}
+    cols = {f.name: batch.column(i) for i, f in enumerate(perf_schema())}
     plain = {k: v.to_pylist() for k, v in cols.items() if k not in ("counters", "extra")}
     counters_of, extra_of = _maps(cols["counters"]), _maps(cols["extra"])
     for i in range(batch.num_rows):

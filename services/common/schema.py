@@ -18,35 +18,67 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from layerdiff.common.errors import LayerdiffError, LimitError
 from layerdiff.common.sizes import DEFAULT_CHUNK_BYTES
 
-TENSOR_SCHEMA = pa.schema([
-    pa.field("name", pa.string()),          # tensor name as the device knows it
-    pa.field("op_type", pa.string()),
-    pa.field("order", pa.int32()),          # execution order on the device (-1 unknown)
-    pa.field("dtype", pa.string()),         # numpy dtype name, from ALLOWED_DTYPES
-    pa.field("shape", pa.list_(pa.int64())),
-    pa.field("total_bytes", pa.int64()),
-    pa.field("offset", pa.int64()),         # byte offset of this chunk in the tensor
-    pa.field("data", pa.binary()),
-    pa.field("status", pa.string()),        # "ok", or why not: "error", "check_skip", "concat_skip"
-    pa.field("message", pa.string()),       # why, for "error" rows; flags for "ok" rows
-    pa.field("node", pa.string()),          # the node that produced (output) or consumed (input) the tensor
-    pa.field("role", pa.string()),          # "output" (a node's output) or "input" (what the node read)
-    pa.field("slot", pa.int32()),           # output index, or input index for inputs
-    pa.field("overflow", pa.string()),      # the device flagged this node as overflowing: why ("" = not flagged)
-    # the type the device wrote the tensor in, where the wire carries it widened
-    # (bfloat16, float8_e4m3fn... as float32); "" = dtype itself
-    pa.field("source_dtype", pa.string()),
-    # what the device recorded of the call as a JSON object's text (a module's
-    # configuration, an operator's arguments); "" = nothing
-    pa.field("attributes", pa.string()),
-])
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    TENSOR_SCHEMA: pa.Schema
+    NODES_SCHEMA: pa.Schema
+    ELEMENTS_SCHEMA: pa.Schema
+    ALIGNMENT_SCHEMA: pa.Schema
+    WEIGHTS_SCHEMA: pa.Schema
+    REPORT_TABLES: dict[str, tuple[str, pa.Schema]]
+else:
+    from layerdiff.common.lazy import pa
+
+
+def __getattr__(name: str) -> object:
+    """The Arrow schemas (TENSOR_SCHEMA and the report's tables), made when
+    first asked for: pyarrow is loaded then, not by every command that
+    imports this module for a record or a constant (two dumps compared in
+    one process need it only for their Parquet tables)."""
+    made = _SCHEMAS.get(name)
+    if made is None:
+        maker = _MAKERS.get(name)
+        if maker is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        with _SCHEMAS_LOCK:
+            if name not in _SCHEMAS:
+                _SCHEMAS.update(maker())
+            made = _SCHEMAS[name]
+    return made
+
+
+def _tensor_schema() -> dict[str, pa.Schema]:
+    return {"TENSOR_SCHEMA": pa.schema([
+        pa.field("name", pa.string()),          # tensor name as the device knows it
+        pa.field("op_type", pa.string()),
+        pa.field("order", pa.int32()),          # execution order on the device (-1 unknown)
+        pa.field("dtype", pa.string()),         # numpy dtype name, from ALLOWED_DTYPES
+        pa.field("shape", pa.list_(pa.int64())),
+        pa.field("total_bytes", pa.int64()),
+        pa.field("offset", pa.int64()),         # byte offset of this chunk in the tensor
+        pa.field("data", pa.binary()),
+        pa.field("status", pa.string()),        # "ok", or why not: "error", "check_skip", "concat_skip"
+        pa.field("message", pa.string()),       # why, for "error" rows; flags for "ok" rows
+        pa.field("node", pa.string()),          # the node that produced (output) or consumed (input) the tensor
+        pa.field("role", pa.string()),          # "output" (a node's output) or "input" (what the node read)
+        pa.field("slot", pa.int32()),           # output index, or input index for inputs
+        pa.field("overflow", pa.string()),      # the device flagged this node as overflowing: why ("" = not flagged)
+        # the type the device wrote the tensor in, where the wire carries it widened
+        # (bfloat16, float8_e4m3fn... as float32); "" = dtype itself
+        pa.field("source_dtype", pa.string()),
+        # what the device recorded of the call as a JSON object's text (a module's
+        # configuration, an operator's arguments); "" = nothing
+        pa.field("attributes", pa.string()),
+    ])}
+
 
 STATUS_OK = "ok"
 STATUS_ERROR = "error"             # the node's data could not be read
@@ -269,7 +301,7 @@ class _Batcher:
             column(cols[7], pa.string()), column(cols[8], pa.string()), column(cols[9], pa.string()),
             column(cols[10], pa.string()), column(cols[11], pa.int32()), column(cols[12], pa.string()),
             column(cols[13], pa.string()), column(cols[14], pa.string()),
-        ], schema=TENSOR_SCHEMA)
+        ], schema=__getattr__("TENSOR_SCHEMA"))
         self.rows, self.views, self.nbytes = [], [], 0
         return batch
 
@@ -544,106 +576,115 @@ def _table_schema(table: str, fields: list[pa.Field]) -> pa.Schema:
     return pa.schema(fields, metadata={TABLE_KEY: table.encode(), VERSION_KEY: str(REPORT_SCHEMA_VERSION).encode()})
 
 
-_F64, _I64, _I32, _STR, _BOOL = pa.float64(), pa.int64(), pa.int32(), pa.string(), pa.bool_()
-_METRIC_DOCS = {
-    "max_abs_err": "seed max_abs_err: max |d - r| over the pairs past the tolerance",
-    "mean_abs_err": "seed mean_abs_err", "max_rel_err": "seed max_abs_total: max |d - r| / |r|",
-    "mean_rel_err": "seed mean_abs_total: mean |d - r| / |r|", "ref_mean": "seed mean of the reference",
-    "ref_std": "seed std of the reference", "ref_rms": "seed rms of the reference",
-    "max_abs_diff": "max |d - r|", "mean_abs_diff": "mean |d - r|", "cosine": "cosine similarity (NaN: a zero side)",
-    "mse": "mean squared error", "rmse": "root mean squared error", "pearson": "Pearson correlation",
-    "sqnr_db": "signal to quantization noise ratio, dB", "rel_euclidean": "||d - r|| / ||r||",
-    "kl_div": "KL divergence of |r| and |d| as distributions",
-    "rel_err_lt_0_001": "share of pairs whose relative error is under 1/1000",
-    "rel_err_lt_0_005": "share of pairs whose relative error is under 5/1000",
-}
+def _report_schemas() -> dict[str, object]:
+    f64, i64, i32, string, boolean = pa.float64(), pa.int64(), pa.int32(), pa.string(), pa.bool_()
+    metric_docs = {
+        "max_abs_err": "seed max_abs_err: max |d - r| over the pairs past the tolerance",
+        "mean_abs_err": "seed mean_abs_err", "max_rel_err": "seed max_abs_total: max |d - r| / |r|",
+        "mean_rel_err": "seed mean_abs_total: mean |d - r| / |r|", "ref_mean": "seed mean of the reference",
+        "ref_std": "seed std of the reference", "ref_rms": "seed rms of the reference",
+        "max_abs_diff": "max |d - r|", "mean_abs_diff": "mean |d - r|",
+        "cosine": "cosine similarity (NaN: a zero side)",
+        "mse": "mean squared error", "rmse": "root mean squared error", "pearson": "Pearson correlation",
+        "sqnr_db": "signal to quantization noise ratio, dB", "rel_euclidean": "||d - r|| / ||r||",
+        "kl_div": "KL divergence of |r| and |d| as distributions",
+        "rel_err_lt_0_001": "share of pairs whose relative error is under 1/1000",
+        "rel_err_lt_0_005": "share of pairs whose relative error is under 5/1000",
+    }
 
-NODES_SCHEMA = _table_schema("nodes", [
-    _col("index", _I32, "row of cpu_vs_npu.csv (a node's inputs before its outputs, in execution order)"),
-    _col("node", _STR, "reference node"),
-    _col("tensor", _STR, "reference tensor compared"),
-    _col("role", _STR, "output (what the node wrote) or input (what it read)"),
-    _col("input_index", _I32, "which input, for role input; null for outputs"),
-    _col("op_type", _STR, "the node's operator"),
-    _col("order", _I32, "the node's execution order in the reference"),
-    _col("device_name", _STR, "the device tensor paired with it"),
-    _col("alignment_method", _STR, "how the pair was made (alignment.csv's method)"),
-    _col("alignment_confidence", _F64, "how sure that pairing is, 0 to 1 (null where not scored)"),
-    _col("device_dtype", _STR, "the type the device computed the tensor in"),
-    _col("constant", _BOOL, "a weight or constant, not a computation"),
-    _col("passed", _BOOL, "within the seed's atol/rtol everywhere (result pass)"),
-    _col("atol", _F64, "the seed's absolute tolerance applied"),
-    _col("rtol", _F64, "the seed's relative tolerance applied"),
-    _col("errors", _I64, "elements past the tolerance"),
-    _col("total", _I64, "elements compared"),
-    _col("first_diff_offset", _I64, "flat index of the first element past the tolerance (-1: none)"),
-    _col("first_diff_index", pa.list_(_I64), "its index along each axis"),
-    _col("shape", pa.list_(_I64), "the tensor's shape"),
-    _col("ref_value", _F64, "the reference at the first element past the tolerance"),
-    _col("npu_value", _F64, "the device there"),
-    *[_col(k, _F64, doc) for k, doc in _METRIC_DOCS.items()],
-    _col("ref_nan", _I64, "NaN in the reference"), _col("ref_inf", _I64, "Inf in the reference"),
-    _col("npu_nan", _I64, "NaN on the device"), _col("npu_inf", _I64, "Inf on the device"),
-    _col("fp16_overflow", _I64, "reference values beyond FP16's range"),
-    _col("npu_fp16_overflow", _I64, "device values beyond FP16's range"),
-    _col("finite_pairs", _I64, "pairs finite on both sides"), _col("both_nan", _I64, "pairs NaN on both sides"),
-    _col("nonfinite_errors", _I64, "pairs where one side alone is not finite"),
-    _col("note", _STR, "how the tensors were brought together (layout, shape)"),
-    _col("overflow", _STR, "why the device flagged the node as overflowing (null: not flagged)"),
-    _col("verdict", _STR, "the diagnosis of a failing node (null: none made)"),
-    _col("cause", _STR, "why: kernel, weight, range, layout, quantization... (null: none)"),
-    _col("evidence", pa.list_(_STR), "the sentences the verdict rests on"),
-    _col("impact_harmful", _BOOL, "its own error changes the model's outputs (null: not measured)"),
-    _col("impact_worst_output", _STR, "the output it changes most"),
-    _col("impact_cosine", _F64, "that output's cosine with only this node's device value put in"),
-    _col("precision", _STR, "what the node is taken to compute in (fp32, fp16, bf16, int8...)"),
-    _col("precision_from", _STR, "where that was read from"),
-    _col("reduction_length", _I64, "K, the length of the node's reductions (null: unknown)"),
-    _col("explained_rel_err", _F64, "relative RMS error the node's own arithmetic explains"),
-    _col("allowed_rel_err", _F64, "relative RMS error it may add before it is a computation error"),
-    _col("rel_err", _F64, "its relative RMS error ||d - r|| / ||r|| (mask-like values left out)"),
-    _col("own_rel_err", _F64, "the error it adds itself, against its re-run on its device inputs"),
-    _col("read_rel_err", _F64, "the largest relative RMS error of what it read"),
-    _col("worst_block", _STR, "the part of the tensor with the largest relative error"),
-    _col("worst_block_rel_err", _F64, "that part's relative RMS error"),
-    _col("masked", _I64, "mask-like reference values left out of the error model's figures"),
-    _col("isolated_errors", _I64, "elements past the tolerance against its re-run alone (null: no re-run)"),
-    _col("isolated_cosine", _F64, "cosine against its re-run alone"),
-    _col("isolated_mean_rel_err", _F64, "mean relative error against its re-run alone"),
-    _col("isolated_max_abs_diff", _F64, "max |d - r| against its re-run alone"),
-])
+    nodes = _table_schema("nodes", [
+        _col("index", i32, "row of cpu_vs_npu.csv (a node's inputs before its outputs, in execution order)"),
+        _col("node", string, "reference node"),
+        _col("tensor", string, "reference tensor compared"),
+        _col("role", string, "output (what the node wrote) or input (what it read)"),
+        _col("input_index", i32, "which input, for role input; null for outputs"),
+        _col("op_type", string, "the node's operator"),
+        _col("order", i32, "the node's execution order in the reference"),
+        _col("device_name", string, "the device tensor paired with it"),
+        _col("alignment_method", string, "how the pair was made (alignment.csv's method)"),
+        _col("alignment_confidence", f64, "how sure that pairing is, 0 to 1 (null where not scored)"),
+        _col("device_dtype", string, "the type the device computed the tensor in"),
+        _col("constant", boolean, "a weight or constant, not a computation"),
+        _col("passed", boolean, "within the seed's atol/rtol everywhere (result pass)"),
+        _col("atol", f64, "the seed's absolute tolerance applied"),
+        _col("rtol", f64, "the seed's relative tolerance applied"),
+        _col("errors", i64, "elements past the tolerance"),
+        _col("total", i64, "elements compared"),
+        _col("first_diff_offset", i64, "flat index of the first element past the tolerance (-1: none)"),
+        _col("first_diff_index", pa.list_(i64), "its index along each axis"),
+        _col("shape", pa.list_(i64), "the tensor's shape"),
+        _col("ref_value", f64, "the reference at the first element past the tolerance"),
+        _col("npu_value", f64, "the device there"),
+        *[_col(k, f64, doc) for k, doc in metric_docs.items()],
+        _col("ref_nan", i64, "NaN in the reference"), _col("ref_inf", i64, "Inf in the reference"),
+        _col("npu_nan", i64, "NaN on the device"), _col("npu_inf", i64, "Inf on the device"),
+        _col("fp16_overflow", i64, "reference values beyond FP16's range"),
+        _col("npu_fp16_overflow", i64, "device values beyond FP16's range"),
+        _col("finite_pairs", i64, "pairs finite on both sides"), _col("both_nan", i64, "pairs NaN on both sides"),
+        _col("nonfinite_errors", i64, "pairs where one side alone is not finite"),
+        _col("note", string, "how the tensors were brought together (layout, shape)"),
+        _col("overflow", string, "why the device flagged the node as overflowing (null: not flagged)"),
+        _col("verdict", string, "the diagnosis of a failing node (null: none made)"),
+        _col("cause", string, "why: kernel, weight, range, layout, quantization... (null: none)"),
+        _col("evidence", pa.list_(string), "the sentences the verdict rests on"),
+        _col("impact_harmful", boolean, "its own error changes the model's outputs (null: not measured)"),
+        _col("impact_worst_output", string, "the output it changes most"),
+        _col("impact_cosine", f64, "that output's cosine with only this node's device value put in"),
+        _col("precision", string, "what the node is taken to compute in (fp32, fp16, bf16, int8...)"),
+        _col("precision_from", string, "where that was read from"),
+        _col("reduction_length", i64, "K, the length of the node's reductions (null: unknown)"),
+        _col("explained_rel_err", f64, "relative RMS error the node's own arithmetic explains"),
+        _col("allowed_rel_err", f64, "relative RMS error it may add before it is a computation error"),
+        _col("rel_err", f64, "its relative RMS error ||d - r|| / ||r|| (mask-like values left out)"),
+        _col("own_rel_err", f64, "the error it adds itself, against its re-run on its device inputs"),
+        _col("read_rel_err", f64, "the largest relative RMS error of what it read"),
+        _col("worst_block", string, "the part of the tensor with the largest relative error"),
+        _col("worst_block_rel_err", f64, "that part's relative RMS error"),
+        _col("masked", i64, "mask-like reference values left out of the error model's figures"),
+        _col("isolated_errors", i64, "elements past the tolerance against its re-run alone (null: no re-run)"),
+        _col("isolated_cosine", f64, "cosine against its re-run alone"),
+        _col("isolated_mean_rel_err", f64, "mean relative error against its re-run alone"),
+        _col("isolated_max_abs_diff", f64, "max |d - r| against its re-run alone"),
+    ])
 
-ELEMENTS_SCHEMA = _table_schema("elements", [
-    _col("node", _STR, "reference node"),
-    _col("tensor", _STR, "reference tensor"),
-    _col("role", _STR, "output or input"),
-    _col("input_index", _I32, "which input, for role input; null for outputs"),
-    _col("detail_file", _STR, "the per-node CSV holding the same rows"),
-    _col("rank", _I32, "0 for the worst element"),
-    _col("flat_index", _I64, "the element's index in the flattened tensor (the detail CSV's index)"),
-    _col("index", pa.list_(_I64), "its index along each axis"),
-    _col("std_value", _F64, "the reference's value"),
-    _col("npu_value", _F64, "the device's value"),
-    _col("abs_diff", _F64, "|d - r|"),
-    _col("relative_diff", _F64, "|d - r| / |r|"),
-])
+    elements = _table_schema("elements", [
+        _col("node", string, "reference node"),
+        _col("tensor", string, "reference tensor"),
+        _col("role", string, "output or input"),
+        _col("input_index", i32, "which input, for role input; null for outputs"),
+        _col("detail_file", string, "the per-node CSV holding the same rows"),
+        _col("rank", i32, "0 for the worst element"),
+        _col("flat_index", i64, "the element's index in the flattened tensor (the detail CSV's index)"),
+        _col("index", pa.list_(i64), "its index along each axis"),
+        _col("std_value", f64, "the reference's value"),
+        _col("npu_value", f64, "the device's value"),
+        _col("abs_diff", f64, "|d - r|"),
+        _col("relative_diff", f64, "|d - r| / |r|"),
+    ])
 
-ALIGNMENT_SCHEMA = _table_schema("alignment", [
-    _col("reference_tensor", _STR, "reference tensor (null: a device tensor left unmatched)"),
-    _col("device_tensor", _STR, "device tensor (null: none for this reference tensor)"),
-    _col("method", _STR, "map, graph, fused, name, value, fused into, folded, not dumped, attributed, unmatched"),
-    _col("confidence", _F64, "how sure the pairing is, 0 to 1 (null where not scored)"),
-    _col("note", _STR, "why"),
-])
+    alignment = _table_schema("alignment", [
+        _col("reference_tensor", string, "reference tensor (null: a device tensor left unmatched)"),
+        _col("device_tensor", string, "device tensor (null: none for this reference tensor)"),
+        _col("method", string, "map, graph, fused, name, value, fused into, folded, not dumped, attributed, unmatched"),
+        _col("confidence", f64, "how sure the pairing is, 0 to 1 (null where not scored)"),
+        _col("note", string, "why"),
+    ])
 
-WEIGHTS_SCHEMA = _table_schema("weights", [
-    _col("reference_node", _STR, "reference node"), _col("reference_weight", _STR, "its weight"),
-    _col("device_node", _STR, "device node"), _col("device_weight", _STR, "the device's copy of it"),
-    _col("relation", _STR, "how the two relate (equal, transposed, folded...)"),
-    _col("elements", _I64, "elements compared"), _col("differing", _I64, "elements that differ"),
-    _col("max_abs_diff", _F64, "max |d - r| (NaN: not compared)"), _col("note", _STR, "why"),
-])
+    weights = _table_schema("weights", [
+        _col("reference_node", string, "reference node"), _col("reference_weight", string, "its weight"),
+        _col("device_node", string, "device node"), _col("device_weight", string, "the device's copy of it"),
+        _col("relation", string, "how the two relate (equal, transposed, folded...)"),
+        _col("elements", i64, "elements compared"), _col("differing", i64, "elements that differ"),
+        _col("max_abs_diff", f64, "max |d - r| (NaN: not compared)"), _col("note", string, "why"),
+    ])
+    # table name -> (file in the report, schema)
+    report_tables = {"nodes": ("nodes.parquet", nodes), "elements": ("elements.parquet", elements),
+                     "alignment": ("alignment.parquet", alignment), "weights": ("weights.parquet", weights)}
+    return {"NODES_SCHEMA": nodes, "ELEMENTS_SCHEMA": elements, "ALIGNMENT_SCHEMA": alignment,
+            "WEIGHTS_SCHEMA": weights, "REPORT_TABLES": report_tables}
 
-# table name -> (file in the report, schema)
-REPORT_TABLES = {"nodes": ("nodes.parquet", NODES_SCHEMA), "elements": ("elements.parquet", ELEMENTS_SCHEMA),
-                 "alignment": ("alignment.parquet", ALIGNMENT_SCHEMA), "weights": ("weights.parquet", WEIGHTS_SCHEMA)}
+
+_SCHEMAS: dict[str, object] = {}
+_SCHEMAS_LOCK = threading.Lock()
+_MAKERS = {"TENSOR_SCHEMA": _tensor_schema, **dict.fromkeys(
+    ("NODES_SCHEMA", "ELEMENTS_SCHEMA", "ALIGNMENT_SCHEMA", "WEIGHTS_SCHEMA", "REPORT_TABLES"), _report_schemas)}

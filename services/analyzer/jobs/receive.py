@@ -20,16 +20,17 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
 from layerdiff.common.errors import LayerdiffError, PermissionDenied, Unauthenticated, UnavailableError
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import pyarrow.flight as flight
 
     from layerdiff.collector.core import Collector
     from layerdiff.collector.service import CollectorClient
+else:
+    from layerdiff.common.lazy import pa
 
 # Silence after which a collector is declared unreachable; the collector is
 # asked for a heartbeat four times as often.

@@ -31,7 +31,6 @@ from layerdiff.analyzer.diagnose import weights as weights_mod
 from layerdiff.analyzer.diagnose.errormodel import Block, Budget
 from layerdiff.analyzer.report.details import DetailFiles
 from layerdiff.analyzer.report.jsontext import json_text
-from layerdiff.analyzer.report.tables import write_tables
 from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import TensorSite
 from layerdiff.common.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
@@ -404,6 +403,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
     # The Parquet tables (and detail files not written yet) are written
     # beside the rest, on threads of their own: Parquet's encoding and
     # creating hundreds of files let the interpreter go meanwhile.
+    from layerdiff.analyzer.report.tables import write_tables  # pyarrow's: loaded beside the comparisons
+
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="report-aside") as aside:
         written = [aside.submit(write_tables, out, rows, detail_files, aligned, weights)]
         if details is None:
