@@ -413,6 +413,22 @@ def test_close_matches_are_difflibs(detector_sites, word, n, cutoff):
                                                                                        cutoff=cutoff)
 
 
+@settings(max_examples=300, deadline=None)
+@given(names=st.lists(st.text(st.sampled_from(list("ab_.0/:éᐁ𝒳")), max_size=12), max_size=12),
+       word=st.text(st.sampled_from(list("ab_.0/:éᐁ𝒳")), max_size=12), n=st.integers(1, 4),
+       cutoff=st.sampled_from([0.0, 0.5, 0.75]))
+def test_close_matches_of_any_names_are_difflibs(names, word, n, cutoff):
+    """The bounds taken for every name at once (letters counted once)
+    leave difflib's answer as it is, for names of any letters, empty ones
+    and repeated ones included."""
+    import difflib
+
+    from layerdiff.analyzer.align.names import close_matches
+
+    assert close_matches(word, names, n=n, cutoff=cutoff) == difflib.get_close_matches(word, names, n=n,
+                                                                                       cutoff=cutoff)
+
+
 @settings(max_examples=400, deadline=None)
 @given(a=st.text(st.sampled_from(list("ab_.0/:éᐁ")), max_size=40), b=st.text(st.sampled_from(list("ab_.0/:éᐁ")),
                                                                              max_size=40))

@@ -230,6 +230,7 @@ class Aligner:
             for key in self._keys(s):
                 self._by_key.setdefault(key, s)
         self._relaxed_index: _Relaxed | None = None     # made when a name is first looked up relaxed
+        self._alike: Alike | None = None        # the relaxed index's names, letters counted (closest)
         self._claimed: set[str] = set()      # reference tensors map_node_dict or pairs decide
         self._mapped: dict[str, TensorSite] = {}
         self._map_canon: dict[str, str] = {}  # canonical device name -> normalized one
@@ -693,7 +694,9 @@ class Aligner:
         inside = {base[i:j] for i in starts for j in ends if j - i >= 3 and (i, j) != (0, len(base))}
         for k in sorted((k for k in inside if k in self._relaxed.shown and _LETTER.search(k)), key=len, reverse=True):
             add(self._relaxed.shown[k])
-        for k in close_matches(base, self._relaxed.shown, n=n, cutoff=0.6):
+        if self._alike is None:
+            self._alike = Alike(self._relaxed.shown)
+        for k in close_matches(base, self._relaxed.shown, n=n, cutoff=0.6, alike=self._alike):
             add(self._relaxed.shown[k])
         return out[:n]
 
@@ -701,21 +704,54 @@ class Aligner:
 CLOSEST_KEPT = 3
 
 
-def close_matches(word: str, possibilities, n: int = 3, cutoff: float = 0.6) -> list[str]:
+class Alike:
+    """difflib's two bounds of the ratio (real_quick_ratio, quick_ratio) of
+    one word against every name of a list at once: each name's letters are
+    counted once, and a word's shared letters are the element-wise least of
+    two counts (quick_ratio a name at a time took 3 us, for each of a
+    model's thousand names and each unmatched device name)."""
+
+    def __init__(self, names) -> None:
+        self.names = list(names)
+        self.lengths = np.array([len(x) for x in self.names], np.int64)
+        # every name's code points in one array, counted by (name, letter)
+        codes = _codes("".join(self.names))
+        letters, col = np.unique(codes, return_inverse=True)
+        row = np.repeat(np.arange(len(self.names)), self.lengths)
+        self.counts = np.bincount(row * len(letters) + col, minlength=len(self.names) * len(letters)) \
+            .reshape(len(self.names), len(letters))
+        self.letters = {chr(c): i for i, c in enumerate(letters.tolist())}
+
+    def bounded(self, word: str, cutoff: float) -> list[tuple[float, str]]:
+        """(quick_ratio, name) of the names whose two bounds reach ``cutoff``,
+        best bound first, in the names' order among equals (as a stable sort
+        of difflib's figures leaves them)."""
+        mine = np.zeros(len(self.letters), np.int64)
+        for ch, k in Counter(word).items():
+            col = self.letters.get(ch)
+            if col is not None:
+                mine[col] = k
+        length = self.lengths + len(word)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # difflib's _calculate_ratio: 2.0 * matches / length, 1.0 for two empty strings
+            real = np.where(length > 0, 2.0 * np.minimum(self.lengths, len(word)) / length, 1.0)
+            quick = np.where(length > 0, 2.0 * np.minimum(self.counts, mine).sum(axis=1) / length, 1.0)
+        kept = np.flatnonzero((real >= cutoff) & (quick >= cutoff))
+        kept = kept[np.argsort(-quick[kept], kind="stable")]
+        return list(zip(quick[kept].tolist(), [self.names[i] for i in kept.tolist()]))
+
+
+def close_matches(word: str, possibilities, n: int = 3, cutoff: float = 0.6, *,
+                  alike: Alike | None = None) -> list[str]:
     """difflib.get_close_matches's answer (the same names in the same order),
     the full ratio taken only where quick_ratio, its upper bound, leaves a
     name a place among the best n so far: best bound first, a few hundred
-    names of a model's alike, most of them never matched out in full."""
+    names of a model's alike, most of them never matched out in full.
+    ``alike``: the possibilities' letters counted already (Alike of the
+    same names, in the same order)."""
     s = difflib.SequenceMatcher()
     s.set_seq2(word)
-    bounded = []
-    for x in possibilities:
-        s.set_seq1(x)
-        if s.real_quick_ratio() >= cutoff:
-            q = s.quick_ratio()
-            if q >= cutoff:
-                bounded.append((q, x))
-    bounded.sort(key=lambda t: t[0], reverse=True)
+    bounded = (alike if alike is not None else Alike(possibilities)).bounded(word, cutoff)
     best: list[tuple[float, str]] = []
     # the full ratio compiled, as difflib takes it where it junks nothing
     # (its autojunk starts at 200 characters of the word): 70 us a name in

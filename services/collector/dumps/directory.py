@@ -210,7 +210,7 @@ class DumpDirectory:
             # a number leading every name is the script's count, not the
             # tensor's name, whatever gave the order (two builds number
             # their tensors differently: an FP16 build's casts shift them)
-            stems = _without_leading_numbers([Path(f).stem for f in names])
+            stems = _without_leading_numbers([os.path.splitext(f)[0] for f in names])    # Path(f).stem: a dump file's
             return [{"name": stem, "file": f, "order": i, "op_type": ""}
                     for i, (stem, f) in enumerate(zip(stems, names))]
         try:
