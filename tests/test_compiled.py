@@ -121,6 +121,8 @@ def _outputs(fn, args: tuple):
 
 
 def test_every_exported_signature_answers_as_numba_does():
+    """Both exports of each signature: the one that lets the interpreter
+    lock go (large arrays) and the one that keeps it (small ones)."""
     built = compiled._ahead_of_time()
     assert built is not None, "make setup builds the kernels for this CPU"
     jit = compiled._just_in_time()
@@ -130,20 +132,64 @@ def test_every_exported_signature_answers_as_numba_does():
         for kinds in keys:
             calls = _calls(name, kinds, rng)
             assert calls, f"no call made for {name}{kinds}"
+            typed = getattr(built, name)
             for args in calls:
-                got_ret, got = _outputs(getattr(built, name), args)
                 want_ret, want = _outputs(getattr(jit, name), args)
-                if name in _ANY_ORDER and got_ret is not None:
-                    assert got_ret == pytest.approx(want_ret, rel=1e-12, nan_ok=True), (name, kinds)
-                else:
-                    assert got_ret == want_ret, (name, kinds)
-                for g, w in zip(got, want):
-                    if name in _ANY_ORDER:
-                        np.testing.assert_allclose(g, w, rtol=1e-12, err_msg=f"{name}{kinds}")
+                for export in (typed.by_key[kinds], typed.held[kinds]):
+                    got_ret, got = _outputs(export, args)
+                    if name in _ANY_ORDER and got_ret is not None:
+                        assert got_ret == pytest.approx(want_ret, rel=1e-12, nan_ok=True), (name, kinds)
                     else:
-                        np.testing.assert_array_equal(g, w, err_msg=f"{name}{kinds}")
-                tried += 1
-    assert tried >= 40
+                        assert got_ret == want_ret, (name, kinds)
+                    for g, w in zip(got, want):
+                        if name in _ANY_ORDER:
+                            np.testing.assert_allclose(g, w, rtol=1e-12, err_msg=f"{name}{kinds}")
+                        else:
+                            np.testing.assert_array_equal(g, w, err_msg=f"{name}{kinds}")
+                    tried += 1
+    assert tried >= 80
+
+
+def test_a_small_array_s_kernel_keeps_the_interpreter_lock_and_a_large_one_s_lets_it_go():
+    """A thread comparing small tensors is not made to wait for the lock
+    after every kernel (another thread took it meanwhile); a large tensor's
+    kernel lets the other threads run. A spinning thread counts only while
+    it holds the lock: it counts nothing during a call that keeps it, and
+    all along one that lets it go (switches forced only after a second)."""
+    import threading
+    import time
+
+    built = compiled._ahead_of_time()
+    assert built is not None
+    x = np.random.default_rng(5).standard_normal(compiled.SMALL * 64).astype(np.float32)
+    iv, fv = _new_state()
+    lo = _fast_tolerances(ATOL, RTOL)
+    args = (x, x, ATOL, RTOL, *lo, False, 0, iv, fv, np.empty(0))
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    spinner = threading.Thread(target=spin, daemon=True)
+    try:
+        spinner.start()
+        time.sleep(0.05)        # the spinner runs (and holds the lock) from here on
+        during = {}
+        for label in ("held", "by_key"):
+            before = count[0]
+            getattr(built._acc_fast, label)[("f32", "f32")](*args)
+            during[label] = count[0] - before
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        spinner.join()
+        sys.setswitchinterval(interval)
+    assert during["held"] == 0 and during["by_key"] > 1000, during
+    # and the dispatch: the held export up to SMALL elements, the other past it
+    assert built._acc_fast.held is not built._acc_fast.by_key
 
 
 def test_the_build_refuses_arrays_it_was_not_made_for():

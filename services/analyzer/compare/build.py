@@ -7,7 +7,7 @@ this CPU (``--portable``: for any CPU of ``compiled.PORTABLE_CPU``'s level,
 as an image built on one machine and run on others needs), releasing the
 GIL while it runs as the just-in-time functions do (``nogil=True``), so
 that a comparison and its error figures still run side by side on two
-cores. The key of what it was built from is written last: a build
+cores; and once more holding it, for small arrays (``compiled.SMALL``). The key of what it was built from is written last: a build
 interrupted half way is never used. Where no build can be made (no C
 compiler, no Python headers), numba compiles the kernels into its cache
 instead, so that the next command loads them from there.
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -73,13 +74,16 @@ def _build_here(target: str) -> Path:
     # that lets a sum be vectorized, numpy's error model) would be lost, and
     # the build would run slower than the just-in-time functions (the sums of
     # squares took 1.7x as long). Each export is compiled with its own.
-    declared = {getattr(kernel, name).py_func: getattr(kernel, name) for name in compiled.ENTRIES}
+    declared = {getattr(kernel, name).py_func: (getattr(kernel, name), {}) for name in compiled.ENTRIES}
+    # each kernel's copy for the exports that keep the interpreter lock (compiled.SMALL)
+    holding = {name: _copy(getattr(kernel, name).py_func) for name in compiled.ENTRIES}
+    declared.update({holding[name]: (getattr(kernel, name), {"nogil": False}) for name in compiled.ENTRIES})
     plain_compile = pycc_compiler.compile_extra
 
     def compile_as_declared(typingctx, targetctx, func, args, return_type, flags, *rest, **kw):
-        jitted = declared.get(func)
+        jitted, changed = declared.get(func, (None, {}))
         if jitted is not None:
-            flags = jitted.targetdescr.options.parse_as_flags(flags.copy(), jitted.targetoptions)
+            flags = jitted.targetdescr.options.parse_as_flags(flags.copy(), {**jitted.targetoptions, **changed})
         return plain_compile(typingctx, targetctx, func, args, return_type, flags, *rest, **kw)
 
     pycc_compiler.compile_extra = compile_as_declared      # read by the build below only
@@ -90,6 +94,8 @@ def _build_here(target: str) -> Path:
         for kinds in keys:
             cc.export(compiled.exported_name(name, kinds), compiled.signature(name, kinds))(
                 getattr(kernel, name).py_func)
+            cc.export(compiled.exported_name(name, kinds, held=True), compiled.signature(name, kinds))(
+                holding[name])
     with tempfile.TemporaryDirectory(prefix="layerdiff-kernels-") as tmp:
         cc.output_dir = tmp
         with warnings.catch_warnings():
@@ -102,6 +108,12 @@ def _build_here(target: str) -> Path:
         shutil.move(built, placed)
     compiled.KEY_FILE.write_text(key + "\n")
     return placed
+
+
+def _copy(func):
+    """Another function of the same code (numba compiles a function once,
+    with one set of flags)."""
+    return types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
 
 
 def run(portable: bool = False, fallback: bool = True) -> int:

@@ -72,8 +72,18 @@ def signature(name: str, kinds: tuple[str, ...]) -> str:
     return template.format(**dict(zip("rd", (_ARRAY[k] for k in kinds))))
 
 
-def exported_name(name: str, kinds: tuple[str, ...]) -> str:
-    return "__".join((name.lstrip("_"), *kinds))
+def exported_name(name: str, kinds: tuple[str, ...], held: bool = False) -> str:
+    return "__".join((name.lstrip("_"), *kinds)) + ("__held" if held else "")
+
+
+# Every export is built twice: releasing the interpreter lock while it runs
+# (a large tensor's comparison beside another one), and holding it (a small
+# one's, ``__held``). A kernel that lets the lock go must take it back when
+# it returns, and while a thread comparing a large tensor holds it that is a
+# wait: the job's own thread compares the small tensors, a few kernels each,
+# and waited four times as long as it computed (30 ms of work, 45 to 180 ms).
+# Up to SMALL elements a kernel runs for less than a tenth of a millisecond.
+SMALL = 1 << 16
 
 
 # The level a portable build is compiled for (AVX2, FMA, F16C, BMI1/2,
@@ -154,11 +164,15 @@ class _Typed:
     def __init__(self, module, name: str, keys: list[tuple[str, ...]]) -> None:
         self.name = name
         self.by_key = {k: getattr(module, exported_name(name, k)) for k in keys}
+        self.held = {k: getattr(module, exported_name(name, k, held=True)) for k in keys}
         self.typed = len(keys[0])       # the leading arguments whose types pick the export
 
     def __call__(self, *args):
         key = tuple(_array_kind(a, self.name) for a in args[:self.typed])
-        fn = self.by_key.get(key)
+        first = args[0] if args else None
+        # the size of what it reads: its first array (a state's, a grid's, a name's where no type picks it)
+        small = not isinstance(first, np.ndarray) or first.size <= SMALL
+        fn = (self.held if small else self.by_key).get(key)
         if fn is None:
             raise TypeError(f"{self.name} is not built for arrays of {key}")
         return fn(*args)

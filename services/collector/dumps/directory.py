@@ -211,7 +211,8 @@ class DumpDirectory:
             # tensor's name, whatever gave the order (two builds number
             # their tensors differently: an FP16 build's casts shift them)
             stems = _without_leading_numbers([os.path.splitext(f)[0] for f in names])    # Path(f).stem: a dump file's
-            return [{"name": stem, "file": f, "order": i, "op_type": ""}
+            # each file's format said once (read twice an entry otherwise)
+            return [{"name": stem, "file": f, "order": i, "op_type": "", "format": _format_of(f)}
                     for i, (stem, f) in enumerate(zip(stems, names))]
         try:
             doc = json.loads(mpath.read_text(encoding="utf-8"))
