@@ -7,8 +7,9 @@ this CPU (``--portable``: for any CPU of ``compiled.PORTABLE_CPU``'s level,
 as an image built on one machine and run on others needs), releasing the
 GIL while it runs as the just-in-time functions do (``nogil=True``), so
 that a comparison and its error figures still run side by side on two
-cores; and once more holding it, for small arrays (``compiled.SMALL``). The key of what it was built from is written last: a build
-interrupted half way is never used. Where no build can be made (no C
+cores; and once more holding it, for small arrays (``compiled.SMALL``).
+The key of what it was built from is written last: a build interrupted
+half way is never used. Where no build can be made (no C
 compiler, no Python headers), numba compiles the kernels into its cache
 instead, so that the next command loads them from there.
 """
