@@ -75,7 +75,7 @@ def _build_here(target: str) -> Path:
     # that lets a sum be vectorized, numpy's error model) would be lost, and
     # the build would run slower than the just-in-time functions (the sums of
     # squares took 1.7x as long). Each export is compiled with its own.
-    declared = {getattr(kernel, name).py_func: (getattr(kernel, name), {}) for name in compiled.ENTRIES}
+    declared: dict = {getattr(kernel, name).py_func: (getattr(kernel, name), {}) for name in compiled.ENTRIES}
     # each kernel's copy for the exports that keep the interpreter lock (compiled.SMALL)
     holding = {name: _copy(getattr(kernel, name).py_func) for name in compiled.ENTRIES}
     declared.update({holding[name]: (getattr(kernel, name), {"nogil": False}) for name in compiled.ENTRIES})
