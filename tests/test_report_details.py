@@ -112,3 +112,21 @@ def test_two_dumps_in_another_order_than_execution_name_clashing_files_alike(tmp
             worst = list(csv.DictReader(f))
         i = int(worst[0]["index"])
         assert float(worst[0]["std_value"]) == pytest.approx(float(gold[tensor][i]), rel=1e-5)
+
+
+def test_a_file_the_writer_cannot_place_fails_at_placing(tmp_path):
+    """The files are made by a process of their own: a failure there (a
+    directory where a file's name goes) is the OSError placing raises,
+    naming the file; the files after it are not placed, and closing after
+    it leaves no provisional file behind."""
+    out = tmp_path / "report"
+    files = DetailFiles(out)
+    rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]      # a batch handed to the writer
+    for r in rows:
+        files.add(r)
+    (out / "n3.csv" / "inside").mkdir(parents=True)
+    with pytest.raises(OSError) as failed:
+        files.place(rows, {r.label: f"{r.label}.csv" for r in rows})
+    assert failed.value.errno and failed.value.filename and "n3.csv" in str(failed.value), failed.value
+    files.close()
+    assert _listing(out) == ["n0.csv", "n1.csv", "n2.csv", "n3.csv"]
