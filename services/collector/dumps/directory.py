@@ -263,7 +263,8 @@ class DumpDirectory:
     def _format(self, entry: dict) -> str:
         fmt = entry.get("format") or self.fmt
         if not fmt and isinstance(entry.get("file"), str):     # no Path made: twice for every entry read
-            fmt = _format_of(entry["file"]) or "npy"
+            # kept on the entry: asked twice for each one read
+            fmt = entry["format"] = _format_of(entry["file"]) or "npy"
         return fmt or "npy"
 
     def _archive_records(self, i: int, entry: dict) -> Iterator[NodeRecord]:
