@@ -189,7 +189,11 @@ def test_a_small_array_s_kernel_keeps_the_interpreter_lock_and_a_large_one_s_let
         sys.setswitchinterval(interval)
     assert during["held"] == 0 and during["by_key"] > 1000, during
     # and the dispatch: the held export up to SMALL elements, the other past it
-    assert built._acc_fast.held is not built._acc_fast.by_key
+    small = (x[:compiled.SMALL], x[:compiled.SMALL], *args[2:])
+    large = (x[:compiled.SMALL + 1], x[:compiled.SMALL + 1], *args[2:])
+    assert built._acc_fast.export(small) is built._acc_fast.held[("f32", "f32")]
+    assert built._acc_fast.export(large) is built._acc_fast.by_key[("f32", "f32")]
+    assert built._best_window.export((np.zeros((2, 2)),) * 2) is built._best_window.held[()]
 
 
 def test_the_build_refuses_arrays_it_was_not_made_for():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,20 +44,16 @@ def __getattr__(name: str) -> object:
     first asked for: pyarrow is loaded then, not by every command that
     imports this module for a record or a constant (two dumps compared in
     one process need it only for their Parquet tables)."""
-    made = _SCHEMAS.get(name)
-    if made is None:
-        maker = _MAKERS.get(name)
-        if maker is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        with _SCHEMAS_LOCK:
-            if name not in _SCHEMAS:
-                _SCHEMAS.update(maker())
-            made = _SCHEMAS[name]
-    return made
+    if name == "TENSOR_SCHEMA":
+        return _tensor_schema()
+    if name in _REPORT_SCHEMAS:
+        return _report_schemas()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _tensor_schema() -> dict[str, pa.Schema]:
-    return {"TENSOR_SCHEMA": pa.schema([
+@cache
+def _tensor_schema() -> pa.Schema:
+    return pa.schema([
         pa.field("name", pa.string()),          # tensor name as the device knows it
         pa.field("op_type", pa.string()),
         pa.field("order", pa.int32()),          # execution order on the device (-1 unknown)
@@ -77,7 +74,7 @@ def _tensor_schema() -> dict[str, pa.Schema]:
         # what the device recorded of the call as a JSON object's text (a module's
         # configuration, an operator's arguments); "" = nothing
         pa.field("attributes", pa.string()),
-    ])}
+    ])
 
 
 STATUS_OK = "ok"
@@ -301,7 +298,7 @@ class _Batcher:
             column(cols[7], pa.string()), column(cols[8], pa.string()), column(cols[9], pa.string()),
             column(cols[10], pa.string()), column(cols[11], pa.int32()), column(cols[12], pa.string()),
             column(cols[13], pa.string()), column(cols[14], pa.string()),
-        ], schema=__getattr__("TENSOR_SCHEMA"))
+        ], schema=_tensor_schema())
         self.rows, self.views, self.nbytes = [], [], 0
         return batch
 
@@ -576,6 +573,7 @@ def _table_schema(table: str, fields: list[pa.Field]) -> pa.Schema:
     return pa.schema(fields, metadata={TABLE_KEY: table.encode(), VERSION_KEY: str(REPORT_SCHEMA_VERSION).encode()})
 
 
+@cache
 def _report_schemas() -> dict[str, object]:
     f64, i64, i32, string, boolean = pa.float64(), pa.int64(), pa.int32(), pa.string(), pa.bool_()
     metric_docs = {
@@ -684,7 +682,4 @@ def _report_schemas() -> dict[str, object]:
             "WEIGHTS_SCHEMA": weights, "REPORT_TABLES": report_tables}
 
 
-_SCHEMAS: dict[str, object] = {}
-_SCHEMAS_LOCK = threading.Lock()
-_MAKERS = {"TENSOR_SCHEMA": _tensor_schema, **dict.fromkeys(
-    ("NODES_SCHEMA", "ELEMENTS_SCHEMA", "ALIGNMENT_SCHEMA", "WEIGHTS_SCHEMA", "REPORT_TABLES"), _report_schemas)}
+_REPORT_SCHEMAS = frozenset({"NODES_SCHEMA", "ELEMENTS_SCHEMA", "ALIGNMENT_SCHEMA", "WEIGHTS_SCHEMA", "REPORT_TABLES"})

@@ -36,6 +36,7 @@ import difflib
 import re
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -230,7 +231,6 @@ class Aligner:
             for key in self._keys(s):
                 self._by_key.setdefault(key, s)
         self._relaxed_index: _Relaxed | None = None     # made when a name is first looked up relaxed
-        self._alike: Alike | None = None        # the relaxed index's names, letters counted (closest)
         self._claimed: set[str] = set()      # reference tensors map_node_dict or pairs decide
         self._mapped: dict[str, TensorSite] = {}
         self._map_canon: dict[str, str] = {}  # canonical device name -> normalized one
@@ -311,6 +311,11 @@ class Aligner:
             ix.vocab.difference_update(CONVERTER_SUFFIXES)
             self._relaxed_index = ix
         return self._relaxed_index
+
+    @cached_property
+    def _shown_alike(self) -> Alike:
+        """The relaxed index's names, their letters counted (closest)."""
+        return Alike(self._relaxed.shown)
 
     @staticmethod
     def _keys(s: TensorSite) -> list[str]:
@@ -694,9 +699,7 @@ class Aligner:
         inside = {base[i:j] for i in starts for j in ends if j - i >= 3 and (i, j) != (0, len(base))}
         for k in sorted((k for k in inside if k in self._relaxed.shown and _LETTER.search(k)), key=len, reverse=True):
             add(self._relaxed.shown[k])
-        if self._alike is None:
-            self._alike = Alike(self._relaxed.shown)
-        for k in close_matches(base, self._relaxed.shown, n=n, cutoff=0.6, alike=self._alike):
+        for k in close_matches(base, self._relaxed.shown, n=n, cutoff=0.6, alike=self._shown_alike):
             add(self._relaxed.shown[k])
         return out[:n]
 

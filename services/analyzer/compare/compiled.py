@@ -168,14 +168,20 @@ class _Typed:
         self.typed = len(keys[0])       # the leading arguments whose types pick the export
 
     def __call__(self, *args):
+        return self.export(args)(*args)
+
+    def export(self, args: tuple):
+        """The export a call with ``args`` runs: by the types of its leading
+        arrays, and the one that keeps the interpreter lock where its first
+        array (a state's, a grid's, a name's where no type picks it) holds
+        at most SMALL elements."""
         key = tuple(_array_kind(a, self.name) for a in args[:self.typed])
         first = args[0] if args else None
-        # the size of what it reads: its first array (a state's, a grid's, a name's where no type picks it)
         small = not isinstance(first, np.ndarray) or first.size <= SMALL
         fn = (self.held if small else self.by_key).get(key)
         if fn is None:
             raise TypeError(f"{self.name} is not built for arrays of {key}")
-        return fn(*args)
+        return fn
 
 
 _KINDS = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "f16", np.dtype(np.float64): "f64",

@@ -210,9 +210,9 @@ class DumpDirectory:
             # a number leading every name is the script's count, not the
             # tensor's name, whatever gave the order (two builds number
             # their tensors differently: an FP16 build's casts shift them)
-            stems = _without_leading_numbers([os.path.splitext(f)[0] for f in names])    # Path(f).stem: a dump file's
-            # each file's format said once (read twice an entry otherwise)
-            return [{"name": stem, "file": f, "order": i, "op_type": "", "format": _format_of(f)}
+            # (a dump file's stem: its name without its extension, no Path made a file)
+            stems = _without_leading_numbers([os.path.splitext(f)[0] for f in names])
+            return [{"name": stem, "file": f, "order": i, "op_type": ""}
                     for i, (stem, f) in enumerate(zip(stems, names))]
         try:
             doc = json.loads(mpath.read_text(encoding="utf-8"))
