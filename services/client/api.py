@@ -183,7 +183,7 @@ def run(model, inputs, *, out="layerdiff-out", device: str = "cpu", precision: s
     analyzer that stops answering raises JobFailed (exit status 3) naming it
     and the job.
     """
-    from layerdiff.analyzer.report.perf.table import parse_mode
+    from layerdiff.analyzer.report.perf.settings import parse_mode
 
     perf = pb.PerfOptions(mode=parse_mode(perf_mode), hide_span_nodes=not perf_all_nodes, runs=perf_runs or 0,
                           clock_mhz=clock_mhz or 0.0, graph_optimization=perf_graph_optimization or "")

@@ -17,8 +17,7 @@ from layerdiff.analyzer.diagnose.minmax import parse_min_max
 from layerdiff.analyzer.jobs.budget import MemoryBudget
 from layerdiff.analyzer.reference.dump import DumpReference
 from layerdiff.analyzer.reference.onnxrt import OnnxReference
-from layerdiff.analyzer.reference.tf import TFReference, open_reference
-from layerdiff.analyzer.report.perf.table import PerfSettings, check_perf_options
+from layerdiff.analyzer.report.perf.settings import PerfSettings, check_perf_options
 from layerdiff.collector.core import in_process
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import LayerdiffError
@@ -26,10 +25,10 @@ from layerdiff.common.onnxgraph import load_inputs
 from layerdiff.common.precision import Precision
 from layerdiff.common.precision import parse as parse_precision
 from layerdiff.common.schema import check_dump_mode
-from layerdiff.common.security import check_collector_allowed
 from layerdiff.v1 import layerdiff_pb2 as pb
 
 if TYPE_CHECKING:
+    from layerdiff.analyzer.reference.tf import TFReference
     from layerdiff.collector.core import Collector
     from layerdiff.collector.service import CollectorClient
 
@@ -89,6 +88,8 @@ def _check_collector(address: str) -> None:
     """The analyzer may connect to this collector (one serving in this
     process is not connected to: nothing to allow)."""
     if in_process(address) is None:
+        from layerdiff.common.security import check_collector_allowed
+
         check_collector_allowed(address)
 
 
@@ -99,6 +100,9 @@ def prepare(spec: pb.JobSpec, store: ArtifactStore) -> Prepared:
     if not spec.collector:
         raise LayerdiffError("no collector address given", field="collector")
     _check_collector(spec.collector)
+    # TensorFlow's reference (and its loaders) only for a job with a model
+    from layerdiff.analyzer.reference.tf import TFReference, open_reference
+
     declared = parse_precision(spec.precision)
     model_name = spec.model_name or store.name(spec.model_artifact)
     reference = open_reference(store.read(spec.model_artifact, "model_artifact"), model_name, spec.signature,
@@ -278,6 +282,7 @@ def _device_model_facts(spec: pb.JobSpec, store: ArtifactStore, reference) -> tu
     layer when both are Keras models; None otherwise, and names decide),
     and whether it quantizes."""
     from layerdiff.analyzer.align.graph import GraphAlignment, align_graphs
+    from layerdiff.analyzer.reference.tf import TFReference
     from layerdiff.common.onnxgraph import PARSED
     from layerdiff.common.tf.format import FORMAT_KERAS, is_tensorflow, onnx_by_name
     from layerdiff.common.tf.load import load_tf_model

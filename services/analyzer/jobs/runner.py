@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from layerdiff.analyzer.compare import metrics as M
 from layerdiff.analyzer.compare.coverage import MIN_COVERAGE_DEFAULT
-from layerdiff.analyzer.diagnose.impact import ImpactRunner, InjectedValues
 from layerdiff.analyzer.diagnose.verdicts import ExecutionOrder
 from layerdiff.analyzer.execute.local import LocalPool
 from layerdiff.analyzer.jobs.budget import DEFAULT_BUDGET, MemoryBudget
@@ -381,7 +380,11 @@ class JobRunner:
         if isinstance(p.reference, DumpReference):
             rep.reference_overflow = dict(p.reference.overflow)
         # device values of nodes with an error of their own, for the impact re-runs
-        injected = InjectedValues(cap_bytes=budget.impact) if isinstance(p.reference, OnnxReference) else None
+        injected = None
+        if isinstance(p.reference, OnnxReference):
+            from layerdiff.analyzer.diagnose.impact import InjectedValues
+
+            injected = InjectedValues(cap_bytes=budget.impact)
 
         # the kept values are released however the job ends (one may hold its receive buffer)
         try:
@@ -421,8 +424,11 @@ class JobRunner:
                 sections = partial(write_perf_sections, job.report_dir, perf, p.aligner, p.reference.sites, p.perf,
                                    rep, job_info)
             # device values are kept for the impact re-runs of an ONNX reference only
-            impact = ImpactRunner(p.reference.split, p.feeds, injected, p.tolerances.default, baseline=baseline) \
-                if injected and isinstance(p.reference, OnnxReference) else None
+            impact = None
+            if injected and isinstance(p.reference, OnnxReference):
+                from layerdiff.analyzer.diagnose.impact import ImpactRunner
+
+                impact = ImpactRunner(p.reference.split, p.feeds, injected, p.tolerances.default, baseline=baseline)
             if p.weights_aside is not None:
                 p.weights = p.weights_aside.result()
             summary = write_report(job.report_dir, rep, parameters=self._parameters(job, p), job=job_info,

@@ -28,11 +28,11 @@ from layerdiff.analyzer.report.perf.files import (
     write_skip_log,
     write_tables,
 )
+from layerdiff.analyzer.report.perf.settings import PerfSettings
 from layerdiff.analyzer.report.perf.table import (
     AccuracyOfNode,
     NodePerf,
     PerfData,
-    PerfSettings,
     PerfTable,
     accuracy_by_node,
     bound_hint,
