@@ -1,11 +1,15 @@
 """The failing tensors' detail files, written while the job compares
 (report.details): the same bytes under the same names as when written at
 the end, nothing provisional left behind however the job ends, and a job
-of two dumps whose stream does not follow the execution order."""
+of two dumps whose stream does not follow the execution order; the
+summary's documents made by the report's process (report.writer) as the
+job makes them itself, and its failures."""
 from __future__ import annotations
 
 import csv
+import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ import pytest
 from layerdiff.analyzer.compare.node import compare_node
 from layerdiff.analyzer.compare.tolerances import Tolerance
 from layerdiff.analyzer.report.details import DetailFiles, write_detail
+from layerdiff.analyzer.report.documents import write_documents
 from layerdiff.analyzer.report.files import Row
 from layerdiff.client.api import compare
 from layerdiff.collector.dumps.directory import write_dump
@@ -39,10 +44,13 @@ def test_files_written_while_comparing_are_those_written_at_the_end(tmp_path):
     for r in rows[:3]:          # "e" is recorded some other way: placed without being added
         early.add(r)
     early.place(rows, names)
+    early.finish()
     early.close()
     late = tmp_path / "late"
     late.mkdir()
-    DetailFiles(late).place(rows, names)
+    at_end = DetailFiles(late)
+    at_end.place(rows, names)
+    at_end.finish()
     assert _listing(tmp_path / "early") == _listing(late) == ["b.csv", "c_d.csv", "e.csv"]
     for name in names.values():
         assert (tmp_path / "early" / name).read_bytes() == (late / name).read_bytes()
@@ -61,6 +69,7 @@ def test_a_tensor_recorded_twice_keeps_its_last_file_only(tmp_path):
         files.add(r)
     rows = [again, other, later]
     files.place(rows, {"x": "x.csv", "y": "y.csv", "z": "z.csv"})
+    files.finish()
     assert _listing(tmp_path) == ["x.csv", "y.csv", "z.csv"]
     for r in rows:
         want = tmp_path / "want.csv"
@@ -114,9 +123,9 @@ def test_two_dumps_in_another_order_than_execution_name_clashing_files_alike(tmp
         assert float(worst[0]["std_value"]) == pytest.approx(float(gold[tensor][i]), rel=1e-5)
 
 
-def test_a_file_the_writer_cannot_place_fails_at_placing(tmp_path):
+def test_a_file_the_writer_cannot_place_fails_the_reports(tmp_path):
     """The files are made by a process of their own: a failure there (a
-    directory where a file's name goes) is the OSError placing raises,
+    directory where a file's name goes) is the OSError finishing raises,
     naming the file; the files after it are not placed, and closing after
     it leaves no provisional file behind."""
     out = tmp_path / "report"
@@ -125,8 +134,81 @@ def test_a_file_the_writer_cannot_place_fails_at_placing(tmp_path):
     for r in rows:
         files.add(r)
     (out / "n3.csv" / "inside").mkdir(parents=True)
+    files.place(rows, {r.label: f"{r.label}.csv" for r in rows})
     with pytest.raises(OSError) as failed:
-        files.place(rows, {r.label: f"{r.label}.csv" for r in rows})
+        files.finish()
     assert failed.value.errno and failed.value.filename and "n3.csv" in str(failed.value), failed.value
     files.close()
     assert _listing(out) == ["n0.csv", "n1.csv", "n2.csv", "n3.csv"]
+
+
+def _failing_job(tmp_path) -> dict:
+    """A real job's summary (two dumps, every tensor failing)."""
+    rng = np.random.default_rng(5)
+    gold = {f"t{i}": rng.standard_normal(64).astype(np.float32) for i in range(20)}
+    write_dump(tmp_path / "gold", [NodeRecord(name=n, array=v, order=i) for i, (n, v) in enumerate(gold.items())])
+    write_dump(tmp_path / "dev", [NodeRecord(name=n, array=v * 3, order=i) for i, (n, v) in enumerate(gold.items())])
+    return compare(tmp_path / "gold", tmp_path / "dev", out=tmp_path / "job", progress=False).summary
+
+
+def _unnonced(page: bytes) -> bytes:
+    """report.html without its per-page nonce."""
+    return re.sub(rb'nonce(-|=")[A-Za-z0-9_-]+', b"nonce", page)
+
+
+def _through_the_process(out, summary: dict, rows: list) -> bool:
+    files = DetailFiles(out)
+    for r in rows:
+        files.add(r)
+    files.place(rows, {r.label: f"{r.label}.csv" for r in rows if r.failed})
+    handed = files.hand_over(summary)
+    files.finish()
+    files.close()
+    return handed
+
+
+def test_the_documents_the_process_makes_are_those_made_here(tmp_path):
+    """summary.json, the explorer's files and report.html, made by the
+    report's process from the summary handed to it, are the bytes made in
+    the job's own process (the page but for its nonce)."""
+    summary = _failing_job(tmp_path)
+    rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]       # a batch: the process is started
+    assert _through_the_process(tmp_path / "there", summary, rows)
+    (tmp_path / "here").mkdir()
+    write_documents(tmp_path / "here", summary)
+    made = ["model_explorer_cosine.json", "model_explorer_rel_err.json", "report.html", "summary.json"]
+    assert sorted(n for n in _listing(tmp_path / "here")) == made
+    assert [n for n in _listing(tmp_path / "there") if not n.endswith(".csv")] == made
+    for name in made:
+        here, there = (tmp_path / "here" / name).read_bytes(), (tmp_path / "there" / name).read_bytes()
+        assert _unnonced(here) == _unnonced(there), name
+    assert json.loads((tmp_path / "there" / "summary.json").read_text(encoding="utf-8")) == summary
+    assert b"nonce" in (tmp_path / "there" / "report.html").read_bytes()
+
+
+def test_a_document_the_process_cannot_write_fails_the_reports(tmp_path):
+    """A directory where summary.json goes: finishing raises the OSError
+    naming it, and the detail files placed before it stay."""
+    summary = _failing_job(tmp_path)
+    out = tmp_path / "report"
+    (out / "summary.json").mkdir(parents=True)
+    rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]
+    with pytest.raises(OSError) as failed:
+        _through_the_process(out, summary, rows)
+    assert failed.value.errno and str(failed.value.filename).endswith("summary.json"), failed.value
+    assert [n for n in _listing(out) if n.endswith(".csv")] == sorted(f"n{i}.csv" for i in range(20))
+    assert not [n for n in _listing(out) if n.startswith(".")]
+
+
+def test_a_summary_the_process_cannot_make_documents_of_is_left_to_the_job(tmp_path):
+    """A numpy number in the summary (marshal carries it as its bytes):
+    the process makes no documents of it, and says so without failing."""
+    rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]
+    files = DetailFiles(tmp_path)
+    for r in rows:
+        files.add(r)
+    files.place(rows, {r.label: f"{r.label}.csv" for r in rows})
+    assert files.hand_over({"nodes": [{"cosine": np.float64(0.5)}]})
+    assert files.finish() is False
+    files.close()
+    assert _listing(tmp_path) == sorted(f"n{i}.csv" for i in range(20))

@@ -33,8 +33,7 @@ import math
 import sys
 from pathlib import Path
 
-from layerdiff.analyzer.report.files import summary_number
-from layerdiff.analyzer.report.jsontext import json_text
+from layerdiff.analyzer.report.jsontext import json_text, summary_number
 
 REL_ERR_FILE = "model_explorer_rel_err.json"
 COSINE_FILE = "model_explorer_cosine.json"

@@ -30,6 +30,7 @@ from layerdiff.analyzer.diagnose import verdicts as diagnose
 from layerdiff.analyzer.diagnose import weights as weights_mod
 from layerdiff.analyzer.diagnose.errormodel import Block, Budget
 from layerdiff.analyzer.report.details import DetailFiles
+from layerdiff.analyzer.report.documents import write_documents
 from layerdiff.analyzer.report.jsontext import json_text
 from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import TensorSite
@@ -239,21 +240,6 @@ def _json_num(v):
     return v
 
 
-def summary_number(v: object) -> float:
-    """A number of summary.json read back (null is NaN, "inf"/"-inf" the
-    infinities, anything else that is not a number NaN)."""
-    if type(v) is float:        # most of them: a page reads tens of thousands
-        return v
-    if v is None or isinstance(v, bool):
-        return math.nan
-    if isinstance(v, str):
-        return {"inf": math.inf, "-inf": -math.inf}.get(v.strip().lower(), math.nan)
-    try:
-        return float(v)  # type: ignore[arg-type]  # any JSON value; what float() refuses is caught
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def node_summary(r: Row) -> dict:
     d = r.outcome.metrics.as_dict()
     for k, v in d.items():     # only the few non-finite floats rewritten (every node's forty numbers)
@@ -393,12 +379,8 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
                     + ".csv" for r in rows if r.failed}
     aligned = alignment_rows(rep, aligner, all_sites)
     if details is not None:
-        # Written while the job compared: the last few written and all
-        # renamed now, before any other thread runs Python again. Each is a
-        # system call, after which its thread waits for the interpreter
-        # lock as long as another thread keeps it (a switch interval, 5 ms):
-        # beside the report's other threads, the last 15 files and 257
-        # renames took 0.14 s; alone, 0.02 s.
+        # Written while the job compared: the last few and the renames are
+        # handed to the report's process (report.writer), or made here.
         details.place(rows, detail_files)
     # The Parquet tables (and detail files not written yet) are written
     # beside the rest, on threads of their own: Parquet's encoding and
@@ -409,32 +391,6 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         written = [aside.submit(write_tables, out, rows, detail_files, aligned, weights)]
         if details is None:
             written.append(aside.submit(DetailFiles(out).place, rows, detail_files))
-        _write_csv(out / "cpu_vs_npu.csv", SEED_COLUMNS + EXTRA_COLUMNS,
-                   (_seed_cells(r) + _extra_cells(i, r) for i, r in enumerate(rows)))
-        _write_log(out / "compare_skip.log", rep.skipped +
-                   [(s.tensor, f"fused into device node {dev!r}: its output is compared instead")
-                    for s, dev in rep.fused] +
-                   [(s.tensor, why) for s, why in rep.folded] +
-                   [(s.tensor, "not dumped by the device (not produced, or fused away where no device graph says so)")
-                    for s in rep.not_dumped])
-        write_alignment(out / "alignment.csv", aligned)
-        if weights is not None:
-            weights_mod.write_csv(out / "weights.csv", weights)
-        _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
-        _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
-        _write_log(out / "check_skip.log", rep.check_skip)
-        _write_log(out / "concate_skip.log", rep.concat_skip)
-        _write_log(out / "overflow_nodename.log", list(rep.overflow.items()) +
-                   [(f"{n} (reference dump)", why) for n, why in rep.reference_overflow.items()])
-        if rep.range_skips:
-            _write_log(out / "min_max_skip.log", rep.range_skips)
-        (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
-                                                      encoding="utf-8")
-        _write_csv(out / "op_config.csv", ["op_name", "atol", "rtol"],
-                   ([node, "NA", "NA"] for node in dict.fromkeys(s.node for s in all_sites)))
-        (out / "node_runtime.json").write_text(json_text(node_runtime), encoding="utf-8")
-        (out / "consumer_map.json").write_text(json_text(consumers), encoding="utf-8")
-
         first = rep.first_failing()
         comps = [r for r in rows if r.finding and r.finding.verdict == diagnose.COMPUTATION and not r.finding.benign]
         first_comp = comps[0] if comps else None
@@ -512,15 +468,43 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
             "nodes": [node_summary(r) for r in rows],
         }
         summary.update((sections() if callable(sections) else sections) or {})
-        (out / "summary.json").write_text(json_text(summary, allow_nan=False), encoding="utf-8")
-        # what a person reads: the page, and the errors to overlay on the graph
-        from layerdiff.analyzer.report.explorer import write_node_data
-        from layerdiff.analyzer.report.html import write_html
+        # summary.json, the page and the explorer's files (a third of the
+        # reports' time) made by the report's process from a copy while
+        # the files below are written here (the summary is made first for
+        # that), or made here after them
+        documents_here = details is None or not details.hand_over(summary)
+        _write_csv(out / "cpu_vs_npu.csv", SEED_COLUMNS + EXTRA_COLUMNS,
+                   (_seed_cells(r) + _extra_cells(i, r) for i, r in enumerate(rows)))
+        _write_log(out / "compare_skip.log", rep.skipped +
+                   [(s.tensor, f"fused into device node {dev!r}: its output is compared instead")
+                    for s, dev in rep.fused] +
+                   [(s.tensor, why) for s, why in rep.folded] +
+                   [(s.tensor, "not dumped by the device (not produced, or fused away where no device graph says so)")
+                    for s in rep.not_dumped])
+        write_alignment(out / "alignment.csv", aligned)
+        if weights is not None:
+            weights_mod.write_csv(out / "weights.csv", weights)
+        _write_log(out / "invalid_out_nodename.log", rep.invalid_out)
+        _write_log(out / "options_unmatched.log", coverage.unmatched_options(cov))
+        _write_log(out / "check_skip.log", rep.check_skip)
+        _write_log(out / "concate_skip.log", rep.concat_skip)
+        _write_log(out / "overflow_nodename.log", list(rep.overflow.items()) +
+                   [(f"{n} (reference dump)", why) for n, why in rep.reference_overflow.items()])
+        if rep.range_skips:
+            _write_log(out / "min_max_skip.log", rep.range_skips)
+        (out / "dump_memory_nodename.log").write_text("".join(_one_line(n) + "\n" for n in rep.device_names),
+                                                      encoding="utf-8")
+        _write_csv(out / "op_config.csv", ["op_name", "atol", "rtol"],
+                   ([node, "NA", "NA"] for node in dict.fromkeys(s.node for s in all_sites)))
+        (out / "node_runtime.json").write_text(json_text(node_runtime), encoding="utf-8")
+        (out / "consumer_map.json").write_text(json_text(consumers), encoding="utf-8")
 
-        write_node_data(out, summary)
-        write_html(out, summary)
+        if documents_here:
+            write_documents(out, summary)
     for done in written:
         done.result()
+    if details is not None and not details.finish() and not documents_here:
+        write_documents(out, summary)       # a summary the process could not make documents of
     return summary
 
 

@@ -46,8 +46,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from layerdiff import __version__
-from layerdiff.analyzer.report.files import summary_number as num
 from layerdiff.analyzer.report.html_assets import CSS, SCRIPT
+from layerdiff.analyzer.report.jsontext import summary_number as num
 from layerdiff.common.tf.format import shown_model
 
 MAX_PLOT_BYTES = 16 << 20

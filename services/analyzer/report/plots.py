@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff.analyzer.report.files import summary_number
+from layerdiff.analyzer.report.jsontext import summary_number
 from layerdiff.common.errors import LayerdiffError
 
 PLOT_WIDTH_PX = 800

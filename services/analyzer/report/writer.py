@@ -1,0 +1,283 @@
+"""The report's process: a job's report files made beside the job, by a
+process of its own (``ReportProcess`` starts it at the job's first failing
+rows; report.details hands it the detail files, report.files the summary).
+
+A two-dump job is bound by the interpreter lock of its process. Made by a
+thread of the job's process, each of the three system calls a detail file
+takes gave the lock away and took it back from the threads comparing (257
+files: a ninth of the job, 0.11 s); summary.json's JSON, report.html and
+the explorer's files held it for a third of the reports' time (50 ms).
+Here they cost the job what it takes to hand them over: the detail rows as
+numbers, the summary marshalled (3 ms). marshal carries the job's own
+values, through a pipe only the job holds; nothing received from elsewhere
+is ever unmarshalled.
+
+What it is handed, frames on its standard input, a byte saying what each is:
+
+  W name rows   a detail file (rows: count, then the indices, then each
+                row's four values), named ``name`` in the directory
+  R old new     a rename;  U name  a deletion (gone already is no error)
+  S size data   the summary: its documents (report.documents)
+
+Names are of the directory itself (dir_fd). The first failure (a full disk)
+stops the writing and is said on its standard error as
+"errno<TAB>strerror<TAB>filename", its exit status 1; it reads on to the
+end. A summary it cannot make documents of (a numpy number in it, which
+marshal carries as its bytes: JSON refuses them) is no failure: its exit
+status 3 says so, and the job makes them itself. It loads nothing but the
+standard library and the page's modules (no numpy): started in 30 ms.
+"""
+from __future__ import annotations
+
+import fcntl
+import marshal
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
+DETAIL_HEAD = ",".join(DETAIL_COLUMNS) + "\r\n"
+DETAIL_ROW = "%d,%.6g,%.6g,%.6g,%.6g\r\n"     # g6's format, a row at once: 100k cells a job
+
+# The process runs this layerdiff (the first path: the job's own package,
+# whatever the environment's), isolated from this environment's variables
+# and its site (-I -S); it ends without the interpreter's clean-up, every
+# file closed already.
+_BOOT = ("import os, sys; sys.path.insert(0, sys.argv[1]); from layerdiff.analyzer.report.writer import main; "
+         "code = main(sys.argv[2]); sys.stderr.flush(); os._exit(code)")
+_PACKAGE_ROOT = str(Path(__file__).parents[3])      # the directory layerdiff is imported from
+# (where an import hook of an installer places it elsewhere, no process: the job writes its files itself)
+_BOOTABLE = Path(_PACKAGE_ROOT, "layerdiff", "analyzer", "report", "writer.py").is_file()
+# a pipe as large as the summary of a few thousand nodes: handed over in one write, not 64k at a time
+_PIPE_BYTES = 1 << 20
+# its exit status where all went well but the summary's documents (the job makes them)
+_REFUSED = 3
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def detail_text(rows) -> bytes:
+    """A detail file's bytes: numbers only, no cell to quote (one format a
+    row, as csv.writer's dialect ends it). ``rows``: (index, four values)."""
+    return (DETAIL_HEAD + "".join(map(DETAIL_ROW.__mod__, rows))).encode("ascii")
+
+
+# ------------------------------------------------------------ the job's side
+
+def name_frame(name: str) -> bytes:
+    b = name.encode("utf-8", "surrogateescape")
+    return struct.pack("<H", len(b)) + b
+
+
+def detail_frame(name: str, worst: list) -> bytes:
+    n = len(worst)
+    return (b"W" + name_frame(name) + struct.pack(f"<I{n}q{4 * n}d", n, *[w[0] for w in worst],
+                                                  *[v for w in worst for v in w[1:5]]))
+
+
+def summary_frame(summary: dict) -> bytes:
+    """The S frame of a summary (ValueError: marshal cannot carry it, an
+    object of a class of its own in it)."""
+    data = marshal.dumps(summary)
+    return b"S" + struct.pack("<Q", len(data)) + data
+
+
+class ReportProcess:
+    """The process that writes into the report directory ``out`` (it
+    exists). ``send`` hands it frames (blocking while its pipe is full);
+    ``finish`` ends its input, waits for it and gives its failure (OSError)
+    or None; ``refused`` is then set where it made no documents of the
+    summary it was handed (a value marshal carried as another type)."""
+
+    def __init__(self, out: Path) -> None:
+        if not _BOOTABLE:
+            raise OSError(0, "layerdiff is not importable from a directory of its own here")
+        self.out = out
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_ROOT, str(out)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     close_fds=True)
+        self.broken = False
+        self.refused = False
+        try:
+            assert self.proc.stdin is not None     # stdin=PIPE
+            fcntl.fcntl(self.proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        except (OSError, AttributeError):
+            pass        # a smaller pipe: the same frames, written in more pieces
+
+    def send(self, frames: bytes) -> None:
+        if self.broken or self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write(frames)
+        except OSError:
+            self.broken = True      # it ended early: finish says why
+
+    def finish(self) -> OSError | None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            self.broken = True
+        err = self.proc.stderr.read() if self.proc.stderr is not None else b""
+        code = self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        if code in (0, _REFUSED) and not self.broken:
+            self.refused = code == _REFUSED
+            return None
+        errno_, _, rest = err.decode("utf-8", "replace").partition("\t")
+        strerror, _, filename = rest.partition("\t")
+        if not strerror:
+            return OSError(0, f"the report's process ended with status {code}")
+        return OSError(int(errno_) if errno_.isdigit() else 0, strerror,
+                       str(self.out / filename) if filename and "/" not in filename else filename or None)
+
+
+# ------------------------------------------------------------ the process
+
+def _preload() -> None:
+    """The page's modules, loaded while the job compares."""
+    try:
+        from layerdiff.analyzer.report import documents  # noqa: F401
+    except Exception:       # the frame that needs them says what failed
+        pass
+
+
+class _Input:
+    """Frames' fields read from standard input (EOFError: a frame cut short)."""
+
+    def __init__(self) -> None:
+        self.src = sys.stdin.buffer
+
+    def take(self, n: int) -> bytes:
+        b = self.src.read(n)
+        if len(b) != n:
+            raise EOFError
+        return b
+
+    def name(self) -> str:
+        return self.take(struct.unpack("<H", self.take(2))[0]).decode("utf-8", "surrogateescape")
+
+    def value(self) -> object:
+        return marshal.loads(self.take(struct.unpack("<Q", self.take(8))[0]))
+
+
+def _write(folder: int, name: str, data: bytes) -> None:
+    view = memoryview(data)
+    fd = os.open(name, _FLAGS, 0o666, dir_fd=folder)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _rename(folder: int, old: str, new: str, failed: bool) -> None:
+    try:
+        if failed:
+            raise FileExistsError       # not placed after a failure: nothing provisional stays
+        os.replace(old, new, src_dir_fd=folder, dst_dir_fd=folder)
+    except OSError:
+        try:
+            os.unlink(old, dir_fd=folder)
+        except OSError:
+            pass
+        raise
+
+
+class _Frames:
+    """The process's work: every frame to the end of the input, and the
+    first failure (errno, strerror, file name), after which nothing more
+    is written."""
+
+    def __init__(self, path: str, inp: _Input) -> None:
+        self.path = path
+        self.inp = inp
+        self.failed: tuple[int, str, str] | None = None
+        self.refused = False        # a summary it could not make documents of
+
+    def run(self) -> tuple[int, str, str] | None:
+        try:
+            folder = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            return (e.errno or 0, e.strerror or str(e), self.path)
+        try:
+            while op := self.inp.src.read(1):
+                self._frame(folder, op)
+        except EOFError:
+            self.failed = self.failed or (0, "the report's process was handed a broken frame", "")
+        finally:
+            os.close(folder)
+        return self.failed
+
+    def _frame(self, folder: int, op: bytes) -> None:
+        inp, target = self.inp, ""
+        try:
+            if op == b"W":
+                target = inp.name()
+                n = struct.unpack("<I", inp.take(4))[0]
+                idx = struct.unpack(f"<{n}q", inp.take(8 * n))
+                v = struct.unpack(f"<{4 * n}d", inp.take(32 * n))
+                if self.failed is None:
+                    _write(folder, target, detail_text([(idx[i], *v[4 * i:4 * i + 4]) for i in range(n)]))
+            elif op == b"R":
+                old = inp.name()
+                target = inp.name()         # the file it fails to place is named by its final name
+                _rename(folder, old, target, self.failed is not None)
+            elif op == b"U":
+                try:
+                    os.unlink(inp.name(), dir_fd=folder)
+                except OSError:
+                    pass
+            elif op == b"S":
+                target = "summary.json"
+                value = inp.value()
+                if self.failed is None:
+                    self._documents(value)
+            else:
+                raise EOFError
+        except EOFError:
+            raise
+        except Exception as e:      # a file that cannot be made, or a value the page cannot take
+            self.failed = self.failed or _failure(e, target, op)
+
+
+    def _documents(self, summary: object) -> None:
+        from layerdiff.analyzer.report.documents import write_documents
+
+        if not isinstance(summary, dict):
+            self.refused = True
+            return
+        try:
+            write_documents(Path(self.path), summary)
+        except OSError:
+            raise
+        except (TypeError, ValueError):
+            # marshal carries a numpy number as its bytes (a buffer): JSON,
+            # written first, refuses it; the job makes the documents itself
+            self.refused = True
+
+
+def _failure(e: Exception, target: str, op: bytes) -> tuple[int, str, str]:
+    """A failure as the job is told it: a detail file by its final name; in
+    the documents, the file the error names."""
+    if not isinstance(e, OSError):
+        return (0, f"{type(e).__name__}: {e}", target)
+    return (e.errno or 0, e.strerror or str(e), str(e.filename) if op == b"S" and e.filename else target)
+
+
+def main(path: str) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the job's to answer: it ends with its input
+    threading.Thread(target=_preload, name="preload", daemon=True).start()
+    frames = _Frames(path, _Input())
+    try:
+        failed = frames.run()
+    except Exception as e:      # said as a failure, never as a traceback
+        failed = (0, f"{type(e).__name__}: {e}", "")
+    if failed is not None:
+        sys.stderr.write("{}\t{}\t{}".format(*failed))
+        return 1
+    return _REFUSED if frames.refused else 0
