@@ -199,6 +199,13 @@ def report_target(out: Path, root: Path, rel: str) -> Path:
     return target
 
 
+def _link_or_copy(src: Path, target: Path) -> None:
+    try:
+        os.link(src, target)
+    except OSError:
+        shutil.copyfile(src, target)
+
+
 def take_report(files: list[tuple[str, Path]], out: Path, root: Path) -> list[Path]:
     """An embedded analyzer's report files into ``out``: hard links where
     both lie on one file system (its directory goes with the process, the
@@ -218,9 +225,12 @@ def take_report(files: list[tuple[str, Path]], out: Path, root: Path) -> list[Pa
                 made[folder] = where
                 target = where / name
             # a link (or anything) already at the name is replaced, never written through
-            target.unlink(missing_ok=True)
+            # (looked for only where the link finds it: most reports go to a new directory)
             try:
                 os.link(src, target)
+            except FileExistsError:
+                target.unlink()
+                _link_or_copy(src, target)
             except OSError:
                 shutil.copyfile(src, target)
         except OSError as e:

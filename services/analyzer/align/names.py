@@ -294,8 +294,8 @@ class Aligner:
         if self._relaxed_index is None:
             ix = _Relaxed({}, {}, {}, set(), {})
             for s in self.sites:
-                for key in self._keys(s):
-                    ck = key.casefold()
+                # a site's keys once each (a dump's node is its tensor: 'x', 'x:0', 'x')
+                for ck in dict.fromkeys(k.casefold() for k in self._keys(s)):
                     bucket = ix.canon.setdefault(ck, [])
                     if all(x.tensor != s.tensor for x in bucket):
                         bucket.append(s)
@@ -306,8 +306,9 @@ class Aligner:
                         signless.append(s)
                     ix.vocab.update(_tokens(ck))
                 ix.vocab.add(s.op_type.casefold())
-                for shown in (s.tensor, s.node):
-                    ix.shown.setdefault(canonical(shown), shown)
+                ix.shown.setdefault(canonical(s.tensor), s.tensor)
+                if s.node != s.tensor:
+                    ix.shown.setdefault(canonical(s.node), s.node)
             ix.vocab.difference_update(CONVERTER_SUFFIXES)
             self._relaxed_index = ix
         return self._relaxed_index
@@ -319,9 +320,10 @@ class Aligner:
 
     @staticmethod
     def _keys(s: TensorSite) -> list[str]:
-        keys = [normalize(s.tensor), normalize(f"{s.node}:{s.output_index}")]
+        tensor = normalize(s.tensor)
+        keys = [tensor, normalize(f"{s.node}:{s.output_index}")]
         if s.output_index == 0:
-            keys.append(normalize(s.node))
+            keys.append(tensor if s.node == s.tensor else normalize(s.node))
         return keys
 
     def _known_name(self, c: str) -> bool:
