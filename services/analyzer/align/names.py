@@ -36,7 +36,7 @@ import difflib
 import re
 from collections import Counter
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -164,7 +164,13 @@ def _shape(key: str) -> tuple[tuple, tuple]:
     Keras/TF scope instances share."""
     m = _TAIL.match(key)
     assert m is not None     # _TAIL matches any one-line name
-    stem, tail = m.group(1), m.group(2)
+    words, gaps = _stem_shape(m.group(1))
+    return (words, m.group(2)), gaps
+
+
+@lru_cache(maxsize=1 << 14)
+def _stem_shape(stem: str) -> tuple[tuple, tuple]:
+    # (a tensor's key and its ':0' key share their stem: a reference's names split once)
     words: list[str] = []
     gaps: list[list[str]] = [[]]
     for t in _tokens(stem):
@@ -173,7 +179,7 @@ def _shape(key: str) -> tuple[tuple, tuple]:
         else:
             words.append(t)
             gaps.append([])
-    return (tuple(words), tail), tuple(tuple(g) for g in gaps)
+    return tuple(words), tuple(tuple(g) for g in gaps)
 
 
 def _instance_of(a: tuple, b: tuple) -> bool:
