@@ -152,6 +152,10 @@ class _Input:
     def __init__(self) -> None:
         self.src = sys.stdin.buffer
 
+    def op(self) -> bytes:
+        """The next frame's letter (b"": the input has ended)."""
+        return self.src.read(1)
+
     def take(self, n: int) -> bytes:
         b = self.src.read(n)
         if len(b) != n:
@@ -205,7 +209,7 @@ class _Frames:
         except OSError as e:
             return (e.errno or 0, e.strerror or str(e), self.path)
         try:
-            while op := self.inp.src.read(1):
+            while op := self.inp.op():
                 self._frame(folder, op)
         except EOFError:
             self.failed = self.failed or (0, "the report's process was handed a broken frame", "")

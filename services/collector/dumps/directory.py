@@ -255,16 +255,16 @@ class DumpDirectory:
             yield from ascend.records(self.root, self.ascend_files, self.max_tensor_bytes, check_node_name)
             return
         for i, entry in enumerate(self.entries):
-            if isinstance(entry, dict) and self._format(entry) in ("npz", "h5"):
+            fmt = self._format(entry) if isinstance(entry, dict) else None     # read once an entry
+            if fmt in ("npz", "h5"):
                 yield from self._archive_records(i, entry)
             else:
-                yield self.read_entry(i, entry)
+                yield self.read_entry(i, entry, fmt)
 
     def _format(self, entry: dict) -> str:
         fmt = entry.get("format") or self.fmt
-        if not fmt and isinstance(entry.get("file"), str):     # no Path made: twice for every entry read
-            # kept on the entry: asked twice for each one read
-            fmt = entry["format"] = _format_of(entry["file"]) or "npy"
+        if not fmt and isinstance(entry.get("file"), str):     # no Path made: a thousand entries a dump
+            fmt = _format_of(entry["file"]) or "npy"
         return fmt or "npy"
 
     def _archive_records(self, i: int, entry: dict) -> Iterator[NodeRecord]:
@@ -321,8 +321,9 @@ class DumpDirectory:
                 raise _missing(entry, name) from None
             raise
 
-    def read_entry(self, i: int, entry: object) -> NodeRecord:
-        """One manifest entry as a record (an error record if it cannot be read)."""
+    def read_entry(self, i: int, entry: object, fmt: str | None = None) -> NodeRecord:
+        """One manifest entry as a record (an error record if it cannot be
+        read); ``fmt``: its format, where the caller has read it already."""
         if not isinstance(entry, dict):
             return NodeRecord.error(f"<entry {i}>", f"manifest entry {i} is not an object")
         raw_name = entry.get("name")
@@ -340,7 +341,7 @@ class DumpDirectory:
                 arr = splice(self.root, entry, name, self.default_concat_dim, self.max_tensor_bytes)
                 return place(NodeRecord(name=name, op_type=op_type, order=order, array=arr), entry, role, slot,
                              node)
-            fmt = self._format(entry)
+            fmt = fmt or self._format(entry)
             shown = str(entry.get("file"))
             if fmt == "npy":
                 # opened without following a link: a file of the dump's own
