@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SHELL := /bin/bash
 
-.PHONY: setup stubs kernels test lint docs demo bench clean
+.PHONY: setup stubs kernels classes test lint docs demo bench clean
 
 setup:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
@@ -19,8 +19,9 @@ setup:
 	$(BIN)/pip install -q --no-deps rapidocr-onnxruntime==1.4.4
 	$(MAKE) stubs
 	# Compiled now, not on a new user's first command: the project's bytecode,
-	# and the metric kernels for this CPU
+	# the methods its dataclasses write, and the metric kernels for this CPU
 	$(BIN)/python -m compileall -q services >/dev/null
+	$(MAKE) classes
 	$(MAKE) kernels
 
 # The metric kernels built ahead of time for this CPU (compare/compiled.py);
@@ -33,12 +34,18 @@ $(KERNELS)/_kernels.sha256: $(KERNELS)/kernel.py $(KERNELS)/contract.py $(KERNEL
 
 kernels: $(KERNELS)/_kernels.sha256
 
+# The code of the methods layerdiff's dataclasses write, compiled for the
+# command's start-up (common/dataclass_code.py); made again before the tests,
+# as a module may have changed (a second).
+classes:
+	$(BIN)/python -m layerdiff.common.dataclass_code >/dev/null
+
 stubs:
 	proto/generate.sh $(BIN)/python
 
 # Test modules run side by side on the cores (pytest-xdist), each module in
 # one process so that its fixtures are built once.
-test: lint kernels docs
+test: lint kernels classes docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadfile tests
 
 # The manual (docs/, MkDocs) built strictly: a broken link or anchor fails it;

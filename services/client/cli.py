@@ -18,8 +18,15 @@ import threading
 # before numpy loads, unless the user set it.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from layerdiff.client.cli_services import add_health, add_service, add_worker
-from layerdiff.client.cli_tools import (
+# The methods of the classes the command makes as it starts, compiled at
+# set-up rather than in each command (common/dataclass_code.py): before the
+# first of them is made.
+from layerdiff.common import dataclass_code
+
+dataclass_code.use()
+
+from layerdiff.client.cli_services import add_health, add_service, add_worker  # noqa: E402  (after use())
+from layerdiff.client.cli_tools import (  # noqa: E402
     add_convert,
     add_diff,
     add_dump,
@@ -28,7 +35,7 @@ from layerdiff.client.cli_tools import (
     add_overflow,
     add_perf_diff,
 )
-from layerdiff.common.precision import NAMES as PRECISION_NAMES
+from layerdiff.common.precision import NAMES as PRECISION_NAMES  # noqa: E402
 
 # gRPC's own log lines (a failed TLS handshake, a refused connection) are not
 # for the user: the command says in one line what went wrong. Set before the

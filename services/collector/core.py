@@ -78,7 +78,7 @@ class Collector:
 
                 return watch_records(d.path, fmt=d.format, default_concat_dim=d.default_concat_dim,
                                      idle_s=d.idle_timeout_s or 10.0)
-            return DumpDirectory(d.path, fmt=d.format, default_concat_dim=d.default_concat_dim).records()
+            return self._listing(d).records()
         if kind == "live":
             return self._live_runner(request.live).records(request.live.dump_mode or "output")
         raise LayerdiffError("capture request names no source (live or dump)", field="source")
@@ -144,7 +144,14 @@ class Collector:
         """The graph the dump's manifest describes (empty if none)."""
         from layerdiff.collector.dumps.graph import dump_graph
 
-        return dump_graph(self._confined(source))
+        d = self._confined(source)
+        return dump_graph(d, self._listing(d, keep=True))
+
+    def _listing(self, d: pb.DumpSource, keep: bool = False) -> DumpDirectory:
+        """The dump ``d`` (confined) listed, and its order read. A served
+        collector lists it for each call: its files may change between two
+        (a dump written again between two jobs)."""
+        return DumpDirectory(d.path, fmt=d.format, default_concat_dim=d.default_concat_dim)
 
 
 def _live_runner(model: bytes | onnx.ModelProto, feeds, live: pb.LiveSource, model_name: str,
@@ -208,10 +215,25 @@ class InProcessCollector(Collector):
         self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-collector-", ignore_cleanup_errors=True)
         super().__init__(Path(self._tmp.name), DumpRoots(None, local=True), check_runtime=False)
         self.address = f"in-process:{next(_SERIAL)}"
+        # a dump listed for its graph (its execution order), kept for its
+        # records: a job asks for the one, then the other, and a listing of
+        # a dump without a manifest looks at every file's time (two would
+        # cost a thousand system calls more, and could disagree)
+        self._listed: dict[bytes, DumpDirectory] = {}
         serve_in_process(self.address, self)
+
+    def _listing(self, d: pb.DumpSource, keep: bool = False) -> DumpDirectory:
+        key = d.SerializeToString(deterministic=True)
+        listed = self._listed.pop(key, None)
+        if listed is None:
+            listed = super()._listing(d)
+        if keep:
+            self._listed[key] = listed
+        return listed
 
     def stop(self) -> None:
         serve_in_process(self.address, None)
+        self._listed.clear()
         self._tmp.cleanup()
 
     def __enter__(self) -> InProcessCollector:

@@ -696,13 +696,20 @@ def reports_gone(job_id: str, root: Path) -> NotFoundError:
 def report_listing(root: Path) -> list[tuple[str, Path]]:
     """(path in the report, file) of every regular file under ``root``, in
     path order (one scandir a directory: a report holds hundreds of files)."""
-    found: list[tuple[tuple[str, ...], Path]] = []
-    for top, _, files in os.walk(root):
-        rel = os.path.relpath(top, root)
-        parts = () if rel == "." else tuple(Path(rel).parts)
-        for name in files:
-            path = os.path.join(top, name)
-            if os.path.isfile(path):
-                found.append(((*parts, name), Path(path)))
+    found: list[tuple[tuple[str, ...], str]] = []
+    todo: list[tuple[str, tuple[str, ...]]] = [(str(root), ())]
+    while todo:
+        top, parts = todo.pop()
+        try:
+            with os.scandir(top) as it:
+                for e in it:
+                    # what each entry is comes with the listing: a look of
+                    # its own only for a link (followed, as os.path.isfile)
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append((e.path, (*parts, e.name)))
+                    elif e.is_file():
+                        found.append(((*parts, e.name), e.path))
+        except OSError:
+            continue        # as os.walk: a directory that cannot be listed is passed over
     found.sort(key=lambda item: item[0])
-    return [("/".join(key), path) for key, path in found]
+    return [("/".join(key), Path(path)) for key, path in found]

@@ -162,6 +162,9 @@ class DumpDirectory:
         elif not self.root.is_dir():
             raise NotFoundError(f"dump file or directory {path!r} does not exist on the collector host",
                                 field="dump_path")
+        # made absolute once: a relative root would ask the system for the
+        # working directory again for every file it names (a call a file)
+        self._absolute_root = os.path.abspath(self.root)
         self.max_tensor_bytes = max_tensor_bytes
         self.fmt = fmt
         self.default_concat_dim = default_concat_dim
@@ -348,7 +351,7 @@ class DumpDirectory:
                 # directory needs no look of its own first (one system call,
                 # and no Path made, less a file: a thousand a dump); a link
                 # there is checked
-                simple = simple_inside(self.root, entry.get("file"), name)
+                simple = simple_inside(self._absolute_root, entry.get("file"), name)
                 try:
                     arr = self._npy(simple if simple is not None else resolve_inside(
                         self.root, entry.get("file"), name, opened_without_following=True),

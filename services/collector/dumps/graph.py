@@ -36,11 +36,12 @@ log = logging.getLogger(__name__)
 _MAX_INPUTS = 4096
 
 
-def dump_graph(source: pb.DumpSource) -> pb.DeviceGraph:
+def dump_graph(source: pb.DumpSource, d: DumpDirectory | None = None) -> pb.DeviceGraph:
     """The graph of the dump's manifest (no nodes where the manifest names no
     inputs, or there is no manifest) and where its execution order came
-    from (always)."""
-    d = DumpDirectory(source.path, fmt=source.format, default_concat_dim=source.default_concat_dim)
+    from (always). ``d``: the dump as listed already (else listed here)."""
+    if d is None:
+        d = DumpDirectory(source.path, fmt=source.format, default_concat_dim=source.default_concat_dim)
     order = pb.DeviceGraph(order_from=d.order_from, order_unknown=d.order_unknown)
     mpath = d.root / MANIFEST
     if d.ascend_files is not None or d.single is not None or not mpath.exists():
