@@ -336,6 +336,17 @@ class JobRunner:
             signature=spec.signature))
 
     def _execute(self, job: Job, p: Prepared, started: float) -> dict:
+        # the failing tensors' files, written while the job compares, by the
+        # report's process: started first, so that it boots while the
+        # reference is read (one core), not while both cores compare
+        details = DetailFiles(job.report_dir)
+        details.start()
+        try:
+            return self._execute_with(job, p, started, details)
+        finally:
+            details.close()
+
+    def _execute_with(self, job: Job, p: Prepared, started: float, details: DetailFiles) -> dict:
         spec = job.spec
         if p.golden:
             self._receive_golden(job, p)
@@ -375,8 +386,6 @@ class JobRunner:
         helper.shutdown(wait=False)
 
         rep = JobReport()
-        # the failing tensors' files, written while the job compares
-        details = DetailFiles(job.report_dir)
         if isinstance(p.reference, DumpReference):
             rep.reference_overflow = dict(p.reference.overflow)
         # device values of nodes with an error of their own, for the impact re-runs
@@ -444,7 +453,6 @@ class JobRunner:
             _check_report_quota(job.report_dir)
             return summary
         finally:
-            details.close()
             if injected is not None:
                 injected.release()
 
