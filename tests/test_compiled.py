@@ -180,7 +180,13 @@ def test_a_small_array_s_kernel_keeps_the_interpreter_lock_and_a_large_one_s_let
         during = {}
         for label in ("held", "by_key"):
             before = count[0]
-            getattr(built._acc_fast, label)[("f32", "f32")](*args)
+            # a few calls at most: where other processes take both cores, the
+            # spinner may get none during one call that lets it run (seen
+            # once under the suite's load); one that keeps the lock, never
+            for _ in range(20):
+                getattr(built._acc_fast, label)[("f32", "f32")](*args)
+                if count[0] - before > 1000:
+                    break
             during[label] = count[0] - before
             time.sleep(0.01)
     finally:

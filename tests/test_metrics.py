@@ -1036,6 +1036,44 @@ def test_compared_nodes_worst_rows_do_not_depend_on_the_marks(monkeypatch):
     assert repr(N.compare_node(r, d, Tolerance(0.005, 0.01), 64).worst) == want
 
 
+def test_worst_rows_kept_as_columns_read_as_their_rows():
+    """A node's worst rows are kept as columns (WorstRows): read row by row
+    they are worst_elements' tuples (types, order, NaN and Inf as they are),
+    equal to their list, and the report's frame of them and the elements
+    table take the same bytes and values as from the tuples."""
+    from layerdiff.analyzer.report.tables import element_columns
+    from layerdiff.analyzer.report.writer import detail_frame
+
+    rng = np.random.default_rng(9)
+    r = rng.standard_normal((2, 30, 40)).astype(np.float32)
+    d = (r + rng.standard_normal(r.shape).astype(np.float32) * 0.05).astype(np.float16)
+    d[0, 1, 2], d[1, 2, 3], r[1, 0, 0] = np.inf, np.nan, 0.0
+    d[1, 0, 0] = 0.5
+    rows = M.worst_rows(r, d, 0.005, 0.01, count=40)
+    listed = M.worst_elements(r, d, 0.005, 0.01, count=40)
+    assert isinstance(rows, M.WorstRows) and len(rows) == len(listed) == 40 and rows
+    assert repr(rows) == repr(listed) and repr(list(rows)) == repr(listed)
+    assert [type(v) for v in rows[0]] == [int, float, float, float, float] and repr(rows[-1]) == repr(listed[-1])
+    assert repr(rows[2:5]) == repr(listed[2:5])
+    finite = M.WorstRows.of([w for w in listed if all(map(math.isfinite, w[1:]))])
+    assert finite == [w for w in listed if all(map(math.isfinite, w[1:]))] and finite != listed[:3]
+    assert M.WorstRows.of(rows) is rows and M.WorstRows.of(()) == [] and not M.WorstRows.of(())
+    assert detail_frame("n.csv", rows) == detail_frame("n.csv", listed)
+
+    class _Row:     # what element_columns reads of a report row
+        def __init__(self, worst):
+            self.label, self.role, self.is_input = "t", "output", False
+            self.site = type("S", (), {"node": "n", "tensor": "t", "output_index": 0})()
+            self.outcome = type("O", (), {"worst": worst, "metrics": type("m", (), {"shape": r.shape})()})()
+
+    for worst in (rows, listed):
+        cols = element_columns([_Row(worst)], {"t": "n.csv"})
+        assert cols["rank"].to_pylist() == list(range(40))
+        for k, name in enumerate(("flat_index", "std_value", "npu_value", "abs_diff", "relative_diff")):
+            assert repr(cols[name].to_pylist()) == repr([w[k] for w in listed]), name
+        assert cols["index"].to_pylist()[0] == list(np.unravel_index(listed[0][0], r.shape))
+
+
 def test_worst_elements_raw_values():
     r = np.array([1.0, np.nan, 2.0, np.inf, 0.0, np.inf, 5.0, 0.0], np.float32)
     d = np.array([9.0, 1.0, np.nan, -np.inf, np.nan, np.inf, 5.0, 3.0], np.float32)

@@ -111,7 +111,7 @@ from layerdiff.analyzer.compare.contract import (
     _new_state,
     display_value,
 )
-from layerdiff.analyzer.compare.worst import worst_elements, worst_row_key
+from layerdiff.analyzer.compare.worst import WorstRows, worst_elements, worst_row_key, worst_rows
 
 __all__ = [
     "ATOL_DEFAULT",
@@ -124,8 +124,10 @@ __all__ = [
     "accumulate",
     "merge",
     "finalize",
+    "WorstRows",
     "worst_elements",
     "worst_row_key",
+    "worst_rows",
     "block_marks",
     "reference_metrics",
     "warmup",

@@ -4,6 +4,7 @@ executor (local pool, remote workers) runs the same code."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +22,8 @@ class SkipNode(Exception):
 @dataclass
 class NodeOutcome:
     metrics: M.NodeMetrics
-    worst: list = field(default_factory=list)   # rows for {op_name}.csv
+    # rows for {op_name}.csv: tuples (metrics.worst_elements), a list of them or WorstRows
+    worst: Sequence = field(default_factory=list)
     note: str = ""                               # how shapes were reconciled, if they were
 
 
@@ -135,5 +137,5 @@ def compare_node(ref: np.ndarray, dev: np.ndarray, tol: Tolerance, diff_cnt: int
         return NodeOutcome(m, worst, note)
     marks = M.block_marks(ref, dev)     # where the worst elements lie, from the metric pass
     m = M.compare(ref, dev, tol.atol, tol.rtol, marks)
-    worst = M.worst_elements(ref, dev, tol.atol, tol.rtol, diff_cnt, marks) if m.errors and diff_cnt > 0 else []
-    return NodeOutcome(m, worst, note)
+    rows = M.worst_rows(ref, dev, tol.atol, tol.rtol, diff_cnt, marks) if m.errors and diff_cnt > 0 else []
+    return NodeOutcome(m, rows, note)

@@ -9,6 +9,7 @@ gives them).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from layerdiff.analyzer.compare.compiled import (
 )
 from layerdiff.analyzer.compare.contract import ATOL_DEFAULT, REL_EPS, RTOL_DEFAULT
 
-__all__ = ["worst_elements", "worst_row_key"]
+__all__ = ["WorstRows", "worst_elements", "worst_row_key", "worst_rows"]
 
 
 def worst_row_key(row) -> tuple:
@@ -39,8 +40,78 @@ def worst_row_key(row) -> tuple:
     return (1, -ad, i)
 
 
+class WorstRows(Sequence):
+    """``worst_elements``' rows kept as their five columns (numpy arrays:
+    the flat indices as int64, the values and differences as float64): a
+    sequence of (flat index, ref value, dev value, abs_diff, relative_diff)
+    tuples, equal to their list, for whatever reads it row by row; its
+    columns for the reports that take them whole (the detail file's frame,
+    the elements table). A job fails hundreds of tensors: as tuples, their
+    rows were tens of thousands of objects, each made, then looked at by
+    the interpreter's collector, then taken apart again."""
+
+    __slots__ = ("flat", "ref", "dev", "abs_diff", "rel_diff")
+
+    def __init__(self, flat: np.ndarray, ref: np.ndarray, dev: np.ndarray, abs_diff: np.ndarray,
+                 rel_diff: np.ndarray) -> None:
+        self.flat = np.ascontiguousarray(flat, np.int64)     # (Sequence has an index method)
+        self.ref, self.dev, self.abs_diff, self.rel_diff = (np.ascontiguousarray(c, np.float64)
+                                                            for c in (ref, dev, abs_diff, rel_diff))
+
+    @classmethod
+    def of(cls, rows) -> WorstRows:
+        """Rows given as tuples (a list of them, or WorstRows as they are)."""
+        if isinstance(rows, WorstRows):
+            return rows
+        rows = list(rows)
+        if not rows:
+            return cls(*(np.empty(0) for _ in range(5)))
+        return cls(np.array([r[0] for r in rows], np.int64), *(np.array([r[k] for r in rows], np.float64)
+                                                               for k in range(1, 5)))
+
+    def __len__(self) -> int:
+        return len(self.flat)
+
+    def __iter__(self):
+        return zip(self.flat.tolist(), self.ref.tolist(), self.dev.tolist(), self.abs_diff.tolist(),
+                   self.rel_diff.tolist())
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        return (int(self.flat[i]), float(self.ref[i]), float(self.dev[i]), float(self.abs_diff[i]),
+                float(self.rel_diff[i]))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None     # type: ignore[assignment]  # as a list: compared by value, never a key
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def values(self) -> np.ndarray:
+        """The four values of each row, a row after another (n x 4, float64)."""
+        return np.column_stack((self.ref, self.dev, self.abs_diff, self.rel_diff))
+
+    def packed(self) -> bytes:
+        """The rows as the report's process reads a detail file's (writer.detail_frame):
+        the count, the indices (int64), then each row's four values (float64), little-endian."""
+        return (np.array([len(self)], "<u4").tobytes() + self.flat.astype("<i8").tobytes()
+                + self.values().astype("<f8").tobytes())
+
+
 def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
                    rtol: float = RTOL_DEFAULT, count: int = 128, marks: np.ndarray | None = None) -> list:
+    """Up to ``count`` mismatching elements, worst first, as a list of rows
+    (``worst_rows`` keeps them as columns)."""
+    return list(worst_rows(ref, dev, atol, rtol, count, marks))
+
+
+def worst_rows(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
+               rtol: float = RTOL_DEFAULT, count: int = 128, marks: np.ndarray | None = None) -> WorstRows:
     """Up to ``count`` mismatching elements, worst first.
 
     Rows are ``(flat index, ref value, dev value, abs_diff, relative_diff)``
@@ -62,7 +133,7 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     kr, kd = _kind(r), _kind(d)
     count = int(count)
     if count <= 0 or r.size == 0:
-        return []
+        return WorstRows.of(())
     hidx = np.empty(count, np.int64)
     hdiff = np.empty(count, np.float64)
     hcls = np.empty(count, np.int64)
@@ -99,7 +170,7 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
             diff = float(abs(int(d[i]) - int(r[i])))
             rows.append((i, rv, dv, diff, diff / (abs(rv) if rv != 0.0 else REL_EPS)))
         rows.sort(key=worst_row_key)
-        return rows
+        return WorstRows.of(rows)
     # the rows as columns: a diff_cnt of rows a failing node, hundreds of nodes
     idx = hidx[:k]
     x = r[idx].astype(np.float64)
@@ -110,5 +181,4 @@ def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
     finite = np.isfinite(x) & np.isfinite(y)
     # worst_row_key's order: non-finite pairs first by index, then abs_diff descending, then index
     order = np.lexsort((idx, np.where(finite, -ae, 0.0), finite))
-    return list(zip(idx[order].tolist(), x[order].tolist(), y[order].tolist(), ae[order].tolist(),
-                    rd[order].tolist()))
+    return WorstRows(idx[order], x[order], y[order], ae[order], rd[order])

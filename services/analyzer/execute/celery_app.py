@@ -459,7 +459,8 @@ def compare_batch(self, job_id: str, items: list[dict], ticket: dict | None = No
             else:
                 # "perm": the layout permutation the analyzer decided (its LayoutVote stays there)
                 res = compare_node(ref, dev, tol, diff_cnt, bool(it.get("force_compare")), it.get("perm"))
-                out.append({"id": it["id"], "metrics": res.metrics.as_dict(), "worst": res.worst, "note": res.note})
+                out.append({"id": it["id"], "metrics": res.metrics.as_dict(), "worst": list(res.worst),
+                            "note": res.note})
         except SkipNode as e:
             out.append({"id": it.get("id"), "skip": str(e)})
         except PayloadError as e:

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from layerdiff.analyzer.compare.worst import WorstRows
 from layerdiff.common.schema import (
     ALIGNMENT_SCHEMA,
     ELEMENTS_SCHEMA,
@@ -84,36 +85,43 @@ def element_columns(rows: list, detail_files: dict[str, str]) -> dict[str, list 
     """The worst elements of every failing tensor, as its detail CSV lists
     them, column by column (twenty thousand rows of dicts took longer to
     make into a table than the rest of the report)."""
-    cols: dict[str, list] = {f.name: [] for f in ELEMENTS_SCHEMA}
     index_parts: list[np.ndarray] = []      # each tensor's (rows, rank) axis indices
     tensors: dict[str, list] = {"node": [], "tensor": [], "role": [], "input_index": [], "detail_file": []}
     counts: list[int] = []
+    parts: list[WorstRows] = []
     for r in rows:
         fname = detail_files.get(r.label)
         if fname is None or not r.outcome.worst:
             continue
-        n = len(r.outcome.worst)
-        idx, rv, dv, ad, rd = (list(c) for c in zip(*r.outcome.worst))
+        worst = WorstRows.of(r.outcome.worst)     # columns as they are kept (tuples made columns)
+        n = len(worst)
         shape = tuple(r.outcome.metrics.shape)
-        flat = np.asarray(idx, np.int64)
         for name, value in (("node", r.site.node), ("tensor", r.site.tensor), ("role", r.role),
                             ("input_index", r.site.output_index if r.is_input else None), ("detail_file", fname)):
             tensors[name].append(value)
         counts.append(n)
-        cols["rank"] += range(n)
-        cols["flat_index"] += idx
-        index_parts.append(np.stack(np.unravel_index(flat, shape), axis=1) if shape else np.empty((n, 0), np.int64))
-        cols["std_value"] += rv
-        cols["npu_value"] += dv
-        cols["abs_diff"] += ad
-        cols["relative_diff"] += rd
+        parts.append(worst)
+        index_parts.append(np.stack(np.unravel_index(worst.flat, shape), axis=1) if shape
+                           else np.empty((n, 0), np.int64))
     # what is the same for a tensor's rows: a value a tensor, repeated in numpy (not a Python list a row)
     times = np.array(counts, np.int64)
-    out: dict[str, list | pa.Array] = dict(cols)
+    out: dict[str, list | pa.Array] = {
+        "rank": _plain(np.concatenate([np.arange(n, dtype=np.int64) for n in counts]) if counts else [],
+                       ELEMENTS_SCHEMA.field("rank").type)}
+    for name, attr in (("flat_index", "flat"), ("std_value", "ref"), ("npu_value", "dev"), ("abs_diff", "abs_diff"),
+                       ("relative_diff", "rel_diff")):
+        out[name] = _plain(np.concatenate([getattr(w, attr) for w in parts]) if parts else [],
+                           ELEMENTS_SCHEMA.field(name).type)
     for name, values in tensors.items():
         out[name] = _repeated(values, times, ELEMENTS_SCHEMA.field(name).type)
     out["index"] = _index_lists(index_parts)
     return out
+
+
+def _plain(values: np.ndarray | list, typ: pa.DataType) -> pa.Array:
+    """A column of numbers without nulls (NaN stays a value), from numpy."""
+    data = np.ascontiguousarray(values, np.dtype(typ.to_pandas_dtype()))
+    return pa.Array.from_buffers(typ, len(data), [None, pa.py_buffer(data)])
 
 
 def _repeated(values: list, times: np.ndarray, typ: pa.DataType) -> pa.Array:

@@ -72,7 +72,12 @@ def name_frame(name: str) -> bytes:
     return struct.pack("<H", len(b)) + b
 
 
-def detail_frame(name: str, worst: list) -> bytes:
+def detail_frame(name: str, worst) -> bytes:
+    """The W frame of a detail file: ``worst`` rows (WorstRows pack their
+    columns themselves; tuples are packed here, without numpy)."""
+    packed = getattr(worst, "packed", None)
+    if packed is not None:
+        return b"W" + name_frame(name) + packed()
     n = len(worst)
     return (b"W" + name_frame(name) + struct.pack(f"<I{n}q{4 * n}d", n, *[w[0] for w in worst],
                                                   *[v for w in worst for v in w[1:5]]))
