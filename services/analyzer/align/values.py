@@ -425,11 +425,12 @@ class ValueMatcher:
     def scores(self, arr: np.ndarray) -> list[Score]:
         """One score per candidate reference tensor (the best of its layouts)."""
         self._load({tuple(arr.shape)})
+        groups = self._by_size.get(int(arr.size), [])
+        if not arr.size or not groups:
+            return []       # nothing of its size to pair with: its statistics (a pass of eight) not made
         dev = stats(arr)
-        if not dev.size:
-            return []
         best: dict[str, Score] = {}
-        for g in self._by_size.get(dev.size, []):
+        for g in groups:
             for p in self._perms(g.shape, tuple(arr.shape)):
                 for s in g.score(dev, sample(arr, g.shape, p), p):
                     b = best.get(s.tensor)
