@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -260,6 +261,15 @@ def budget(op_type: str, precision: Precision, k: int | None = None, rho: float 
     """The node's budget. ``step``: the grid its output is handed over on
     (INT8, read from the device values), whose rounding, uniform over a
     step, adds an RMS of step/√12 to an output of RMS ``scale``."""
+    # a job asks for the same few (an op, its precision, its K) twice a
+    # tensor, hundreds of times: each made once (the output's RMS counts
+    # only with a step, so that it is no part of the question without one)
+    return _budget(op_type, precision, k, rho, step, scale if step > 0 else 0.0)
+
+
+@lru_cache(maxsize=4096)
+def _budget(op_type: str, precision: Precision, k: int | None, rho: float | None, step: float,
+            scale: float) -> Budget:
     kind = op_kind(op_type)
     r = 1.0 if rho is None or not math.isfinite(rho) or rho <= 0 else float(rho)
     rel = relative_rms(precision, kind, k, r)
@@ -709,9 +719,11 @@ class ErrorPolicy:
         """``strict``: without what was inferred from other tensors (while
         the stream is under way, so that what is examined does not depend
         on the order tensors arrive in)."""
-        from layerdiff.analyzer.align.names import normalize
+        override = None
+        if self.overrides:      # (most jobs name none: no name normalized twice a tensor for nothing)
+            from layerdiff.analyzer.align.names import normalize
 
-        override = self.overrides.get(normalize(node))
+            override = self.overrides.get(normalize(node))
         stored = of_dtype(stored_dtype)
         if self.job is None and self.quantized and override is None:
             return node_precision(op_type, job=PRECISIONS["int8"], stored_dtype=stored_dtype)
