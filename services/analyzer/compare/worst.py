@@ -96,12 +96,6 @@ class WorstRows(Sequence):
         """The four values of each row, a row after another (n x 4, float64)."""
         return np.column_stack((self.ref, self.dev, self.abs_diff, self.rel_diff))
 
-    def packed(self) -> bytes:
-        """The rows as the report's process reads a detail file's (writer.detail_frame):
-        the count, the indices (int64), then each row's four values (float64), little-endian."""
-        return (np.array([len(self)], "<u4").tobytes() + self.flat.astype("<i8").tobytes()
-                + self.values().astype("<f8").tobytes())
-
 
 def worst_elements(ref: np.ndarray, dev: np.ndarray, atol: float = ATOL_DEFAULT,
                    rtol: float = RTOL_DEFAULT, count: int = 128, marks: np.ndarray | None = None) -> list:

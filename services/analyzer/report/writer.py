@@ -73,14 +73,15 @@ def name_frame(name: str) -> bytes:
 
 
 def detail_frame(name: str, worst) -> bytes:
-    """The W frame of a detail file: ``worst`` rows (WorstRows pack their
-    columns themselves; tuples are packed here, without numpy)."""
-    packed = getattr(worst, "packed", None)
-    if packed is not None:
-        return b"W" + name_frame(name) + packed()
+    """The W frame of a detail file: ``worst`` rows, tuples or WorstRows
+    (whose columns give their bytes whole; no numpy loaded here)."""
     n = len(worst)
-    return (b"W" + name_frame(name) + struct.pack(f"<I{n}q{4 * n}d", n, *[w[0] for w in worst],
-                                                  *[v for w in worst for v in w[1:5]]))
+    if hasattr(worst, "flat"):      # compare.worst.WorstRows
+        indices, values = worst.flat.astype("<i8").tobytes(), worst.values().astype("<f8").tobytes()
+    else:
+        indices = struct.pack(f"<{n}q", *[w[0] for w in worst])
+        values = struct.pack(f"<{4 * n}d", *[v for w in worst for v in w[1:5]])
+    return b"W" + name_frame(name) + struct.pack("<I", n) + indices + values
 
 
 def summary_frame(summary: dict) -> bytes:
