@@ -694,6 +694,26 @@ def test_reports_fetched_in_this_process_replace_links_in_out_and_never_write_th
     assert {"report.html", "nodes.parquet", "conv2.csv"} <= {p.name for p in out.iterdir()}
 
 
+def test_a_job_of_this_process_hands_over_its_summary_as_its_summary_json_reads(tmp_path, npy_pair):
+    """A job run in the command's own process hands the client its summary
+    instead of summary.json being parsed again: the same values, types and
+    all (lists, not tuples; NaN and the infinities as the file writes them),
+    for a failing comparison with non-finite values on the device."""
+    base, golden, device = npy_pair
+    broken = []
+    for r in device:
+        a = np.array(r.array, copy=True)
+        if r.name.startswith("relu1"):
+            a.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
+        broken.append(NodeRecord(name=r.name, node=r.node, op_type=r.op_type, order=r.order, array=a))
+    dev = write_dump(tmp_path / "device", broken, "npy")
+    res = compare(str(golden), str(dev), out=tmp_path / "out", progress=False)
+    read = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert res.summary == read
+    assert res.summary["counts"]["failed"] >= 2 and read["nodes"][0]["shape"] == res.summary["nodes"][0]["shape"]
+    assert any(n["dev_nan"] and n["dev_inf"] for n in read["nodes"]), [n["tensor"] for n in read["nodes"]]
+
+
 def test_two_dumps_compared_without_a_model_never_load_onnx_or_onnxruntime(tmp_path, npy_pair):
     """A tenth of a second of every command's start: a comparison of two
     dumps without a model runs no model, so neither onnx nor onnxruntime

@@ -84,6 +84,22 @@ def _optimized_nodes(model: onnx.ModelProto, level) -> list[str]:
 
 # ------------------------------------------------------------------ live runs
 
+@pytest.mark.parametrize("perf_mode", ["accuracy", "both", "perf"])
+def test_a_run_in_this_process_hands_over_its_summary_as_its_summary_json_reads(cnn_files, tmp_path, perf_mode):
+    """Services started in the command's own process: the client is handed
+    the job's summary, not summary.json parsed again; the same, types and
+    all, with or without the performance sections (a performance-only job
+    writes its summary elsewhere)."""
+    model, inputs, device = cnn_files
+    out = tmp_path / "out"
+    res = run(model, inputs, device_model=device, out=out, progress=False, perf_mode=perf_mode, perf_runs=2)
+    read = json.loads((out / "summary.json").read_text())
+    assert res.summary == read
+    assert ("perf" in read) == (perf_mode != "accuracy")
+    assert read["counts"]["compared"] == (0 if perf_mode == "perf" else len(onnx.load(str(model)).graph.node))
+
+
+
 def test_live_profile_times_every_executed_node(services, cnn_files, tmp_path):
     collector, analyzer = services
     model, inputs, _ = cnn_files

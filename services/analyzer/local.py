@@ -27,7 +27,7 @@ class LocalAnalyzer:
         self._tmp = tempfile.TemporaryDirectory(prefix="layerdiff-analyzer-", ignore_cleanup_errors=True)
         workdir = Path(self._tmp.name)
         self.store = ArtifactStore(workdir / "artifacts")
-        self.runner = JobRunner(self.store, workdir / "jobs", None)
+        self.runner = JobRunner(self.store, workdir / "jobs", None, keep_summaries=True)
         leave_loaded_out_of_collection()
 
     def stop(self) -> None:

@@ -55,6 +55,7 @@ class Embedded:
     store: ArtifactStore
     beside: ArtifactStore | None            # the embedded collector's store
     reports: Callable[[str], list[tuple[str, Path]]]    # job id -> (path in the report, file)
+    summary: Callable[[str], dict | None]               # job id -> what its summary.json says (None: not kept)
 
 
 class AnalyzerClient:
@@ -125,6 +126,11 @@ class AnalyzerClient:
     def state(self, job_id: str, timeout: float = STATE_TIMEOUT) -> tuple[pb.JobEvent | None, bool]:
         """The job's latest event, and whether the job has ended."""
         return state_of(self.watch(job_id, timeout=timeout))
+
+    def summary(self, job_id: str) -> dict | None:
+        """The finished job's summary, as its summary.json reads, where the
+        analyzer runs in this process; None: read from the file fetched."""
+        return self.local.summary(job_id) if self.local is not None else None
 
     def fetch(self, job_id: str, out: Path) -> list[Path]:
         out = Path(out)

@@ -312,7 +312,9 @@ def _served(stack: ExitStack, analyzer: str | None, collector: str | None) -> tu
     if analyzer is None:
         served = stack.enter_context(AnalyzerServer(readiness=False))
         analyzer = served.address
-        local = Embedded(served.service.store, collector_store, served.service.report_files)
+        served.service.runner.keep_summaries = True      # its only client is this process's
+        local = Embedded(served.service.store, collector_store, served.service.report_files,
+                         served.service.runner.summary)
     client = AnalyzerClient(analyzer, local=local)
     stack.callback(client.close)
     return client, collector

@@ -18,10 +18,17 @@ import threading
 # before numpy loads, unless the user set it.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# A dump's mapped tensors each hold a file descriptor: the soft limit
+# raised to the hard one, and the descriptor table sized while this process
+# has no thread yet (common/openfiles.py): before anything starts one.
+from layerdiff.common.openfiles import allow_open_files  # noqa: E402
+
+allow_open_files()
+
 # The methods of the classes the command makes as it starts, compiled at
 # set-up rather than in each command (common/dataclass_code.py): before the
 # first of them is made.
-from layerdiff.common import dataclass_code
+from layerdiff.common import dataclass_code  # noqa: E402  (after allow_open_files())
 
 dataclass_code.use()
 

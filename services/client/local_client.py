@@ -107,6 +107,10 @@ class LocalClient:
             raise CallError.of(e) from None
         return take_report(files, Path(out), root)
 
+    def summary(self, job_id: str) -> dict | None:
+        """The finished job's summary, as its summary.json reads (None: not kept)."""
+        return self.analyzer.runner.summary(job_id)
+
     def cancel(self, job_id: str, timeout: float = 30) -> pb.JobEvent:
         try:
             job = self.analyzer.runner.cancel(job_id)

@@ -49,6 +49,9 @@ class Job:
     owner: str = ""     # digest of the token that submitted it ("" on a service without tokens)
     thread: threading.Thread | None = None    # the job's own thread, while it runs here
     progress_at: float = -math.inf        # when the last progress event was made (time.monotonic)
+    # what its summary.json says, kept for a client in this process (JobRunner.keep_summaries): read
+    # back from the file, the last 10 ms of a two-dump command, after everything else was done
+    summary: dict | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self.lock)

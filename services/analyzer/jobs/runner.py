@@ -50,6 +50,7 @@ from layerdiff.analyzer.report.files import JobReport, write_report
 from layerdiff.collector.core import Collector, in_process
 from layerdiff.common.artifacts import ArtifactStore
 from layerdiff.common.errors import EXIT_NO_ANSWER, LayerdiffError, LimitError, NotFoundError
+from layerdiff.common.openfiles import open_files_limit, too_many_open_files
 from layerdiff.common.schema import BufferPool, TensorAssembler, check_dump_mode
 from layerdiff.common.settings import env_limit
 from layerdiff.v1 import layerdiff_pb2 as pb
@@ -108,11 +109,14 @@ class JobRunner:
     given (LAYERDIFF_BROKER_URL or --broker)."""
 
     def __init__(self, store: ArtifactStore, jobs_dir: Path, broker_url: str | None = None,
-                 retention: Retention | None = None) -> None:
+                 retention: Retention | None = None, keep_summaries: bool = False) -> None:
         """Reads back the jobs recorded under ``jobs_dir`` (those that were
         running when the analyzer stopped are recorded as FAILED) and
-        applies ``retention`` (default: from LAYERDIFF_RETAIN_*)."""
+        applies ``retention`` (default: from LAYERDIFF_RETAIN_*).
+        ``keep_summaries``: each finished job keeps its summary (Job.summary)
+        for a client in this process."""
         self.store = store
+        self.keep_summaries = keep_summaries
         self.jobs_dir = Path(jobs_dir)
         self.workdir = self.jobs_dir.parent
         self.broker_url = broker_url or None
@@ -244,6 +248,12 @@ class JobRunner:
                     part.cancel()
         return job
 
+    def summary(self, job_id: str) -> dict | None:
+        """A finished job's summary (what its summary.json says), where this
+        runner keeps them (keep_summaries); else None."""
+        job = self.jobs.get(job_id)
+        return job.summary if job is not None else None
+
     def report_files(self, job_id: str) -> list[tuple[str, Path]]:
         """(path in the report, file) of every file of a DONE job's report."""
         job = self.get(job_id)
@@ -277,6 +287,8 @@ class JobRunner:
                 total = len(p.reference.sites)     # a golden dump's are known once it has streamed
                 first = summary["first_failing_node"]
                 answer = summary["outcome"]
+                if self.keep_summaries:
+                    job.summary = summary
                 state, end = pb.DONE, dict(
                     nodes_done=total, nodes_total=total, first_failing_node=first["node"] if first else "",
                     message=answer["reason"], outcome=answer["status"], exit_status=answer["exit_status"])
@@ -286,6 +298,13 @@ class JobRunner:
                 if is_disk_full(e):
                     job.error = (f"disk full: the analyzer's work dir {self.workdir} has no space left for the "
                                  "reports; free space there and run the job again")
+                    log.warning("job %s: %s (%s)", job.id, job.error, e)
+                    exit_status = EXIT_NO_ANSWER
+                elif too_many_open_files(e):
+                    limit = open_files_limit()
+                    job.error = ("too many open files: each tensor a job keeps mapped from a dump holds one, and "
+                                 f"this process may hold {limit if limit > 0 else 'no more'}; raise the limit "
+                                 "(ulimit -n, or the service's LimitNOFILE) and run the job again")
                     log.warning("job %s: %s (%s)", job.id, job.error, e)
                     exit_status = EXIT_NO_ANSWER
                 elif isinstance(e, LayerdiffError):

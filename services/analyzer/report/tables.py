@@ -9,7 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+# Parquet's writer itself: pyarrow.parquet adds the file systems' modules
+# (pyarrow.fs, ssl) to it, 10 ms of the job's interpreter lock in the
+# middle of its comparisons, for a local path neither needs. The files are
+# the same byte for byte (tested); another pyarrow's may take other
+# arguments: then pyarrow.parquet writes them (_parquet_file).
+try:
+    from pyarrow._parquet import ParquetWriter as _Writer
+except ImportError:     # pragma: no cover  (a pyarrow without it)
+    _Writer = None
 
 from layerdiff.analyzer.compare.worst import WorstRows
 from layerdiff.common.schema import (
@@ -173,5 +182,25 @@ def write_tables(out: Path, rows: list, detail_files: dict[str, str], aligned: l
         tables["weights"] = _table([{**w, "elements": w["elements"] if isinstance(w["elements"], int) else None,
                                      "max_abs_diff": float(w["max_abs_diff"])} for w in weights], WEIGHTS_SCHEMA)
     for name, table in tables.items():
-        pq.write_table(table, out / REPORT_TABLES[name][0], compression="zstd", memory_pool=pa.system_memory_pool())
+        write_parquet(table, out / REPORT_TABLES[name][0])
+
+
+def write_parquet(table: pa.Table, path: Path) -> None:
+    """``table`` as a Parquet file at ``path`` (zstd), as pyarrow.parquet's
+    write_table makes it with that compression."""
+    if _Writer is not None:
+        try:
+            writer = _Writer(str(path), table.schema, compression="zstd", memory_pool=pa.system_memory_pool(),
+                             writer_engine_version="V2")
+        except TypeError:       # arguments this pyarrow's writer does not take
+            pass
+        else:
+            try:
+                writer.write_table(table)
+            finally:
+                writer.close()
+            return
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, path, compression="zstd", memory_pool=pa.system_memory_pool())
 

@@ -43,6 +43,9 @@ from layerdiff.common.schema import (
     span_bytes,
 )
 
+# no descriptor left to this process or the system: a limit to raise, not an unreadable file
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
+
 
 class FinalLink(LayerdiffError):
     """read_npy was told not to follow a link, and the file is one."""
@@ -64,6 +67,8 @@ def read_npy(path: Path | str, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: 
     except OSError as e:
         if no_link and e.errno == errno.ELOOP:
             raise FinalLink("a symbolic link", file=shown) from None
+        if e.errno in _NO_DESCRIPTOR:
+            raise       # not this file's fault: the job says what to raise (jobs.runner)
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=shown) from e
     try:
         st = os.fstat(fd)
@@ -83,6 +88,8 @@ def read_npy(path: Path | str, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES, name: 
         elif size > SMALL_READ_BYTES:
             mapped = _NpyMap(fd, 0, access=mmap.ACCESS_READ)
     except OSError as e:
+        if e.errno in _NO_DESCRIPTOR:
+            raise
         raise LayerdiffError(f"cannot be read: {e.strerror}", file=shown) from e
     finally:
         os.close(fd)
