@@ -224,3 +224,24 @@ def test_a_value_a_tensor_is_repeated_for_each_of_its_elements():
     slots = _repeated([None, 7, 0, None], times, pa.int32())
     assert slots.type == pa.int32() and slots.to_pylist() == [None, None, 0, 0, 0, None]
     assert _repeated(["x"], np.array([0]), pa.string()).to_pylist() == []
+
+
+@pytest.mark.parametrize("table", ["nodes", "elements", "alignment"])
+def test_tables_are_written_as_pyarrow_parquet_writes_them(reports, tmp_path, monkeypatch, table):
+    """The report's writer skips pyarrow.parquet's module (its file systems
+    are not needed for a local path): a table's file is the one
+    pyarrow.parquet.write_table makes of it, byte for byte; and where
+    pyarrow's own writer is not to be had, pyarrow.parquet writes it."""
+    from layerdiff.analyzer.report import tables
+
+    path = reports["buggy"] / f"{table}.parquet"
+    read = pq.read_table(path)
+    assert read.num_rows > 0
+    pq.write_table(read, tmp_path / "by_pq.parquet", compression="zstd", memory_pool=pa.system_memory_pool())
+    tables.write_parquet(read, tmp_path / "here.parquet")
+    made = (tmp_path / "by_pq.parquet").read_bytes()
+    assert (tmp_path / "here.parquet").read_bytes() == made
+    monkeypatch.setattr(tables, "_Writer", None)
+    tables.write_parquet(read, tmp_path / "fallback.parquet")
+    assert (tmp_path / "fallback.parquet").read_bytes() == made
+    assert pq.read_table(tmp_path / "here.parquet").equals(read)
