@@ -200,6 +200,20 @@ def test_a_document_the_process_cannot_write_fails_the_reports(tmp_path):
     assert not [n for n in _listing(out) if n.startswith(".")]
 
 
+def test_a_page_the_process_cannot_write_fails_the_reports(tmp_path):
+    """The page is made beside summary.json by a child of the report's
+    process: a directory where its file goes fails the reports all the
+    same, naming the page, and summary.json is written."""
+    summary = _failing_job(tmp_path)
+    out = tmp_path / "report"
+    (out / ".report.html.tmp").mkdir(parents=True)
+    rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]
+    with pytest.raises(OSError) as failed:
+        _through_the_process(out, summary, rows)
+    assert failed.value.errno and "report.html" in str(failed.value.filename), failed.value
+    assert json.loads((out / "summary.json").read_text(encoding="utf-8")) == summary
+
+
 def test_a_summary_the_process_cannot_make_documents_of_is_left_to_the_job(tmp_path):
     """A numpy number in the summary (marshal carries it as its bytes):
     the process makes no documents of it, and says so without failing."""

@@ -17,7 +17,8 @@ What it is handed, frames on its standard input, a byte saying what each is:
   W name rows   a detail file (rows: count, then the indices, then each
                 row's four values), named ``name`` in the directory
   R old new     a rename;  U name  a deletion (gone already is no error)
-  S size data   the summary: its documents (report.documents)
+  S size data   the summary: its documents (report.documents), summary.json
+                here and the pages by a child forked for them
 
 Names are of the directory itself (dir_fd). The first failure (a full disk)
 stops the writing and is said on its standard error as
@@ -203,9 +204,10 @@ class _Frames:
     first failure (errno, strerror, file name), after which nothing more
     is written."""
 
-    def __init__(self, path: str, inp: _Input) -> None:
+    def __init__(self, path: str, inp: _Input, preload: threading.Thread | None = None) -> None:
         self.path = path
         self.inp = inp
+        self.preload = preload      # loading the page's modules: joined before the page's process forks
         self.failed: tuple[int, str, str] | None = None
         self.refused = False        # a summary it could not make documents of
 
@@ -256,24 +258,120 @@ class _Frames:
 
 
     def _documents(self, summary: object) -> None:
-        from layerdiff.analyzer.report.documents import write_documents
+        from layerdiff.analyzer.report.documents import PAGES, write_summary
 
         if not isinstance(summary, dict):
             self.refused = True
             return
+        out = Path(self.path)
+        pages = _Pages(out, summary, self.preload)
         try:
-            write_documents(Path(self.path), summary)
-        except OSError:
-            raise
+            write_summary(out, summary)
+            refused = False
         except (TypeError, ValueError):
-            # marshal carries a numpy number as its bytes (a buffer): JSON,
-            # written first, refuses it; the job makes the documents itself
+            # marshal carries a numpy number as its bytes (a buffer): JSON
+            # refuses it; the job makes the documents itself
+            refused = True
+        except BaseException:
+            try:
+                pages.wait()    # ended, whatever it made: the failure said is this one
+            except Exception:
+                pass
+            raise
+        if pages.wait() is False or refused:
             self.refused = True
+            for name in ("summary.json", *PAGES):      # none of them, as before a summary it cannot take
+                try:
+                    os.unlink(out / name)
+                except OSError:
+                    pass
+
+
+class _Pages:
+    """report.html and the explorer's files of a summary, made by a child of
+    the report's process while the process writes summary.json: the two take
+    as long (15 ms each for a detector's 672 tensors), and the job waits for
+    the last of them. Made by ``wait`` where no child can be had."""
+
+    def __init__(self, out: Path, summary: dict, preload: threading.Thread | None) -> None:
+        self.out, self.summary = out, summary
+        self.pid, self.said = 0, -1
+        if preload is not None:
+            preload.join()      # forked alone, never in the middle of an import
+        try:
+            self.said, told = os.pipe()
+        except OSError:
+            return
+        try:
+            self.pid = os.fork()
+        except OSError:
+            os.close(self.said)
+            os.close(told)
+            self.said = -1
+            return
+        if self.pid == 0:       # the child: the pages, then its word on them, then gone
+            os.close(self.said)
+            code, word = _pages_made(out, summary)
+            try:
+                os.write(told, word.encode("utf-8", "replace"))
+            finally:
+                os._exit(code)
+        os.close(told)
+
+    def wait(self) -> bool:
+        """True when made, False where the summary holds what the pages
+        cannot take (the job then makes every document); OSError or any
+        other failure raised as the job is told it."""
+        if not self.pid:
+            code, word = _pages_made(self.out, self.summary)
+        else:
+            chunks = []
+            try:
+                while chunk := os.read(self.said, 4096):
+                    chunks.append(chunk)
+            finally:
+                os.close(self.said)
+            status = os.waitpid(self.pid, 0)[1]
+            code = os.waitstatus_to_exitcode(status)
+            word = b"".join(chunks).decode("utf-8", "replace")
+        if code == 0:
+            return True
+        if code == _REFUSED:
+            return False
+        errno_, _, rest = word.partition("\t")
+        strerror, _, filename = rest.partition("\t")
+        if not errno_.isdigit():
+            raise OSError(0, f"the page's process ended with status {code}", "report.html")
+        if int(errno_):
+            raise OSError(int(errno_), strerror, filename or "report.html")
+        raise _PageFailure(strerror)
+
+
+class _PageFailure(Exception):
+    """What the pages failed at, other than a file (said as its type and message)."""
+
+
+def _pages_made(out: Path, summary: dict) -> tuple[int, str]:
+    """The pages made: (0, ""), (_REFUSED, "") for a value they cannot
+    take, (1, "errno<TAB>strerror<TAB>file") for a failure."""
+    from layerdiff.analyzer.report.documents import write_pages
+
+    try:
+        write_pages(out, summary)
+    except OSError as e:
+        return 1, f"{e.errno or 0}\t{e.strerror or e}\t{e.filename or ''}"
+    except (TypeError, ValueError):
+        return _REFUSED, ""
+    except Exception as e:      # said as a failure, never as a traceback
+        return 1, f"0\t{type(e).__name__}: {e}\t"
+    return 0, ""
 
 
 def _failure(e: Exception, target: str, op: bytes) -> tuple[int, str, str]:
     """A failure as the job is told it: a detail file by its final name; in
     the documents, the file the error names."""
+    if isinstance(e, _PageFailure):
+        return (0, str(e), "report.html")
     if not isinstance(e, OSError):
         return (0, f"{type(e).__name__}: {e}", target)
     return (e.errno or 0, e.strerror or str(e), str(e.filename) if op == b"S" and e.filename else target)
@@ -281,8 +379,9 @@ def _failure(e: Exception, target: str, op: bytes) -> tuple[int, str, str]:
 
 def main(path: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the job's to answer: it ends with its input
-    threading.Thread(target=_preload, name="preload", daemon=True).start()
-    frames = _Frames(path, _Input())
+    preload = threading.Thread(target=_preload, name="preload", daemon=True)
+    preload.start()
+    frames = _Frames(path, _Input(), preload)
     try:
         failed = frames.run()
     except Exception as e:      # said as a failure, never as a traceback
