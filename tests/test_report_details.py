@@ -10,8 +10,11 @@ import csv
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from layerdiff.analyzer.compare.node import compare_node
@@ -223,6 +226,107 @@ def test_a_summary_the_process_cannot_make_documents_of_is_left_to_the_job(tmp_p
         files.add(r)
     files.place(rows, {r.label: f"{r.label}.csv" for r in rows})
     assert files.hand_over({"nodes": [{"cosine": np.float64(0.5)}]})
-    assert files.finish() is False
+    assert files.finish() == {"documents"}
     files.close()
     assert _listing(tmp_path) == sorted(f"n{i}.csv" for i in range(20))
+
+
+_TWO_DUMP_JOB = """
+import numpy as np
+from layerdiff.client.api import compare
+from layerdiff.collector.dumps.directory import write_dump
+from layerdiff.common.schema import NodeRecord
+
+def two_dump_job(tmp_path, out):
+    # every tensor failing, NaN among the device's values
+    rng = np.random.default_rng(7)
+    gold = {f"t{i}": rng.standard_normal((2, 3, 8)).astype(np.float32) for i in range(24)}
+    dev = {n: v * 3 for n, v in gold.items()}
+    dev["t5"][0, 1, 2] = np.nan
+    if not (tmp_path / "gold").exists():
+        write_dump(tmp_path / "gold", [NodeRecord(name=n, array=v, order=i) for i, (n, v) in enumerate(gold.items())])
+        write_dump(tmp_path / "dev", [NodeRecord(name=n, array=v, order=i) for i, (n, v) in enumerate(dev.items())])
+    return compare(tmp_path / "gold", tmp_path / "dev", out=out, progress=False)
+"""
+
+
+def test_the_tables_the_process_makes_are_those_made_here(tmp_path, monkeypatch):
+    """The Parquet tables made by the report's process from their parts are
+    the files the job's own process makes where it has no such process,
+    byte for byte; and the job's process never loads pyarrow for them."""
+    from layerdiff.analyzer.report import writer
+
+    script = _TWO_DUMP_JOB + f"""
+import sys
+from pathlib import Path
+two_dump_job(Path({str(tmp_path)!r}), Path({str(tmp_path / "there")!r}))
+print("pyarrow" in sys.modules)
+"""
+    there = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert there.stdout.split() == ["False"], (there.stdout, there.stderr)
+    monkeypatch.setattr(writer, "_BOOTABLE", False)     # no process to be had: the job makes every file
+    here: dict = {}
+    exec(_TWO_DUMP_JOB, here)
+    here["two_dump_job"](tmp_path, tmp_path / "here")
+    for name in ("nodes.parquet", "elements.parquet", "alignment.parquet"):
+        assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "there" / name).read_bytes(), name
+    elements = pq.read_table(tmp_path / "there" / "elements.parquet").to_pydict()
+    assert len(set(elements["tensor"])) == 24 and any(v != v for v in elements["npu_value"])     # the NaN too
+
+
+def _parts(cosine) -> dict:
+    """The tables' parts of one compared tensor, its ``cosine`` replaced."""
+    from layerdiff.analyzer.report.table_parts import table_parts
+
+    parts = table_parts([_row("a", 2.0)], {}, [], None)
+    parts["nodes"]["cosine"] = [cosine]
+    return parts
+
+
+def test_tables_the_process_cannot_make_are_left_to_the_job(tmp_path):
+    """A numpy number among the tables' parts (marshal carries it as its
+    bytes): the process makes no table of them and says so, without failing."""
+    files = DetailFiles(tmp_path)
+    files.start()
+    assert files.hand_tables(_parts(np.float64(0.5)))
+    assert files.finish() == {"tables"}
+    files.close()
+    assert _listing(tmp_path) == []
+    files = DetailFiles(tmp_path / "fine")
+    files.start()
+    assert files.hand_tables(_parts(0.5))
+    assert files.finish() == frozenset()
+    files.close()
+    assert pq.read_table(tmp_path / "fine" / "nodes.parquet").column("cosine").to_pylist() == [0.5]
+
+
+def test_a_table_the_process_cannot_write_fails_the_reports(tmp_path):
+    """A directory where nodes.parquet goes: finishing raises the OSError
+    naming it."""
+    (tmp_path / "nodes.parquet").mkdir()
+    files = DetailFiles(tmp_path)
+    files.start()
+    assert files.hand_tables(_parts(0.5))
+    with pytest.raises(OSError) as failed:
+        files.finish()
+    files.close()
+    assert failed.value.errno and "nodes.parquet" in str(failed.value.filename), failed.value
+
+
+def test_tables_the_process_refuses_are_made_by_the_job(tmp_path, monkeypatch):
+    """Parts the report's process cannot take (numpy numbers among them):
+    the job's process makes the tables itself, the same values."""
+    from layerdiff.analyzer.report import files as report_files
+    from layerdiff.analyzer.report.table_parts import table_parts
+
+    def numpy_cosines(*args):
+        parts = table_parts(*args)
+        parts["nodes"]["cosine"] = [np.float64(c) for c in parts["nodes"]["cosine"]]
+        return parts
+
+    monkeypatch.setattr(report_files, "table_parts", numpy_cosines)
+    job: dict = {}
+    exec(_TWO_DUMP_JOB, job)
+    r = job["two_dump_job"](tmp_path, tmp_path / "out")
+    cosines = pq.read_table(tmp_path / "out" / "nodes.parquet").column("cosine").to_pylist()
+    assert cosines == [n["cosine"] for n in r.summary["nodes"]] and len(cosines) == 24

@@ -97,13 +97,11 @@ class StreamConsumer:
     def __init__(self, prepared, executor, references: Callable[[], object], report: JobReport,
                  report_dir: Path, progress: Callable[[int, str, bool], None] | None = None,
                  dump_mode: str = "output", injected=None, budget: MemoryBudget = DEFAULT_BUDGET,
-                 details: DetailFiles | None = None, on_first_wait: Callable[[], None] | None = None) -> None:
+                 details: DetailFiles | None = None) -> None:
         """``injected``: where the examiner keeps the device values of nodes
         with an error of their own (layerdiff.analyzer.diagnose.impact); ``budget``:
         what the examiner may keep; ``details``: where each failing row's
-        worst elements are written as soon as it is recorded;
-        ``on_first_wait``: called once, the first time the stream waits
-        for a comparison (the interpreter is free then)."""
+        worst elements are written as soon as it is recorded."""
         self.p = prepared
         self.executor = executor
         self._references = references
@@ -125,7 +123,6 @@ class StreamConsumer:
         self._stats = ThreadPoolExecutor(max_workers=1, thread_name_prefix="error-stats")
         self.pending: dict[Future, _Pending] = {}
         self.seen: set[str] = set()
-        self._on_first_wait = on_first_wait
         self.seen_inputs: set[tuple] = set()
         self.read_as_input: set[str] = set()
         self.done = 0
@@ -423,10 +420,6 @@ class StreamConsumer:
             head = next(iter(self.pending))
             if len(self.pending) <= keep and not head.done():
                 return
-            first = self._on_first_wait
-            if first is not None and not head.done():
-                self._on_first_wait = None
-                first()
             while not head.done():
                 # not wait([head]) alone: a future cancelled in its executor's
                 # queue (Cancel) is done but never wakes a waiter

@@ -11,7 +11,6 @@ before the job starts is ``prepare.py``.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import shutil
@@ -74,16 +73,6 @@ MAX_JOBS_PER_CLIENT_DEFAULT = 4
 REFERENCE_DUMP_BYTES_DEFAULT = 64 * 1024 ** 3
 SPILL_DIR = "spill"
 REPORT_QUOTA_BYTES_DEFAULT = 2 * 1024 ** 3
-
-
-def _load_report_tables() -> None:
-    """pyarrow, which only the Parquet reports need (40 ms, holding the
-    interpreter), loaded on a thread of its own while the job waits for
-    its comparisons: not before the job starts, not beside the first
-    records (a dump's listing took 53 ms instead of 7 beside it), not when
-    the reports are written."""
-    threading.Thread(target=importlib.import_module, args=("layerdiff.analyzer.report.tables",),
-                     name="report-tables", daemon=True).start()
 
 
 def _check_report_quota(report_dir: Path) -> None:
@@ -669,7 +658,7 @@ class JobRunner:
 
         consumer = StreamConsumer(p, executor, references, rep, job.report_dir, progress,
                                   dump_mode=check_dump_mode(job.spec.dump_mode), injected=injected, budget=budget,
-                                  details=details, on_first_wait=_load_report_tables)
+                                  details=details)
         try:
             if isinstance(stream, InProcessStream):     # a dump read in this process: its records as read
                 for rec in stream.records():

@@ -22,7 +22,15 @@ import queue
 import threading
 from pathlib import Path
 
-from layerdiff.analyzer.report.writer import ReportProcess, detail_frame, detail_text, name_frame, summary_frame
+from layerdiff.analyzer.report.table_parts import pack
+from layerdiff.analyzer.report.writer import (
+    ReportProcess,
+    detail_frame,
+    detail_text,
+    name_frame,
+    summary_frame,
+    tables_frame,
+)
 
 # provisional names: hidden, so that no safe_filename (never a leading dot) is one
 _PROVISIONAL = ".detail-{}.csv"
@@ -52,7 +60,7 @@ class DetailFiles:
 
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
-        # what the thread hands the process: batches of (name, worst rows, stale name), or frames
+        # what the thread hands the process: batches of (name, worst rows, stale name), frames, or the tables' parts
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._batch: list[tuple[str, list, str | None]] = []
         self._thread: threading.Thread | None = None
@@ -103,6 +111,9 @@ class DetailFiles:
         self._ready.set()
         while (item := self._todo.get()) is not None:
             if self._writer is not None:
+                if isinstance(item, dict):      # the tables' parts (hand_tables)
+                    self._writer.send(tables_frame(pack(item)))
+                    continue
                 self._writer.send(item if isinstance(item, bytes) else
                                   b"".join((b"U" + name_frame(stale) if stale is not None else b"")
                                            + detail_frame(name, worst) for name, worst, stale in item))
@@ -178,19 +189,30 @@ class DetailFiles:
         self._todo.put(frame)
         return True
 
-    def finish(self) -> bool:
+    def hand_tables(self, parts: dict) -> bool:
+        """The Parquet tables' parts (report.table_parts) to the process, to
+        make the tables beside the rest. False where there is no process:
+        the caller makes them itself."""
+        process = self._process
+        if process is None or process.broken:
+            return False
+        self._todo.put(parts)       # packed by the thread feeding the process
+        return True
+
+    def finish(self) -> frozenset[str]:
         """Everything the process was handed written (OSError: its failure,
-        naming the file); False where it made no documents of the summary
-        handed over (the caller makes them)."""
+        naming the file); what it was handed but could not make, for the
+        caller to make: "documents" (of the summary), "tables" (of their
+        parts), where a value of a type of its own is among them."""
         self._closed = True
         self._stop()
         writer, self._writer = self._writer, None
         if writer is None:
-            return True
+            return frozenset()
         failure = writer.finish()
         if failure is not None:
             raise failure
-        return not writer.refused
+        return writer.refused
 
     def close(self) -> None:
         """The job ends (placed or not): nothing provisional is left."""

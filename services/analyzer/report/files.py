@@ -32,6 +32,7 @@ from layerdiff.analyzer.diagnose.errormodel import Block, Budget
 from layerdiff.analyzer.report.details import DetailFiles
 from layerdiff.analyzer.report.documents import write_documents
 from layerdiff.analyzer.report.jsontext import json_text
+from layerdiff.analyzer.report.table_parts import table_parts
 from layerdiff.common.names import safe_filename
 from layerdiff.common.onnxgraph import TensorSite
 from layerdiff.common.schema import STATUS_CHECK_SKIP, STATUS_CONCAT_SKIP
@@ -382,13 +383,20 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
         # Written while the job compared: the last few and the renames are
         # handed to the report's process (report.writer), or made here.
         details.place(rows, detail_files)
-    # The Parquet tables (and detail files not written yet) are written
-    # beside the rest, on threads of their own: Parquet's encoding and
-    # creating hundreds of files let the interpreter go meanwhile.
-    from layerdiff.analyzer.report.tables import write_tables  # pyarrow's: loaded beside the comparisons
-
+    # The Parquet tables are made of their parts by the report's process
+    # (pyarrow's import, the arrays and the encoding held this process's
+    # interpreter lock for a twentieth of a two-dump job), or here, beside
+    # the rest, on a thread of their own (as the detail files not written
+    # yet): Parquet's encoding and creating hundreds of files let the
+    # interpreter go meanwhile.
+    parts = table_parts(rows, detail_files, aligned, weights)
+    tables_here = details is None or not details.hand_tables(parts)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="report-aside") as aside:
-        written = [aside.submit(write_tables, out, rows, detail_files, aligned, weights)]
+        written = []
+        if tables_here:
+            from layerdiff.analyzer.report.tables import write_table_parts  # pyarrow's: only where needed
+
+            written.append(aside.submit(write_table_parts, out, parts))
         if details is None:
             written.append(aside.submit(DetailFiles(out).place, rows, detail_files))
         first = rep.first_failing()
@@ -503,8 +511,14 @@ def write_report(out: Path, rep: JobReport, *, parameters: dict, job: dict, node
             write_documents(out, summary)
     for done in written:
         done.result()
-    if details is not None and not details.finish() and not documents_here:
-        write_documents(out, summary)       # a summary the process could not make documents of
+    # what the process was handed but could not make (a value of a type of its own among them)
+    left = details.finish() if details is not None else frozenset()
+    if "documents" in left and not documents_here:
+        write_documents(out, summary)
+    if "tables" in left and not tables_here:
+        from layerdiff.analyzer.report.tables import write_table_parts
+
+        write_table_parts(out, parts)
     return summary
 
 

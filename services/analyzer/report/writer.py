@@ -17,16 +17,24 @@ What it is handed, frames on its standard input, a byte saying what each is:
   W name rows   a detail file (rows: count, then the indices, then each
                 row's four values), named ``name`` in the directory
   R old new     a rename;  U name  a deletion (gone already is no error)
+  T size data   the Parquet tables' parts (report.table_parts): the tables
+                (report.tables), made by a child forked for them
   S size data   the summary: its documents (report.documents), summary.json
                 here and the pages by a child forked for them
+
+The tables, summary.json and the pages each take 15-25 ms of a core: made
+at once, the job's last of them waits for them no longer than for what it
+writes itself (the CSV files). A child is forked only once the modules it
+needs are loaded (``_preload``, while the job compares): never in the middle
+of an import.
 
 Names are of the directory itself (dir_fd). The first failure (a full disk)
 stops the writing and is said on its standard error as
 "errno<TAB>strerror<TAB>filename", its exit status 1; it reads on to the
-end. A summary it cannot make documents of (a numpy number in it, which
-marshal carries as its bytes: JSON refuses them) is no failure: its exit
-status 3 says so, and the job makes them itself. It loads nothing but the
-standard library and the page's modules (no numpy): started in 30 ms.
+end. A summary or tables' parts it cannot make files of (a numpy number in
+them, which marshal carries as its bytes: JSON and Arrow refuse them) is no
+failure: its exit status 3 says so, its standard error what it left
+("documents", "tables"), and the job makes them itself.
 """
 from __future__ import annotations
 
@@ -38,6 +46,8 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from functools import cache, partial
 from pathlib import Path
 
 DETAIL_COLUMNS = ["index", "std_value", "npu_value", "abs_diff", "relative_diff"]
@@ -46,17 +56,20 @@ DETAIL_ROW = "%d,%.6g,%.6g,%.6g,%.6g\r\n"     # g6's format, a row at once: 100k
 
 # The process runs this layerdiff (the first path: the job's own package,
 # whatever the environment's), isolated from this environment's variables
-# and its site (-I -S); it ends without the interpreter's clean-up, every
-# file closed already.
-_BOOT = ("import os, sys; sys.path.insert(0, sys.argv[1]); from layerdiff.analyzer.report.writer import main; "
-         "code = main(sys.argv[2]); sys.stderr.flush(); os._exit(code)")
+# and its site (-I -S), with the directories numpy and pyarrow are loaded
+# from here after the standard library's; it ends without the interpreter's
+# clean-up, every file closed already.
+_BOOT = ("import os, sys; sys.path.insert(0, sys.argv[1]); sys.path.extend(sys.argv[3:]); "
+         "from layerdiff.analyzer.report.writer import main; code = main(sys.argv[2]); sys.stderr.flush(); "
+         "os._exit(code)")
 _PACKAGE_ROOT = str(Path(__file__).parents[3])      # the directory layerdiff is imported from
 # (where an import hook of an installer places it elsewhere, no process: the job writes its files itself)
 _BOOTABLE = Path(_PACKAGE_ROOT, "layerdiff", "analyzer", "report", "writer.py").is_file()
 # a pipe as large as the summary of a few thousand nodes: handed over in one write, not 64k at a time
 _PIPE_BYTES = 1 << 20
-# its exit status where all went well but the summary's documents (the job makes them)
+# its exit status where all went well but what it names on its standard error (the job makes them)
 _REFUSED = 3
+_LEFT = frozenset({"documents", "tables"})
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -85,6 +98,28 @@ def detail_frame(name: str, worst) -> bytes:
     return b"W" + name_frame(name) + struct.pack("<I", n) + indices + values
 
 
+@cache
+def _table_roots() -> tuple[str, ...]:
+    """Where numpy and pyarrow are imported from here: the process has no
+    site of its own (-S), and makes the tables with them."""
+    import importlib.util
+
+    roots = []
+    for name in ("numpy", "pyarrow"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin:
+            roots.append(str(Path(spec.origin).parents[1]))
+    return tuple(dict.fromkeys(roots))
+
+
+def tables_frame(packed: bytes) -> bytes:
+    """The T frame of the tables' parts (report.table_parts.pack made ``packed``)."""
+    return b"T" + struct.pack("<Q", len(packed)) + packed
+
+
 def summary_frame(summary: dict) -> bytes:
     """The S frame of a summary (ValueError: marshal cannot carry it, an
     object of a class of its own in it)."""
@@ -96,18 +131,19 @@ class ReportProcess:
     """The process that writes into the report directory ``out`` (it
     exists). ``send`` hands it frames (blocking while its pipe is full);
     ``finish`` ends its input, waits for it and gives its failure (OSError)
-    or None; ``refused`` is then set where it made no documents of the
-    summary it was handed (a value marshal carried as another type)."""
+    or None; ``refused`` then names what it was handed and made no files
+    of ("documents", "tables": a value marshal carried as another type)."""
 
     def __init__(self, out: Path) -> None:
         if not _BOOTABLE:
             raise OSError(0, "layerdiff is not importable from a directory of its own here")
         self.out = out
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_ROOT, str(out)],
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_ROOT, str(out),
+                                      *_table_roots()],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      close_fds=True)
         self.broken = False
-        self.refused = False
+        self.refused: frozenset[str] = frozenset()
         try:
             assert self.proc.stdin is not None     # stdin=PIPE
             fcntl.fcntl(self.proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
@@ -133,7 +169,8 @@ class ReportProcess:
         if self.proc.stderr is not None:
             self.proc.stderr.close()
         if code in (0, _REFUSED) and not self.broken:
-            self.refused = code == _REFUSED
+            if code == _REFUSED:
+                self.refused = frozenset(err.decode("ascii", "replace").split()) & _LEFT
             return None
         errno_, _, rest = err.decode("utf-8", "replace").partition("\t")
         strerror, _, filename = rest.partition("\t")
@@ -146,9 +183,9 @@ class ReportProcess:
 # ------------------------------------------------------------ the process
 
 def _preload() -> None:
-    """The page's modules, loaded while the job compares."""
+    """The page's and the tables' modules, loaded while the job compares."""
     try:
-        from layerdiff.analyzer.report import documents  # noqa: F401
+        from layerdiff.analyzer.report import documents, tables  # noqa: F401
     except Exception:       # the frame that needs them says what failed
         pass
 
@@ -209,7 +246,8 @@ class _Frames:
         self.inp = inp
         self.preload = preload      # loading the page's modules: joined before the page's process forks
         self.failed: tuple[int, str, str] | None = None
-        self.refused = False        # a summary it could not make documents of
+        self.refused: set[str] = set()      # what it was handed and could not make files of
+        self.children: list[tuple[_Child, str]] = []        # (a child making files, what it makes)
 
     def run(self) -> tuple[int, str, str] | None:
         try:
@@ -223,7 +261,18 @@ class _Frames:
             self.failed = self.failed or (0, "the report's process was handed a broken frame", "")
         finally:
             os.close(folder)
+            self._wait_children()
         return self.failed
+
+    def _wait_children(self) -> None:
+        children, self.children = self.children, []
+        for child, what in children:
+            try:
+                if not child.wait():
+                    self.refused.add(what)
+            except Exception as e:
+                self.failed = self.failed or _failure(e, "nodes.parquet" if what == "tables" else "report.html",
+                                                      b"T")
 
     def _frame(self, folder: int, op: bytes) -> None:
         inp, target = self.inp, ""
@@ -244,6 +293,11 @@ class _Frames:
                     os.unlink(inp.name(), dir_fd=folder)
                 except OSError:
                     pass
+            elif op == b"T":
+                data = inp.take(struct.unpack("<Q", inp.take(8))[0])
+                if self.failed is None:
+                    self.children.append((_Child(partial(_tables_made, Path(self.path), data), self.preload),
+                                          "tables"))
             elif op == b"S":
                 target = "summary.json"
                 value = inp.value()
@@ -261,10 +315,10 @@ class _Frames:
         from layerdiff.analyzer.report.documents import PAGES, write_summary
 
         if not isinstance(summary, dict):
-            self.refused = True
+            self.refused.add("documents")
             return
         out = Path(self.path)
-        pages = _Pages(out, summary, self.preload)
+        pages = _Child(partial(_pages_made, out, summary), self.preload)
         try:
             write_summary(out, summary)
             refused = False
@@ -279,7 +333,7 @@ class _Frames:
                 pass
             raise
         if pages.wait() is False or refused:
-            self.refused = True
+            self.refused.add("documents")
             for name in ("summary.json", *PAGES):      # none of them, as before a summary it cannot take
                 try:
                     os.unlink(out / name)
@@ -287,14 +341,14 @@ class _Frames:
                     pass
 
 
-class _Pages:
-    """report.html and the explorer's files of a summary, made by a child of
-    the report's process while the process writes summary.json: the two take
-    as long (15 ms each for a detector's 672 tensors), and the job waits for
-    the last of them. Made by ``wait`` where no child can be had."""
+class _Child:
+    """Files made by a child of the report's process (``made``: a function
+    saying how it went, as ``_pages_made`` does) while the process goes on:
+    the pages beside summary.json, the tables beside both. Made by ``wait``
+    where no child can be had."""
 
-    def __init__(self, out: Path, summary: dict, preload: threading.Thread | None) -> None:
-        self.out, self.summary = out, summary
+    def __init__(self, made: Callable[[], tuple[int, str]], preload: threading.Thread | None) -> None:
+        self.made = made
         self.pid, self.said = 0, -1
         if preload is not None:
             preload.join()      # forked alone, never in the middle of an import
@@ -309,21 +363,22 @@ class _Pages:
             os.close(told)
             self.said = -1
             return
-        if self.pid == 0:       # the child: the pages, then its word on them, then gone
-            os.close(self.said)
-            code, word = _pages_made(out, summary)
+        if self.pid == 0:       # the child: the files, then its word on them, then gone, whatever happens
+            code = 1
             try:
+                os.close(self.said)
+                code, word = made()
                 os.write(told, word.encode("utf-8", "replace"))
             finally:
                 os._exit(code)
         os.close(told)
 
     def wait(self) -> bool:
-        """True when made, False where the summary holds what the pages
-        cannot take (the job then makes every document); OSError or any
+        """True when made, False where what it was given holds a value of a
+        type the files cannot take (the job then makes them); OSError or any
         other failure raised as the job is told it."""
         if not self.pid:
-            code, word = _pages_made(self.out, self.summary)
+            code, word = self.made()
         else:
             chunks = []
             try:
@@ -331,8 +386,7 @@ class _Pages:
                     chunks.append(chunk)
             finally:
                 os.close(self.said)
-            status = os.waitpid(self.pid, 0)[1]
-            code = os.waitstatus_to_exitcode(status)
+            code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
             word = b"".join(chunks).decode("utf-8", "replace")
         if code == 0:
             return True
@@ -341,40 +395,63 @@ class _Pages:
         errno_, _, rest = word.partition("\t")
         strerror, _, filename = rest.partition("\t")
         if not errno_.isdigit():
-            raise OSError(0, f"the page's process ended with status {code}", "report.html")
+            raise OSError(0, f"a child of the report's process ended with status {code}")
         if int(errno_):
-            raise OSError(int(errno_), strerror, filename or "report.html")
-        raise _PageFailure(strerror)
+            raise OSError(int(errno_), strerror, filename or None)
+        raise _ChildFailure(strerror, filename)
 
 
-class _PageFailure(Exception):
-    """What the pages failed at, other than a file (said as its type and message)."""
+class _ChildFailure(Exception):
+    """What a child failed at, other than a file (said as its type and
+    message), and the file it was making."""
+
+    def __init__(self, message: str, filename: str) -> None:
+        super().__init__(message)
+        self.filename = filename
 
 
 def _pages_made(out: Path, summary: dict) -> tuple[int, str]:
     """The pages made: (0, ""), (_REFUSED, "") for a value they cannot
     take, (1, "errno<TAB>strerror<TAB>file") for a failure."""
-    from layerdiff.analyzer.report.documents import write_pages
+    def make() -> None:
+        from layerdiff.analyzer.report.documents import write_pages
 
-    try:
         write_pages(out, summary)
+
+    return _made(make, "report.html")
+
+
+def _tables_made(out: Path, packed: bytes) -> tuple[int, str]:
+    """The tables made of their packed parts, as ``_pages_made`` says it."""
+    def make() -> None:
+        from layerdiff.analyzer.report.table_parts import unpack
+        from layerdiff.analyzer.report.tables import write_table_parts
+
+        write_table_parts(out, unpack(packed))
+
+    return _made(make, "nodes.parquet")
+
+
+def _made(make: Callable[[], None], default_file: str) -> tuple[int, str]:
+    try:
+        make()
     except OSError as e:
-        return 1, f"{e.errno or 0}\t{e.strerror or e}\t{e.filename or ''}"
-    except (TypeError, ValueError):
+        return 1, f"{e.errno or 0}\t{e.strerror or e}\t{e.filename or default_file}"
+    except (TypeError, ValueError):     # pyarrow's ArrowInvalid and ArrowTypeError among them
         return _REFUSED, ""
     except Exception as e:      # said as a failure, never as a traceback
-        return 1, f"0\t{type(e).__name__}: {e}\t"
+        return 1, f"0\t{type(e).__name__}: {e}\t{default_file}"
     return 0, ""
 
 
 def _failure(e: Exception, target: str, op: bytes) -> tuple[int, str, str]:
     """A failure as the job is told it: a detail file by its final name; in
     the documents, the file the error names."""
-    if isinstance(e, _PageFailure):
-        return (0, str(e), "report.html")
+    if isinstance(e, _ChildFailure):
+        return (0, str(e), e.filename or target)
     if not isinstance(e, OSError):
         return (0, f"{type(e).__name__}: {e}", target)
-    return (e.errno or 0, e.strerror or str(e), str(e.filename) if op == b"S" and e.filename else target)
+    return (e.errno or 0, e.strerror or str(e), str(e.filename) if op in (b"S", b"T") and e.filename else target)
 
 
 def main(path: str) -> int:
@@ -389,4 +466,7 @@ def main(path: str) -> int:
     if failed is not None:
         sys.stderr.write("{}\t{}\t{}".format(*failed))
         return 1
-    return _REFUSED if frames.refused else 0
+    if frames.refused:
+        sys.stderr.write(" ".join(sorted(frames.refused)))
+        return _REFUSED
+    return 0
