@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -330,3 +331,47 @@ def test_tables_the_process_refuses_are_made_by_the_job(tmp_path, monkeypatch):
     r = job["two_dump_job"](tmp_path, tmp_path / "out")
     cosines = pq.read_table(tmp_path / "out" / "nodes.parquet").column("cosine").to_pylist()
     assert cosines == [n["cosine"] for n in r.summary["nodes"]] and len(cosines) == 24
+
+
+def test_a_process_started_ahead_of_its_job_writes_the_job_s_files(tmp_path):
+    """A command that will run its job in its own process starts the
+    report's process before its imports: the job's DetailFiles take it
+    (told the directory first) and the files are those of one started
+    for the job."""
+    from layerdiff.analyzer.report.writer import ReportProcess
+
+    ReportProcess.prestart()
+    spare = ReportProcess._spare
+    assert spare is not None and spare.poll() is None
+    rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]
+    ahead = _through_the_process(tmp_path / "ahead", _failing_job(tmp_path), rows)
+    assert ReportProcess._spare is None and spare.returncode == 0      # taken, and ended with its job
+    fresh = _through_the_process(tmp_path / "fresh", _failing_job(tmp_path / "again"), rows)
+    assert ahead and fresh
+    listed = [n for n in _listing(tmp_path / "ahead")]
+    assert listed == [n for n in _listing(tmp_path / "fresh")] and "summary.json" in listed
+    for name in listed:
+        if name.endswith(".csv"):
+            assert (tmp_path / "ahead" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes(), name
+
+
+def test_a_process_started_ahead_and_never_taken_ends_with_the_command(tmp_path):
+    """The command fails before its job exists (a precision it does not
+    know): the report's process it started ahead ends with it, leaving
+    nothing running."""
+    (tmp_path / "gold").mkdir()
+    cli = subprocess.Popen([sys.executable, "-m", "layerdiff.client.cli", "compare", str(tmp_path / "gold"),
+                            str(tmp_path / "gold"), "--out", str(tmp_path / "out"), "--no-progress",
+                            "--node-precision", "conv=fp13"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = cli.communicate(timeout=120)
+    assert cli.returncode == 2 and "fp13" in err and "job" not in err and "Traceback" not in err, err
+    for _ in range(100):        # the group the command led: empty once the process read its input's end
+        try:
+            os.killpg(cli.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("a process of the command's group outlived it")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

@@ -288,9 +288,19 @@ def _job_line(a):
     return on_job
 
 
+def _report_process_ahead(a) -> None:
+    """A job run in this process (no analyzer given) writes its reports
+    with a process of its own: started now, it loads while this one does."""
+    if a.analyzer is None:
+        from layerdiff.analyzer.report.writer import ReportProcess
+
+        ReportProcess.prestart()
+
+
 def _cmd_run(a) -> int:
     from layerdiff.client import prefetch
 
+    _report_process_ahead(a)
     prefetch.start([a.model, a.device_model])      # read while the job's code is imported
     from layerdiff.client.api import run
 
@@ -304,6 +314,7 @@ def _cmd_run(a) -> int:
 
 
 def _cmd_compare(a) -> int:
+    _report_process_ahead(a)
     from layerdiff.client.api import compare
 
     result = compare(a.reference_dump, a.device_dump, out=a.out, model=a.model,

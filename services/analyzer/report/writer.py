@@ -17,6 +17,8 @@ What it is handed, frames on its standard input, a byte saying what each is:
   W name rows   a detail file (rows: count, then the indices, then each
                 row's four values), named ``name`` in the directory
   R old new     a rename;  U name  a deletion (gone already is no error)
+  D name        the directory (the first frame of a process started ahead
+                of its job, with no directory given: ReportProcess.prestart)
   T size data   the Parquet tables' parts (report.table_parts): the tables
                 (report.tables), made by a child forked for them
   S size data   the summary: its documents (report.documents), summary.json
@@ -127,6 +129,19 @@ def summary_frame(summary: dict) -> bytes:
     return b"S" + struct.pack("<Q", len(data)) + data
 
 
+def _launch(path: str) -> subprocess.Popen:
+    """The report's process, writing into ``path`` ("": into the directory
+    its first frame, D, names)."""
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_ROOT, path, *_table_roots()],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
+    try:
+        assert proc.stdin is not None     # stdin=PIPE
+        fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (OSError, AttributeError):
+        pass        # a smaller pipe: the same frames, written in more pieces
+    return proc
+
+
 class ReportProcess:
     """The process that writes into the report directory ``out`` (it
     exists). ``send`` hands it frames (blocking while its pipe is full);
@@ -134,21 +149,39 @@ class ReportProcess:
     or None; ``refused`` then names what it was handed and made no files
     of ("documents", "tables": a value marshal carried as another type)."""
 
+    # one started ahead of its job (prestart), taken by the next job of this process
+    _spare: subprocess.Popen | None = None
+    _spare_lock = threading.Lock()
+
     def __init__(self, out: Path) -> None:
         if not _BOOTABLE:
             raise OSError(0, "layerdiff is not importable from a directory of its own here")
         self.out = out
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_ROOT, str(out),
-                                      *_table_roots()],
-                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     close_fds=True)
         self.broken = False
         self.refused: frozenset[str] = frozenset()
-        try:
-            assert self.proc.stdin is not None     # stdin=PIPE
-            fcntl.fcntl(self.proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        except (OSError, AttributeError):
-            pass        # a smaller pipe: the same frames, written in more pieces
+        with ReportProcess._spare_lock:
+            spare, ReportProcess._spare = ReportProcess._spare, None
+        if spare is not None and spare.poll() is None:
+            self.proc = spare
+            self.send(b"D" + name_frame(os.path.abspath(out)))
+        else:
+            self.proc = _launch(str(out))
+
+    @classmethod
+    def prestart(cls) -> None:
+        """A process started now, before the job that will take it exists:
+        a command that will run a job in its own process starts it before
+        its own imports, on the core they leave idle (the process loads
+        numpy, pyarrow and the page's modules: 90 ms of a core). Left
+        untaken, it ends with this process (its input closes)."""
+        if not _BOOTABLE:
+            return
+        with cls._spare_lock:
+            if cls._spare is None:
+                try:
+                    cls._spare = _launch("")
+                except OSError:
+                    pass        # the job starts one of its own
 
     def send(self, frames: bytes) -> None:
         if self.broken or self.proc.stdin is None:
@@ -250,6 +283,16 @@ class _Frames:
         self.children: list[tuple[_Child, str]] = []        # (a child making files, what it makes)
 
     def run(self) -> tuple[int, str, str] | None:
+        if not self.path:       # started ahead of its job: the directory comes first
+            try:
+                op = self.inp.op()
+                if not op:
+                    return None     # never taken: nothing to write
+                if op != b"D":
+                    raise EOFError
+                self.path = self.inp.name()
+            except EOFError:
+                return (0, "the report's process was handed a broken frame", "")
         try:
             folder = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
