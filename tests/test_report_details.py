@@ -287,13 +287,13 @@ def _parts(cosine) -> dict:
 def test_tables_the_process_cannot_make_are_left_to_the_job(tmp_path):
     """A numpy number among the tables' parts (marshal carries it as its
     bytes): the process makes no table of them and says so, without failing."""
-    files = DetailFiles(tmp_path)
+    files = DetailFiles(tmp_path, tables=True)
     files.start()
     assert files.hand_tables(_parts(np.float64(0.5)))
     assert files.finish() == {"tables"}
     files.close()
     assert _listing(tmp_path) == []
-    files = DetailFiles(tmp_path / "fine")
+    files = DetailFiles(tmp_path / "fine", tables=True)
     files.start()
     assert files.hand_tables(_parts(0.5))
     assert files.finish() == frozenset()
@@ -305,7 +305,7 @@ def test_a_table_the_process_cannot_write_fails_the_reports(tmp_path):
     """A directory where nodes.parquet goes: finishing raises the OSError
     naming it."""
     (tmp_path / "nodes.parquet").mkdir()
-    files = DetailFiles(tmp_path)
+    files = DetailFiles(tmp_path, tables=True)
     files.start()
     assert files.hand_tables(_parts(0.5))
     with pytest.raises(OSError) as failed:
@@ -317,6 +317,7 @@ def test_a_table_the_process_cannot_write_fails_the_reports(tmp_path):
 def test_tables_the_process_refuses_are_made_by_the_job(tmp_path, monkeypatch):
     """Parts the report's process cannot take (numpy numbers among them):
     the job's process makes the tables itself, the same values."""
+    from layerdiff.analyzer.report import details
     from layerdiff.analyzer.report import files as report_files
     from layerdiff.analyzer.report.table_parts import table_parts
 
@@ -326,6 +327,7 @@ def test_tables_the_process_refuses_are_made_by_the_job(tmp_path, monkeypatch):
         return parts
 
     monkeypatch.setattr(report_files, "table_parts", numpy_cosines)
+    monkeypatch.setattr(details, "tables_there", lambda: True)     # as where pyarrow is not loaded
     job: dict = {}
     exec(_TWO_DUMP_JOB, job)
     r = job["two_dump_job"](tmp_path, tmp_path / "out")
@@ -341,8 +343,9 @@ def test_a_process_started_ahead_of_its_job_writes_the_job_s_files(tmp_path):
     from layerdiff.analyzer.report.writer import ReportProcess
 
     ReportProcess.prestart()
-    spare = ReportProcess._spare
-    assert spare is not None and spare.poll() is None
+    assert ReportProcess._spare is not None
+    spare, tables = ReportProcess._spare
+    assert spare.poll() is None and not tables
     rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]
     ahead = _through_the_process(tmp_path / "ahead", _failing_job(tmp_path), rows)
     assert ReportProcess._spare is None and spare.returncode == 0      # taken, and ended with its job

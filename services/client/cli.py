@@ -288,13 +288,15 @@ def _job_line(a):
     return on_job
 
 
-def _report_process_ahead(a) -> None:
+def _report_process_ahead(a, in_process: bool = False) -> None:
     """A job run in this process (no analyzer given) writes its reports
-    with a process of its own: started now, it loads while this one does."""
+    with a process of its own: started now, it loads while this one does.
+    ``in_process``: nothing of the job is served (two dumps read here), so
+    that this process never loads pyarrow, and that one makes the tables."""
     if a.analyzer is None:
         from layerdiff.analyzer.report.writer import ReportProcess
 
-        ReportProcess.prestart()
+        ReportProcess.prestart(tables=in_process)
 
 
 def _cmd_run(a) -> int:
@@ -314,7 +316,9 @@ def _cmd_run(a) -> int:
 
 
 def _cmd_compare(a) -> int:
-    _report_process_ahead(a)
+    # as client.api._run_job decides it
+    _report_process_ahead(a, in_process=a.collector is None and a.reference_collector is None and not a.watch
+                          and not os.environ.get("LAYERDIFF_BROKER_URL"))
     from layerdiff.client.api import compare
 
     result = compare(a.reference_dump, a.device_dump, out=a.out, model=a.model,

@@ -16,7 +16,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -163,7 +162,7 @@ class JobRunner:
                     del self._submitting[owner]
 
     def _submit(self, spec: pb.JobSpec, owner: str) -> Job:
-        job_id = uuid.uuid4().hex[:16]
+        job_id = os.urandom(8).hex()     # as uuid4's first 16 hex digits (uuid: 1 ms of every command's start)
         job = Job(id=job_id, spec=spec, report_dir=self.records.report_dir(job_id), owner=owner)
         self.store.hold(job.artifacts)   # from here until the job ends, retention leaves them alone
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from pathlib import Path
 
@@ -36,6 +37,12 @@ from layerdiff.analyzer.report.writer import (
 _PROVISIONAL = ".detail-{}.csv"
 # rows handed to the writer at a time: one wake-up of its thread for each
 BATCH = 16
+
+
+def tables_there() -> bool:
+    """Whether the report's process is to make the Parquet tables: where
+    this process has not loaded pyarrow (ReportProcess says why)."""
+    return "pyarrow" not in sys.modules
 
 
 def write_detail(path: Path, worst: list) -> None:
@@ -58,8 +65,11 @@ class DetailFiles:
     to make its documents; ``finish`` waits for all it was given; ``close``
     (whatever happened) stops it and deletes what was never placed."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, tables: bool | None = None) -> None:
+        """``tables``: whether the process makes the Parquet tables (None:
+        where this process has not loaded pyarrow, tables_there)."""
         self.out = Path(out)
+        self.tables = tables
         # what the thread hands the process: batches of (name, worst rows, stale name), frames, or the tables' parts
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._batch: list[tuple[str, list, str | None]] = []
@@ -105,7 +115,8 @@ class DetailFiles:
             self._failure = e
         if self._failure is None:
             try:
-                self._writer = ReportProcess(self.out)
+                self._writer = ReportProcess(self.out, tables=self.tables if self.tables is not None
+                                             else tables_there())
             except (OSError, ValueError):
                 self._writer = None     # no process to be had: written here
         self._ready.set()
@@ -191,10 +202,10 @@ class DetailFiles:
 
     def hand_tables(self, parts: dict) -> bool:
         """The Parquet tables' parts (report.table_parts) to the process, to
-        make the tables beside the rest. False where there is no process:
-        the caller makes them itself."""
+        make the tables beside the rest. False where there is no process, or
+        one that makes no tables: the caller makes them itself."""
         process = self._process
-        if process is None or process.broken:
+        if process is None or process.broken or not process.tables:
             return False
         self._todo.put(parts)       # packed by the thread feeding the process
         return True

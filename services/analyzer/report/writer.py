@@ -58,12 +58,12 @@ DETAIL_ROW = "%d,%.6g,%.6g,%.6g,%.6g\r\n"     # g6's format, a row at once: 100k
 
 # The process runs this layerdiff (the first path: the job's own package,
 # whatever the environment's), isolated from this environment's variables
-# and its site (-I -S), with the directories numpy and pyarrow are loaded
-# from here after the standard library's; it ends without the interpreter's
-# clean-up, every file closed already.
+# and its site (-I -S); one that makes the tables is given the directories
+# numpy and pyarrow are loaded from here, after the standard library's. It
+# ends without the interpreter's clean-up, every file closed already.
 _BOOT = ("import os, sys; sys.path.insert(0, sys.argv[1]); sys.path.extend(sys.argv[3:]); "
-         "from layerdiff.analyzer.report.writer import main; code = main(sys.argv[2]); sys.stderr.flush(); "
-         "os._exit(code)")
+         "from layerdiff.analyzer.report.writer import main; code = main(sys.argv[2], len(sys.argv) > 3); "
+         "sys.stderr.flush(); os._exit(code)")
 _PACKAGE_ROOT = str(Path(__file__).parents[3])      # the directory layerdiff is imported from
 # (where an import hook of an installer places it elsewhere, no process: the job writes its files itself)
 _BOOTABLE = Path(_PACKAGE_ROOT, "layerdiff", "analyzer", "report", "writer.py").is_file()
@@ -129,17 +129,29 @@ def summary_frame(summary: dict) -> bytes:
     return b"S" + struct.pack("<Q", len(data)) + data
 
 
-def _launch(path: str) -> subprocess.Popen:
+def _launch(path: str, tables: bool) -> tuple[subprocess.Popen, bool]:
     """The report's process, writing into ``path`` ("": into the directory
-    its first frame, D, names)."""
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_ROOT, path, *_table_roots()],
+    its first frame, D, names), and whether it makes the tables (asked by
+    ``tables``, where numpy and pyarrow are to be found)."""
+    roots = _table_roots() if tables else ()
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_ROOT, path, *roots],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
     try:
         assert proc.stdin is not None     # stdin=PIPE
         fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
     except (OSError, AttributeError):
         pass        # a smaller pipe: the same frames, written in more pieces
-    return proc
+    return proc, bool(roots)
+
+
+def _let_go(proc: subprocess.Popen) -> None:
+    """A process started ahead and not taken: its input closed, it ends."""
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait()
+    except OSError:
+        pass
 
 
 class ReportProcess:
@@ -147,13 +159,19 @@ class ReportProcess:
     exists). ``send`` hands it frames (blocking while its pipe is full);
     ``finish`` ends its input, waits for it and gives its failure (OSError)
     or None; ``refused`` then names what it was handed and made no files
-    of ("documents", "tables": a value marshal carried as another type)."""
+    of ("documents", "tables": a value marshal carried as another type).
+
+    ``tables``: it makes the Parquet tables too (it loads numpy and pyarrow
+    for them, 60 ms of a core and 50 MiB). Worth it where the job's process
+    has not loaded pyarrow: a command comparing two dumps in its own process
+    never needs it otherwise; a served analyzer, or a ``run``, has it loaded
+    for the Arrow batches it receives, and makes the tables itself."""
 
     # one started ahead of its job (prestart), taken by the next job of this process
-    _spare: subprocess.Popen | None = None
+    _spare: tuple[subprocess.Popen, bool] | None = None
     _spare_lock = threading.Lock()
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, tables: bool = False) -> None:
         if not _BOOTABLE:
             raise OSError(0, "layerdiff is not importable from a directory of its own here")
         self.out = out
@@ -161,25 +179,27 @@ class ReportProcess:
         self.refused: frozenset[str] = frozenset()
         with ReportProcess._spare_lock:
             spare, ReportProcess._spare = ReportProcess._spare, None
-        if spare is not None and spare.poll() is None:
-            self.proc = spare
+        if spare is not None and spare[0].poll() is None and spare[1] == tables:
+            self.proc, self.tables = spare
             self.send(b"D" + name_frame(os.path.abspath(out)))
         else:
-            self.proc = _launch(str(out))
+            if spare is not None:
+                _let_go(spare[0])
+            self.proc, self.tables = _launch(str(out), tables)
 
     @classmethod
-    def prestart(cls) -> None:
+    def prestart(cls, tables: bool = False) -> None:
         """A process started now, before the job that will take it exists:
         a command that will run a job in its own process starts it before
-        its own imports, on the core they leave idle (the process loads
-        numpy, pyarrow and the page's modules: 90 ms of a core). Left
-        untaken, it ends with this process (its input closes)."""
+        its own imports, on the core they leave idle (with the tables'
+        modules, the process loads for 90 ms of a core). Left untaken, it
+        ends with this process (its input closes)."""
         if not _BOOTABLE:
             return
         with cls._spare_lock:
             if cls._spare is None:
                 try:
-                    cls._spare = _launch("")
+                    cls._spare = _launch("", tables)
                 except OSError:
                     pass        # the job starts one of its own
 
@@ -215,10 +235,13 @@ class ReportProcess:
 
 # ------------------------------------------------------------ the process
 
-def _preload() -> None:
-    """The page's and the tables' modules, loaded while the job compares."""
+def _preload(tables: bool) -> None:
+    """The page's (and the tables') modules, loaded while the job compares."""
     try:
-        from layerdiff.analyzer.report import documents, tables  # noqa: F401
+        from layerdiff.analyzer.report import documents  # noqa: F401
+
+        if tables:
+            from layerdiff.analyzer.report import tables as _  # noqa: F401
     except Exception:       # the frame that needs them says what failed
         pass
 
@@ -497,9 +520,9 @@ def _failure(e: Exception, target: str, op: bytes) -> tuple[int, str, str]:
     return (e.errno or 0, e.strerror or str(e), str(e.filename) if op in (b"S", b"T") and e.filename else target)
 
 
-def main(path: str) -> int:
+def main(path: str, tables: bool = False) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the job's to answer: it ends with its input
-    preload = threading.Thread(target=_preload, name="preload", daemon=True)
+    preload = threading.Thread(target=_preload, args=(tables,), name="preload", daemon=True)
     preload.start()
     frames = _Frames(path, _Input(), preload)
     try:
