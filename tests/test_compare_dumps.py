@@ -769,3 +769,26 @@ def test_two_dumps_compared_in_this_process_fail_as_through_served_services(tmp_
     assert late.value.exit_status == 3 and "did not end within" in str(late.value), late.value
     r = compare(str(golden), str(dev), out=tmp_path / "fine", progress=False)
     assert r.exit_status == 1 and r.summary["answer"]["node"] == "conv2", r.summary["answer"]
+
+
+def test_the_command_pauses_the_cyclic_collector_only_while_its_job_runs(tmp_path, npy_pair, monkeypatch):
+    """The command runs one job, which makes next to no reference cycles:
+    the cyclic collector is off while it runs, and on again after (a caller
+    of main in its own process gets it back)."""
+    import gc
+
+    from layerdiff.client import api, cli
+
+    base, golden, device = npy_pair
+    dev = write_dump(tmp_path / "device", device, "npy")
+    seen = []
+
+    def compare_seen(*args, **kw):
+        seen.append(gc.isenabled())
+        return compare(*args, **kw)
+
+    monkeypatch.setattr(api, "compare", compare_seen)
+    assert gc.isenabled()
+    code = cli.main(["compare", str(golden), str(dev), "--out", str(tmp_path / "out"), "--no-progress"])
+    assert code == 1 and seen == [False] and gc.isenabled()
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["answer"]["node"] == "conv2"
