@@ -190,32 +190,23 @@ def test_the_documents_the_process_makes_are_those_made_here(tmp_path):
     assert b"nonce" in (tmp_path / "there" / "report.html").read_bytes()
 
 
-def test_a_document_the_process_cannot_write_fails_the_reports(tmp_path):
-    """A directory where summary.json goes: finishing raises the OSError
-    naming it, and the detail files placed before it stay."""
+@pytest.mark.parametrize("blocked,named", [("summary.json", "summary.json"), (".report.html.tmp", "report.html")])
+def test_a_document_the_process_cannot_write_fails_the_reports(tmp_path, blocked, named):
+    """A directory where summary.json, or the page (made beside it by a
+    child of the report's process), goes: finishing raises the OSError
+    naming it, and the detail files placed before it stay (and summary.json,
+    where the page failed)."""
     summary = _failing_job(tmp_path)
     out = tmp_path / "report"
-    (out / "summary.json").mkdir(parents=True)
+    (out / blocked).mkdir(parents=True)
     rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]
     with pytest.raises(OSError) as failed:
         _through_the_process(out, summary, rows)
-    assert failed.value.errno and str(failed.value.filename).endswith("summary.json"), failed.value
+    assert failed.value.errno and named in str(failed.value.filename), failed.value
     assert [n for n in _listing(out) if n.endswith(".csv")] == sorted(f"n{i}.csv" for i in range(20))
-    assert not [n for n in _listing(out) if n.startswith(".")]
-
-
-def test_a_page_the_process_cannot_write_fails_the_reports(tmp_path):
-    """The page is made beside summary.json by a child of the report's
-    process: a directory where its file goes fails the reports all the
-    same, naming the page, and summary.json is written."""
-    summary = _failing_job(tmp_path)
-    out = tmp_path / "report"
-    (out / ".report.html.tmp").mkdir(parents=True)
-    rows = [_row(f"n{i}", 2.0, i, i) for i in range(20)]
-    with pytest.raises(OSError) as failed:
-        _through_the_process(out, summary, rows)
-    assert failed.value.errno and "report.html" in str(failed.value.filename), failed.value
-    assert json.loads((out / "summary.json").read_text(encoding="utf-8")) == summary
+    assert [n for n in _listing(out) if n.startswith(".")] == ([blocked] if blocked.startswith(".") else [])
+    if named == "report.html":
+        assert json.loads((out / "summary.json").read_text(encoding="utf-8")) == summary
 
 
 def test_a_summary_the_process_cannot_make_documents_of_is_left_to_the_job(tmp_path):
