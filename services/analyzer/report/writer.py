@@ -48,6 +48,7 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from functools import cache, partial
 from pathlib import Path
@@ -522,6 +523,9 @@ def _failure(e: Exception, target: str, op: bytes) -> tuple[int, str, str]:
 
 def main(path: str, tables: bool = False) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the job's to answer: it ends with its input
+    # its standard error says its failure to the job, nothing else (a newer
+    # interpreter warns of a fork where a library has started a thread)
+    warnings.simplefilter("ignore")
     preload = threading.Thread(target=_preload, args=(tables,), name="preload", daemon=True)
     preload.start()
     frames = _Frames(path, _Input(), preload)
