@@ -1041,7 +1041,8 @@ def test_worst_rows_kept_as_columns_read_as_their_rows():
     they are worst_elements' tuples (types, order, NaN and Inf as they are),
     equal to their list, and the report's frame of them and the elements
     table take the same bytes and values as from the tuples."""
-    from layerdiff.analyzer.report.tables import element_columns
+    from layerdiff.analyzer.report.table_parts import element_parts
+    from layerdiff.analyzer.report.tables import element_arrays
     from layerdiff.analyzer.report.writer import detail_frame
 
     rng = np.random.default_rng(9)
@@ -1060,14 +1061,14 @@ def test_worst_rows_kept_as_columns_read_as_their_rows():
     assert M.WorstRows.of(rows) is rows and M.WorstRows.of(()) == [] and not M.WorstRows.of(())
     assert detail_frame("n.csv", rows) == detail_frame("n.csv", listed)
 
-    class _Row:     # what element_columns reads of a report row
+    class _Row:     # what element_parts reads of a report row
         def __init__(self, worst):
             self.label, self.role, self.is_input = "t", "output", False
             self.site = type("S", (), {"node": "n", "tensor": "t", "output_index": 0})()
             self.outcome = type("O", (), {"worst": worst, "metrics": type("m", (), {"shape": r.shape})()})()
 
     for worst in (rows, listed):
-        cols = element_columns([_Row(worst)], {"t": "n.csv"})
+        cols = element_arrays(element_parts([_Row(worst)], {"t": "n.csv"}))
         assert cols["rank"].to_pylist() == list(range(40))
         for k, name in enumerate(("flat_index", "std_value", "npu_value", "abs_diff", "relative_diff")):
             assert repr(cols[name].to_pylist()) == repr([w[k] for w in listed]), name

@@ -73,3 +73,19 @@ class JobFailed(LayerdiffError):
     def __init__(self, message: str, exit_status: int = EXIT_BAD_INPUT) -> None:
         super().__init__(message)
         self.exit_status = exit_status
+
+
+def os_error_in(e: BaseException | None, errnos: tuple[int, ...], phrases: tuple[str, ...]) -> bool:
+    """Whether ``e``, or what it was raised from (its cause or context, on
+    and on), is an OSError of one of ``errnos`` or says one of ``phrases``
+    (a library's error that carries the system's message, not its number)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in errnos:
+            return True
+        text = str(e)
+        if any(p in text for p in phrases):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

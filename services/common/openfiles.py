@@ -26,6 +26,8 @@ import errno
 import fcntl
 import os
 
+from layerdiff.common.errors import os_error_in
+
 try:
     import resource
 except ImportError:     # not a POSIX system: nothing to raise
@@ -87,12 +89,4 @@ def open_files_limit() -> int:
 def too_many_open_files(e: BaseException | None) -> bool:
     """An OSError saying this process (EMFILE) or the system (ENFILE) has
     no descriptor left, raised directly or as the cause of what was."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
-            return True
-        if "Too many open files" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return os_error_in(e, (errno.EMFILE, errno.ENFILE), ("Too many open files",))

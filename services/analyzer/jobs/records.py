@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerdiff.common.errors import EXIT_NO_ANSWER, LayerdiffError
+from layerdiff.common.errors import EXIT_NO_ANSWER, LayerdiffError, os_error_in
 from layerdiff.common.settings import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -112,16 +112,7 @@ def is_disk_full(e: BaseException | None) -> bool:
     directly or as the cause of what was raised."""
     import errno
 
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(e)
-        if "No space left on device" in text or "Disk quota exceeded" in text:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return os_error_in(e, (errno.ENOSPC, errno.EDQUOT), ("No space left on device", "Disk quota exceeded"))
 
 
 class JobRecords:

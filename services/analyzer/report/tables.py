@@ -22,7 +22,7 @@ try:
 except ImportError:     # pragma: no cover  (a pyarrow without it)
     _Writer = None
 
-from layerdiff.analyzer.report.table_parts import ELEMENT_TENSOR, ELEMENT_VALUES, element_parts, table_parts
+from layerdiff.analyzer.report.table_parts import ELEMENT_TENSOR, ELEMENT_VALUES
 from layerdiff.common.schema import (
     ALIGNMENT_SCHEMA,
     ELEMENTS_SCHEMA,
@@ -34,14 +34,7 @@ from layerdiff.common.schema import (
 )
 
 
-def element_columns(rows: list, detail_files: dict[str, str]) -> dict[str, pa.Array]:
-    """The worst elements of every failing tensor, as its detail CSV lists
-    them, column by column (twenty thousand rows of dicts took longer to
-    make into a table than the rest of the report)."""
-    return _element_arrays(element_parts(rows, detail_files))
-
-
-def _element_arrays(parts: dict) -> dict[str, pa.Array]:
+def element_arrays(parts: dict) -> dict[str, pa.Array]:
     """ELEMENTS_SCHEMA's arrays from table_parts.element_parts."""
     counts = np.asarray(parts["counts"], np.int64)
     out: dict[str, pa.Array] = {
@@ -97,13 +90,6 @@ def _from_columns(cols: dict[str, list | pa.Array], schema: pa.Schema) -> pa.Tab
                                  for f in schema], schema=schema)
 
 
-def write_tables(out: Path, rows: list, detail_files: dict[str, str], aligned: list[tuple],
-                 weights: list[dict] | None) -> None:
-    """nodes, elements, alignment and (where the graphs were aligned)
-    weights.parquet into the report directory ``out``."""
-    write_table_parts(out, table_parts(rows, detail_files, aligned, weights))
-
-
 def write_table_parts(out: Path, parts: dict) -> None:
     """The tables table_parts took, as Parquet files in ``out`` (TypeError
     or ValueError: a value of a type of its own among them, which marshal
@@ -112,7 +98,7 @@ def write_table_parts(out: Path, parts: dict) -> None:
     if any(type(v) is bytes for col in nodes.values() for v in col):
         raise TypeError("a node's value was carried as bytes (a numpy number): not a column's type")
     tables = {"nodes": _from_columns(nodes, NODES_SCHEMA),
-              "elements": _from_columns(_element_arrays(parts["elements"]), ELEMENTS_SCHEMA),
+              "elements": _from_columns(element_arrays(parts["elements"]), ELEMENTS_SCHEMA),
               "alignment": _table(parts["alignment"], ALIGNMENT_SCHEMA)}
     if parts.get("weights") is not None:
         tables["weights"] = _table(parts["weights"], WEIGHTS_SCHEMA)

@@ -226,11 +226,10 @@ class ReportProcess:
             if code == _REFUSED:
                 self.refused = frozenset(err.decode("ascii", "replace").split()) & _LEFT
             return None
-        errno_, _, rest = err.decode("utf-8", "replace").partition("\t")
-        strerror, _, filename = rest.partition("\t")
+        number, strerror, filename = _heard(err.decode("utf-8", "replace"))
         if not strerror:
             return OSError(0, f"the report's process ended with status {code}")
-        return OSError(int(errno_) if errno_.isdigit() else 0, strerror,
+        return OSError(number or 0, strerror,
                        str(self.out / filename) if filename and "/" not in filename else filename or None)
 
 
@@ -459,12 +458,11 @@ class _Child:
             return True
         if code == _REFUSED:
             return False
-        errno_, _, rest = word.partition("\t")
-        strerror, _, filename = rest.partition("\t")
-        if not errno_.isdigit():
+        number, strerror, filename = _heard(word)
+        if number is None:
             raise OSError(0, f"a child of the report's process ended with status {code}")
-        if int(errno_):
-            raise OSError(int(errno_), strerror, filename or None)
+        if number:
+            raise OSError(number, strerror, filename or None)
         raise _ChildFailure(strerror, filename)
 
 
@@ -503,12 +501,24 @@ def _made(make: Callable[[], None], default_file: str) -> tuple[int, str]:
     try:
         make()
     except OSError as e:
-        return 1, f"{e.errno or 0}\t{e.strerror or e}\t{e.filename or default_file}"
+        return 1, _said((e.errno or 0, e.strerror or str(e), str(e.filename or default_file)))
     except (TypeError, ValueError):     # pyarrow's ArrowInvalid and ArrowTypeError among them
         return _REFUSED, ""
     except Exception as e:      # said as a failure, never as a traceback
-        return 1, f"0\t{type(e).__name__}: {e}\t{default_file}"
+        return 1, _said((0, f"{type(e).__name__}: {e}", default_file))
     return 0, ""
+
+
+def _said(failure: tuple[int, str, str]) -> str:
+    """A failure as the report's process and its children say it: "errno<TAB>strerror<TAB>filename"."""
+    return "{}\t{}\t{}".format(*failure)
+
+
+def _heard(word: str) -> tuple[int | None, str, str]:
+    """What _said said: (errno, None where there was no failure's word; strerror; filename)."""
+    number, _, rest = word.partition("\t")
+    strerror, _, filename = rest.partition("\t")
+    return (int(number) if number.isdigit() else None), strerror, filename
 
 
 def _failure(e: Exception, target: str, op: bytes) -> tuple[int, str, str]:
@@ -534,7 +544,7 @@ def main(path: str, tables: bool = False) -> int:
     except Exception as e:      # said as a failure, never as a traceback
         failed = (0, f"{type(e).__name__}: {e}", "")
     if failed is not None:
-        sys.stderr.write("{}\t{}\t{}".format(*failed))
+        sys.stderr.write(_said(failed))
         return 1
     if frames.refused:
         sys.stderr.write(" ".join(sorted(frames.refused)))
